@@ -1,0 +1,30 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both create or reuse .venv.
+# On a machine without CUDA the CPU wheel of torch 2.13.0 is pinned; with CUDA, the package's
+# own torch range applies and you bring your build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; fi
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/threefold train --config configs/demo.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/single_process.py
+
+clean:
+	rm -rf $(VENV) cache runs

@@ -1,0 +1,76 @@
+"""The ``threefold`` command. Each sub-command lives beside the code it drives and is imported
+only when it runs, so ``threefold plan`` never pays for importing torch's distributed stack.
+
+Every user error (``ConfigError``, a bad flag) ends as one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from threefold.config import ConfigError
+
+# name → (module, attribute, one-line help)
+COMMANDS = {
+    "train": ("threefold.train.commands", "train", "Train a model from a TOML config."),
+    "generate": ("threefold.train.commands", "generate", "Generate text from a checkpoint."),
+    "data": ("threefold.data.commands", "data", "Prepare corpora and tokenizers."),
+    "estimate": ("threefold.plan.commands", "estimate", "Predict memory, communication and step time of one layout."),
+    "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),
+    "schedule": ("threefold.plan.commands", "schedule", "Draw a pipeline schedule and print its bubble."),
+    "calibrate": ("threefold.plan.commands", "calibrate", "Measure this machine for the planner."),
+    "bench": ("threefold.bench_commands", "bench", "Run the benchmarks under bench/."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return [name for name, (module, _, _) in COMMANDS.items() if importlib.util.find_spec(module)]
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as err:
+            if err.name == module:
+                return None
+            raise
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if not rows:
+            return
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="threefold")
+def cli():
+    """threefold: train Llama-style models with data, tensor and pipeline parallelism, and plan how."""
+
+
+def main(argv=None) -> int:
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except ConfigError as err:
+        click.echo(f"error: {err}", err=True)
+        return 2
+    except click.exceptions.Exit as ex:
+        return ex.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as err:
+        err.show()
+        return 2 if isinstance(err, click.UsageError) or err.exit_code == 2 else err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

