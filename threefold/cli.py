@@ -20,8 +20,8 @@ COMMANDS = {
     "data": ("threefold.data.commands", "data", "Prepare corpora and tokenizers."),
     "estimate": ("threefold.plan.commands", "estimate", "Predict memory, communication and step time of one layout."),
     "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),
-    "schedule": ("threefold.plan.commands", "schedule", "Draw a pipeline schedule and print its bubble."),
-    "calibrate": ("threefold.plan.commands", "calibrate", "Measure this machine for the planner."),
+    "schedule": ("threefold.plan.schedule_command", "schedule", "Draw a pipeline schedule and print its bubble."),
+    "calibrate": ("threefold.plan.calibrate", "calibrate", "Measure this machine for the planner."),
     "bench": ("threefold.bench_commands", "bench", "Run the benchmarks under bench/."),
 }
 
