@@ -62,10 +62,31 @@ def tensor_bytes(tensors) -> int:
 class Engine:
     """Single process: plain forward/backward, gradient accumulation, torch AdamW."""
 
+    # Where this rank sits; parallel engines set these from their mesh.
+    rank = 0
+    world_size = 1
+    dp_rank = 0
+    dp_size = 1
+
     def __init__(self, model: nn.Module, cfg: Config):
         self.model = model
         self.cfg = cfg
         self.optimizer = build_adamw(model.named_parameters(), cfg)
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that prints, writes metrics and saves the model."""
+        return self.rank == 0
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent per mesh axis since the last call (a single process sends none)."""
+        return {}
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing to wait for on one process)."""
+
+    def shutdown(self) -> None:
+        """Release process groups and background work."""
 
     # --- the step -------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
