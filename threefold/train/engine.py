@@ -72,6 +72,13 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.optimizer = build_adamw(model.named_parameters(), cfg)
+        self.activation_meter = None  # set by the trainer: counts bytes saved for backward
+
+    def forward_context(self):
+        """Wrap each micro-batch's forward in this, so the activation meter sees it."""
+        if self.activation_meter is None:
+            return contextlib.nullcontext()
+        return self.activation_meter.forward_pass()
 
     @property
     def is_main(self) -> bool:
@@ -97,11 +104,22 @@ class Engine:
         """
         total = torch.zeros(())
         for inputs, targets in micro_batches:
-            with autocast(self.cfg.train.dtype):
+            with self.forward_context(), autocast(self.cfg.train.dtype):
                 loss = cross_entropy(self.model(inputs), targets)
             (loss / len(micro_batches)).backward()
             total += loss.detach().float()
         return (total / len(micro_batches)).item()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over ``batches`` without touching gradients (every rank sees all batches)."""
+        self.model.eval()
+        losses = []
+        for inputs, targets in batches:
+            with autocast(self.cfg.train.dtype):
+                losses.append(cross_entropy(self.model(inputs), targets).float())
+        self.model.train()
+        return torch.stack(losses).mean().item()
 
     def grad_norm_squared(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
