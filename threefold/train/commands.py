@@ -1,0 +1,90 @@
+"""``threefold train`` and ``threefold generate``."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from threefold.config import ConfigError, load_config
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML file with [model] [parallel] [train] [data].")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override one config key (repeatable).")
+@click.option("--metrics-file", type=click.Path(dir_okay=False), help="Write one JSON object per step here.")
+@click.option("--nproc", type=int, default=None, help="Processes on this machine; runs under torchrun when > 1.")
+@click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
+def train(config_path, overrides, metrics_file, nproc, progress):
+    """Train a model from a TOML config."""
+    cfg = load_config(config_path, overrides)
+    world = cfg.parallel.world_size
+    if nproc is not None:
+        if nproc < 1:
+            raise ConfigError(f"--nproc: must be positive, got {nproc}")
+        if nproc != world:
+            p = cfg.parallel
+            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
+                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if world > 1 and not under_torchrun:
+        if nproc is None:
+            raise ConfigError(f"parallel: the layout needs {world} processes; add --nproc {world}")
+        from threefold.distributed.launch import relaunch
+
+        sys.exit(relaunch(nproc, sys.argv[1:]))
+
+    from threefold.train.trainer import TrainingError, train as run_training
+
+    try:
+        run_training(cfg, metrics_file=metrics_file, progress=progress)
+    except TrainingError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
+              help="A checkpoint folder, or a checkpoint_dir (its latest checkpoint is used).")
+@click.option("--prompt", default="ROMEO:", show_default=True)
+@click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int)
+def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
+    """Generate text from a checkpoint."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama
+    from threefold.train import checkpoint
+    from threefold.train.trainer import sample_text
+
+    path = checkpoint.resolve(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    model = Llama(ModelConfig(**meta["config"]["model"]))
+    state = checkpoint.load_tensor_file(path / "model.pt")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ConfigError(f"checkpoint: {path / 'model.pt'} does not match its config ({str(err).splitlines()[0]})") from None
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:
+        raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
+    torch.set_num_threads(os.cpu_count() or 1)
+    click.echo(sample_text(model, _HFTokenizer(tokenizer), prompt, new_tokens, seed, temperature))
+
+
+class _HFTokenizer:
+    """The encode/decode interface of threefold.data over a bare ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)

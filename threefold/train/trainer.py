@@ -1,0 +1,159 @@
+"""The training loop. It is the same for every layout: the engine decides how a step is
+computed (one process, data parallel, sharded, …); the loop feeds it the global batch of
+this step, steps the learning rate, evaluates, logs and checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from threefold.config import Config, ConfigError
+from threefold.data import BatchSampler, prepare_dataset, val_batches
+from threefold.models.llama import Llama
+from threefold.train import checkpoint
+from threefold.train.engine import Engine, lr_at
+from threefold.train.metrics import ActivationMeter, MetricsWriter
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (for instance a loss that is not finite)."""
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    sample: str | None = None
+    checkpoint: str | None = None
+    unigram_entropy: float | None = None
+    seconds: float = 0.0
+
+
+def build_engine(model: Llama, cfg: Config) -> Engine:
+    """The plain engine on one process; the parallel strategies otherwise."""
+    if cfg.parallel.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Engine(model, cfg)
+    from threefold.parallel import build_engine as build_parallel_engine
+
+    return build_parallel_engine(model, cfg)
+
+
+def set_threads(cfg: Config) -> None:
+    """Each rank takes its share of the cores, so N ranks do not oversubscribe the machine."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+
+
+def resolve_vocab(cfg: Config, tokenizer_vocab: int) -> Config:
+    """The model's vocabulary defaults to the tokenizer's; a smaller one cannot embed every token."""
+    vocab = cfg.model.vocab_size
+    if vocab is None:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer_vocab))
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens")
+    return cfg
+
+
+def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch: int):
+    return list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
+
+
+def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
+          console: Console | None = None) -> TrainResult:
+    set_threads(cfg)
+    torch.manual_seed(cfg.train.seed)
+    console = console or Console(stderr=True)
+    dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=progress and _is_main_process())
+    cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
+    t = cfg.train
+
+    model = Llama(cfg.model)
+    model.init_weights(t.seed)
+    model.set_recompute(t.recompute)
+    engine = build_engine(model, cfg)
+    engine.activation_meter = ActivationMeter(engine.model)
+    main = engine.is_main
+    sampler = BatchSampler(dataset.train_tokens, cfg.model.seq_len, t.global_batch, t.seed)
+    eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch, t.eval_batches)
+
+    start = 0
+    if t.resume:
+        found = checkpoint.list_checkpoints(t.checkpoint_dir)
+        if found:
+            meta = checkpoint.load(found[-1], engine, cfg)
+            sampler.load_state_dict(meta["sampler"])
+            start = meta["step"]
+            if main:
+                console.print(f"resumed from {found[-1]} at step {start}")
+
+    result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
+    writer = MetricsWriter(metrics_file if main else None, append=start > 0)
+    if main:
+        n_params = sum(p.numel() for p in model.parameters())
+        console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
+                      f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
+                      f"unigram entropy {result.unigram_entropy:.3f} nats/token")
+    tokens_per_step = t.global_batch * cfg.model.seq_len
+    began = time.perf_counter()
+    columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn()]
+    with Progress(*columns, console=console, disable=not (progress and main), transient=False) as bar:
+        task = bar.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0)
+        for step in range(start, t.steps):
+            step_began = time.perf_counter()
+            inputs, targets = sampler.local_batch_at(step, engine.dp_rank, engine.dp_size)
+            engine.activation_meter.peak = 0
+            loss = engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
+            if not math.isfinite(loss):
+                raise TrainingError(f"step {step}: the loss is {loss}; stopping before it corrupts the weights")
+            grad_norm = engine.clip_grad_norm(t.grad_clip)
+            lr = lr_at(step, cfg)
+            engine.optimizer_step(lr)
+            memory = dict(engine.memory_bytes(), activations=engine.activation_meter.peak)
+            engine.zero_grad()
+            sampler.load_state_dict(dict(sampler.state_dict(), step=step + 1))
+            step_time = time.perf_counter() - step_began
+            result.losses.append(loss)
+            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+                      "tokens_per_s": tokens_per_step / step_time, "comm_bytes": engine.comm_bytes(),
+                      "memory": memory}
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                record["val_loss"] = engine.eval_loss(eval_data)
+                result.val_losses.append((step + 1, record["val_loss"]))
+                if main:
+                    bar.console.print(f"step {step + 1}: train loss {loss:.4f}, validation loss {record['val_loss']:.4f}")
+            writer.write(record)
+            bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
+            if t.checkpoint_dir and ((t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps):
+                saved = checkpoint.save(t.checkpoint_dir, step + 1, engine, sampler.state_dict(), cfg,
+                                        dataset.tokenizer, t.keep_checkpoints)
+                result.checkpoint = str(saved) if saved else None
+    writer.close()
+    result.seconds = time.perf_counter() - began
+    if t.sample_tokens:
+        plain = engine.plain_model()  # a collective under ZeRO-3: every rank takes part
+        if main:
+            result.sample = sample_text(plain, dataset.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
+            console.rule("sample")
+            console.print(result.sample, markup=False, highlight=False)
+    engine.shutdown()
+    return result
+
+
+def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8) -> str:
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, generator=generator)
+    return tokenizer.decode(out[0].tolist())
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
