@@ -1,0 +1,293 @@
+"""Measure this machine so the planner can predict runs on it: ``threefold calibrate``.
+
+The profile describes one *worker*, the way a GPU catalog entry describes one GPU: the machine
+is assumed to run one worker process per core (``gpus_per_node``), each with
+``threads = cores // gpus_per_node`` intra-op threads, and the compute and memory figures are
+measured at that thread count. ``intra_node_bw`` is the all-reduce bus bandwidth between those
+workers over gloo on loopback (the NCCL-tests convention: algorithm bandwidth × 2(n−1)/n), and
+``inter_node_bw`` is the same figure, since a calibrated CPU has no second tier of links.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import queue
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from threefold.config import ConfigError
+
+PROFILE_KEYS = ("name", "peak_flops_fp32", "peak_flops_bf16", "hbm_bytes", "hbm_bw", "intra_node_bw",
+                "inter_node_bw", "latency_s", "gpus_per_node", "threads", "measured_at", "torch_version")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How hard each measurement works; larger sizes and longer runs give steadier numbers."""
+    matmul_size: int
+    matmul_seconds: float
+    copy_bytes: int
+    copy_seconds: float
+    gloo_bytes: int
+    gloo_reps: int
+    gloo_timeout_s: float
+
+
+FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
+                gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0)
+QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects taskset and container CPU sets)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def ram_bytes() -> int:
+    """Physical memory, or the container's cgroup limit when that is lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        return min(physical, int(Path("/sys/fs/cgroup/memory.max").read_text()))  # "max" → ValueError
+    return physical
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _best_rate(work, units_per_call: float, seconds: float, trials: int = 5) -> float:
+    """Best units/s of ``work()`` over ``trials`` timed trials that together last about ``seconds``.
+
+    The first call is a warm-up (library initialisation, page faults, weight packing) and also
+    sizes the trials; the best trial is the one least disturbed by other processes.
+    """
+    work()
+    start = time.perf_counter()
+    work()
+    one_call = max(time.perf_counter() - start, 1e-9)
+    calls = max(1, round(seconds / trials / one_call))
+    best = 0.0
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        best = max(best, calls * units_per_call / (time.perf_counter() - start))
+    return best
+
+
+def measure_matmul_flops(dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 1.0) -> float:
+    """FLOP/s of ``size``×``size`` matrix products in ``dtype`` on ``threads`` threads (best trial)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    with intra_op_threads(threads):
+        return _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * size**3, seconds)
+
+
+def measure_memory_bandwidth(threads: int | None = None, size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:
+    """Bytes/s of a large tensor copy, counting the read and the write (STREAM's convention)."""
+    src = torch.ones(size_bytes // 4)
+    dst = torch.empty_like(src)
+    with intra_op_threads(threads or cpu_cores()):
+        return _best_rate(lambda: dst.copy_(src), 2.0 * size_bytes, seconds)
+
+
+def _free_store() -> dist.TCPStore:
+    """A rendezvous store on a port the OS picks, so no other process can take it in between."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int, timeout_s: float,
+                 results) -> None:
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        tiny = torch.zeros(1)
+        for _ in range(20):  # warm up connections
+            dist.all_reduce(tiny)
+        latency = float("inf")
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(50):
+                dist.all_reduce(tiny)
+            latency = min(latency, (time.perf_counter() - start) / 50)
+        big = torch.ones(message_bytes // 4)
+        dist.all_reduce(big)
+        seconds = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(big)
+            seconds = min(seconds, time.perf_counter() - start)
+        if rank == 0:
+            algorithm_bw = message_bytes / seconds
+            results.put({"bus_bw": algorithm_bw * 2 * (world - 1) / world, "latency_s": latency})
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0) -> dict:
+    """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
+
+    Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce}``.
+    Raises RuntimeError if a worker fails or the whole measurement takes longer than ``timeout_s``.
+    """
+    if world < 2:
+        raise ValueError(f"measure_gloo: world must be at least 2, got {world}")
+    ctx = multiprocessing.get_context("spawn")  # fork hangs after the parent has run OpenMP work
+    store = _free_store()
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_gloo_worker, daemon=True,
+                           args=(rank, world, store.port, message_bytes, reps, timeout_s, results))
+               for rank in range(world)]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                result = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"gloo measurement: a worker exited with code {failed[0]}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gloo measurement: no result within {timeout_s:.0f} s") from None
+        for worker in workers:
+            worker.join(timeout=max(1.0, deadline - time.monotonic()))
+        return result
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join()
+
+
+def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
+    """Run every measurement and return the profile (keys ``PROFILE_KEYS``).
+
+    ``on_step(description)`` is called before each measurement, for a progress display.
+    """
+    workers = cpu_cores()
+    threads = cpu_cores() // workers
+    on_step(f"fp32 matmul, {threads} thread(s)")
+    fp32 = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds)
+    on_step(f"bf16 matmul, {threads} thread(s)")
+    bf16 = measure_matmul_flops(torch.bfloat16, threads, settings.matmul_size, settings.matmul_seconds)
+    on_step("memory copy")
+    memory_bw = measure_memory_bandwidth(threads, settings.copy_bytes, settings.copy_seconds)
+    on_step(f"gloo all-reduce, {max(2, workers)} processes")
+    gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
+    return {
+        "name": "local",
+        "peak_flops_fp32": fp32,
+        "peak_flops_bf16": bf16,
+        "hbm_bytes": ram_bytes(),
+        "hbm_bw": memory_bw,
+        "intra_node_bw": gloo["bus_bw"],
+        "inter_node_bw": gloo["bus_bw"],
+        "latency_s": gloo["latency_s"],
+        "gpus_per_node": workers,
+        "threads": threads,
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+    }
+
+
+# --- the profile file ----------------------------------------------------------------------
+def profile_path() -> Path:
+    """Where the profile lives: ``$THREEFOLD_HOME/local.json``, by default ``~/.cache/threefold/local.json``."""
+    home = os.environ.get("THREEFOLD_HOME") or Path.home() / ".cache" / "threefold"
+    return Path(home) / "local.json"
+
+
+def save_profile(profile: dict, path: Path | None = None) -> Path:
+    """Write the profile atomically: readers see the old file or the new one, never half of one."""
+    path = Path(path or profile_path())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        json.dump(profile, tmp, indent=2)
+        tmp.write("\n")
+    os.replace(tmp.name, path)
+    return path
+
+
+def load_profile(path: Path | str | None = None) -> dict:
+    """Read a profile written by ``threefold calibrate``; ConfigError if it is missing or malformed."""
+    path = Path(path or profile_path())
+    if not path.is_file():
+        raise ConfigError(f"no machine profile at {path}: run `threefold calibrate` first")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"machine profile {path} is not valid JSON ({err}): run `threefold calibrate` again") from None
+    if not isinstance(profile, dict) or set(profile) != set(PROFILE_KEYS):
+        raise ConfigError(f"machine profile {path} does not have the expected keys: run `threefold calibrate` again")
+    return profile
+
+
+# --- the command ----------------------------------------------------------------------------
+def profile_table(profile: dict, path: Path) -> Table:
+    table = Table(title=f"Machine profile ({path})")
+    table.add_column("measurement")
+    table.add_column("value", justify="right")
+    rows = [
+        ("fp32 matmul peak", f"{profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s"),
+        ("bf16 matmul peak", f"{profile['peak_flops_bf16'] / 1e9:,.1f} GFLOP/s"),
+        ("memory", f"{profile['hbm_bytes'] / 2**30:,.1f} GiB"),
+        ("memory bandwidth (copy)", f"{profile['hbm_bw'] / 1e9:,.1f} GB/s"),
+        ("gloo all-reduce bus bandwidth", f"{profile['intra_node_bw'] / 1e9:,.2f} GB/s"),
+        ("gloo all-reduce latency", f"{profile['latency_s'] * 1e3:,.3f} ms"),
+        ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
+        ("torch", profile["torch_version"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+@click.command()
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
+@click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 10 s); noisier numbers.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
+def calibrate(out: Path | None, quick: bool, as_json: bool) -> None:
+    """Measure matmul throughput, memory bandwidth and gloo all-reduce; save the `local` profile."""
+    settings = QUICK if quick else FULL
+    progress = Progress(SpinnerColumn(), TextColumn("measuring {task.description}"), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task("", total=None)
+        try:
+            profile = measure_profile(settings, lambda description: progress.update(task, description=description))
+        except RuntimeError as err:
+            raise click.ClickException(str(err)) from None
+    path = save_profile(profile, out)
+    if as_json:
+        click.echo(json.dumps(profile))
+    else:
+        Console().print(profile_table(profile, path))
