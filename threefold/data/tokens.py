@@ -1,0 +1,209 @@
+"""Token files: the corpus encoded once into memory-mapped arrays, split into train and validation.
+
+Layout of the cache (``data.cache_dir``)::
+
+    <corpus>-<fingerprint>-v<FORMAT_VERSION>/   one folder per version of the corpus and of this code
+        tokenizer-bpe4096.json               the trained BPE (gpt2 needs no file)
+        bpe4096-val0.05.train.bin            uint16 (uint32 when the vocabulary needs it)
+        bpe4096-val0.05.val.bin
+        bpe4096-val0.05.json                 metadata; written last, so its presence means complete
+        .lock                                serializes processes that prepare at the same time
+
+The split is taken per document: the tail of every document goes to validation, sized so that
+validation holds ``val_fraction`` of all tokens so far. Validation then covers every document in
+the proportion training does, and the two never overlap.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+from threefold.config import ConfigError, DataConfig
+from threefold.data.corpus import Corpus, find_corpus
+from threefold.data.tokenizer import Tokenizer, gpt2_tokenizer, load_tokenizer, save_tokenizer, train_bpe
+
+FORMAT_VERSION = 1  # bump when the text cleaning, tokenizer training or file layout changes
+GROUP_CHARS = 4 << 20  # documents are encoded in groups of about this many characters
+PIECE_CHARS = 1 << 20  # and long documents in pieces of about this size, cut at line ends
+
+
+@dataclass
+class Dataset:
+    tokenizer: Tokenizer
+    train_tokens: np.memmap
+    val_tokens: np.memmap
+    meta: dict
+    cached: bool = False  # True when the token files were already in the cache
+
+
+def prepare_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = True) -> Dataset:
+    """Tokenize the corpus into the cache (once), then open the token files memory-mapped.
+
+    Safe to call from several processes at once: the first to take the folder's lock builds,
+    the others wait and then read what it wrote.
+    """
+    data_cfg.validate()
+    corpus = find_corpus(data_cfg.corpus)
+    folder = Path(data_cfg.cache_dir) / f"{corpus.name}-{corpus.fingerprint()}-v{FORMAT_VERSION}"
+    key = _tokenizer_key(data_cfg)
+    stem = f"{key}-val{data_cfg.val_fraction:g}"
+    meta_path = folder / f"{stem}.json"
+    with _locked(folder):
+        tokenizer = _tokenizer(data_cfg, corpus, folder / f"tokenizer-{key}.json", progress)
+        cached = meta_path.exists()
+        if not cached:
+            _write_tokens(corpus, tokenizer, data_cfg, folder, stem, progress)
+    meta = json.loads(meta_path.read_text())
+    for split in ("train", "val"):
+        if meta[f"{split}_tokens"] < seq_len + 1:
+            raise ConfigError(
+                f"data.corpus: {data_cfg.corpus!r} gives {meta[f'{split}_tokens']} {split} tokens, fewer than one "
+                f"sequence of model.seq_len + 1 = {seq_len + 1}; use a larger corpus or a smaller seq_len")
+    dtype = np.dtype(meta["dtype"])
+    return Dataset(
+        tokenizer=tokenizer,
+        train_tokens=np.memmap(folder / f"{stem}.train.bin", dtype=dtype, mode="r"),
+        val_tokens=np.memmap(folder / f"{stem}.val.bin", dtype=dtype, mode="r"),
+        meta=meta,
+        cached=cached,
+    )
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    """Entropy in nats per token of the token frequencies: the loss of a model that ignores context."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _tokenizer_key(data_cfg: DataConfig) -> str:
+    return f"bpe{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
+
+
+def _tokenizer(data_cfg: DataConfig, corpus: Corpus, path: Path, progress: bool) -> Tokenizer:
+    if data_cfg.tokenizer == "gpt2":
+        return gpt2_tokenizer()
+    if path.exists():
+        return load_tokenizer(path, path.stem.removeprefix("tokenizer-"))
+    with _progress(progress) as bar:
+        bar.add_task(f"training BPE ({data_cfg.vocab_size} tokens)", total=None)
+        tokenizer = train_bpe(corpus.documents(), data_cfg.vocab_size, length=len(corpus.files))
+    save_tokenizer(tokenizer, path)
+    return tokenizer
+
+
+def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, data_cfg: DataConfig, folder: Path, stem: str,
+                  progress: bool) -> None:
+    started = time.perf_counter()
+    dtype = token_dtype(tokenizer.vocab_size)
+    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    documents = characters = written_train = written_val = 0
+    suffix = f".{os.getpid()}.tmp"
+    paths = {split: folder / f"{stem}.{split}.bin" for split in ("train", "val")}
+    with open(paths["train"].with_name(paths["train"].name + suffix), "wb") as train_file, \
+            open(paths["val"].with_name(paths["val"].name + suffix), "wb") as val_file, \
+            _progress(progress, transfer=True) as bar:
+        task = bar.add_task(f"encoding with {tokenizer.name}", total=corpus.total_bytes())
+        file_sizes = (path.stat().st_size for path in corpus.files)  # documents come in file order
+        for texts, ids in _encode_groups(corpus.documents(), tokenizer):
+            for text, doc_ids in zip(texts, ids):
+                doc = np.asarray(doc_ids + [tokenizer.eos_id], dtype=dtype)
+                # validation's share of all tokens so far, taken from this document's tail
+                n_val = min(len(doc), round(data_cfg.val_fraction * (written_train + written_val + len(doc)))
+                            - written_val)
+                train_file.write(doc[:len(doc) - n_val].tobytes())
+                val_file.write(doc[len(doc) - n_val:].tobytes())
+                counts += np.bincount(doc[:len(doc) - n_val], minlength=tokenizer.vocab_size)
+                written_train += len(doc) - n_val
+                written_val += n_val
+                documents += 1
+                characters += len(text)
+                bar.advance(task, next(file_sizes))
+    for split, path in paths.items():
+        os.replace(path.with_name(path.name + suffix), path)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "corpus": data_cfg.corpus,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype.name,
+        "val_fraction": data_cfg.val_fraction,
+        "documents": documents,
+        "characters": characters,
+        "train_tokens": written_train,
+        "val_tokens": written_val,
+        "unigram_entropy": unigram_entropy(counts) if written_train else math.nan,
+        "prepare_seconds": round(time.perf_counter() - started, 3),
+    }
+    meta_path = folder / f"{stem}.json"
+    temporary = meta_path.with_name(meta_path.name + suffix)
+    temporary.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(temporary, meta_path)
+
+
+def _encode_groups(documents: Iterator[str], tokenizer: Tokenizer) -> Iterator[tuple[list[str], list[list[int]]]]:
+    """Yields (texts, ids) for groups of whole documents; long documents are encoded in pieces."""
+    group: list[str] = []
+    for text in documents:
+        group.append(text)
+        if sum(map(len, group)) >= GROUP_CHARS:
+            yield group, _encode_documents(group, tokenizer)
+            group = []
+    if group:
+        yield group, _encode_documents(group, tokenizer)
+
+
+def _encode_documents(texts: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    pieces, owners = [], []
+    for index, text in enumerate(texts):
+        for piece in _pieces(text):
+            pieces.append(piece)
+            owners.append(index)
+    ids: list[list[int]] = [[] for _ in texts]
+    for owner, piece_ids in zip(owners, tokenizer.encode_batch(pieces)):
+        ids[owner].extend(piece_ids)
+    return ids
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """Cuts text into pieces of about PIECE_CHARS, each ending at a line end when there is one."""
+    start = 0
+    while start < len(text):
+        end = start + PIECE_CHARS
+        if end < len(text):
+            line_end = text.rfind("\n", start, end)
+            end = line_end + 1 if line_end > start else end
+        yield text[start:end]
+        start = end
+
+
+@contextmanager
+def _locked(folder: Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _progress(enabled: bool, transfer: bool = False) -> Progress:
+    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    if transfer:
+        columns.insert(2, TransferSpeedColumn())
+    return Progress(*columns, disable=not enabled, transient=True)
