@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from threefold.config import Config, ConfigError
+from threefold.data.tokenizer import load_tokenizer, save_tokenizer
 
 FORMAT = "threefold-checkpoint-1"
 
@@ -84,7 +85,7 @@ def save(root: str | Path, step: int, engine, sampler_state: dict, cfg: Config, 
     torch.save(torch.get_rng_state(), tmp / f"rng.rank{engine.rank}.pt")
     if engine.is_main:
         torch.save(model_state, tmp / "model.pt")
-        tokenizer.save(str(tmp / "tokenizer.json"))
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
     engine.barrier()
     if not engine.is_main:
         return None
@@ -117,6 +118,13 @@ def check_compatible(meta: dict, cfg: Config, world_size: int, path: Path) -> No
     if meta["world_size"] != world_size:
         raise ConfigError(f"checkpoint: {str(path)!r} was saved by {meta['world_size']} ranks, this run has "
                           f"{world_size} (resuming on another layout is not supported yet)")
+
+
+def read_tokenizer(path: Path, meta: dict):
+    try:
+        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"])
+    except Exception:
+        raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 
 
 def load(path: Path, engine, cfg: Config) -> dict:

@@ -53,8 +53,6 @@ def train(config_path, overrides, metrics_file, nproc, progress):
 def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
     """Generate text from a checkpoint."""
     import torch
-    from tokenizers import Tokenizer
-
     from threefold.config import ModelConfig
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
@@ -68,23 +66,6 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
         model.load_state_dict(state)
     except RuntimeError as err:
         raise ConfigError(f"checkpoint: {path / 'model.pt'} does not match its config ({str(err).splitlines()[0]})") from None
-    try:
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    except Exception:
-        raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
+    tokenizer = checkpoint.read_tokenizer(path, meta)
     torch.set_num_threads(os.cpu_count() or 1)
-    click.echo(sample_text(model, _HFTokenizer(tokenizer), prompt, new_tokens, seed, temperature))
-
-
-class _HFTokenizer:
-    """The encode/decode interface of threefold.data over a bare ``tokenizers.Tokenizer``."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.eos_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    click.echo(sample_text(model, tokenizer, prompt, new_tokens, seed, temperature))

