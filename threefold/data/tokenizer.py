@@ -38,7 +38,7 @@ class Tokenizer:
         return [encoding.ids for encoding in self.hf.encode_batch(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=False)
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)  # numpy/torch ints too
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -121,18 +120,18 @@ def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, data_cfg: DataConfig, fo
         for texts, ids in _encode_groups(corpus.documents(), tokenizer):
             for text, doc_ids in zip(texts, ids):
                 doc = np.asarray(doc_ids + [tokenizer.eos_id], dtype=dtype)
-                # validation's share of all tokens so far, taken from this document's tail
-                n_val = min(len(doc), round(data_cfg.val_fraction * (written_train + written_val + len(doc)))
-                            - written_val)
-                train_file.write(doc[:len(doc) - n_val].tobytes())
-                val_file.write(doc[len(doc) - n_val:].tobytes())
-                counts += np.bincount(doc[:len(doc) - n_val], minlength=tokenizer.vocab_size)
-                written_train += len(doc) - n_val
-                written_val += n_val
+                # this document's tail brings validation to val_fraction of all tokens so far
+                total = written_train + written_val + len(doc)
+                cut = len(doc) - min(len(doc), round(data_cfg.val_fraction * total) - written_val)
+                train_file.write(doc[:cut].tobytes())
+                val_file.write(doc[cut:].tobytes())
+                counts += np.bincount(doc[:cut], minlength=tokenizer.vocab_size)
+                written_train += cut
+                written_val += len(doc) - cut
                 documents += 1
                 characters += len(text)
                 bar.advance(task, next(file_sizes))
-    for split, path in paths.items():
+    for path in paths.values():
         os.replace(path.with_name(path.name + suffix), path)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -146,8 +145,8 @@ def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, data_cfg: DataConfig, fo
         "characters": characters,
         "train_tokens": written_train,
         "val_tokens": written_val,
-        "unigram_entropy": unigram_entropy(counts) if written_train else math.nan,
-        "prepare_seconds": round(time.perf_counter() - started, 3),
+        "unigram_entropy": unigram_entropy(counts),
+        "encode_seconds": round(time.perf_counter() - started, 3),
     }
     meta_path = folder / f"{stem}.json"
     temporary = meta_path.with_name(meta_path.name + suffix)
