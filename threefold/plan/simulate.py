@@ -1,0 +1,147 @@
+"""Play a pipeline schedule (the same objects the runtime executes) on per-action costs.
+
+Time model: each rank runs its actions in order, one at a time. A compute action takes its
+cost. A send is posted asynchronously and takes no time on the rank; its tensor arrives
+``p2p`` later. A receive waits until its tensor has arrived. Idle time is any time a rank
+spends waiting inside the step's span, so with ``p2p > 0`` the transfer latency that is not
+hidden shows up as bubble.
+
+Bubble fraction, as the GPipe, Megatron and zero-bubble papers define it: idle rank-time over
+total rank-time, ``1 - Σ busy / (pp · makespan)``. With uniform costs (every stage's forward
+f and backward b equal, p2p = 0) GPipe and 1F1B give (pp−1)/(m+pp−1) for any b/f, interleaved
+(pp−1)/(v·m+pp−1), ZB-H1 with f = B = W (p−1)/(3m+p−1).
+
+Activations in flight: +1 when a forward of a (micro-batch, stage) starts, −1 when the last
+backward action that reads its stored activations ends: B for a full backward, W for a split
+one (the weight gradient needs each layer's stored input). Reported per rank in units of one
+micro-batch through all of the rank's layers, so a model chunk counts 1/virtual_stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import Action, Kind, Schedule, play
+
+# A drawn or measured timeline: per rank, (start, end, kind, micro-batch) of each compute action,
+# kind being "F", "B" or "W" (a Kind's value) or the Kind itself.
+Segment = tuple[float, float, "Kind | str", int]
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Duration of each action, in any unit (seconds, or multiples of one forward).
+
+    ``forward``: one micro-batch's forward through one stage (the last stage's includes the loss);
+    ``backward``: its full backward, input and weight gradients together;
+    ``weight_grad``: the part of ``backward`` that computes weight gradients. A schedule that splits
+    the backward runs ``backward − weight_grad`` as B and ``weight_grad`` as W, so one set of costs
+    compares split and unsplit schedules fairly;
+    ``p2p``: the time for one activation or gradient to reach the neighbouring stage.
+    The first three are one number for all stages or a sequence with one per (virtual) stage.
+    """
+    forward: float | Sequence[float] = 1.0
+    backward: float | Sequence[float] = 2.0
+    weight_grad: float | Sequence[float] = 1.0
+    p2p: float = 0.0
+
+    def per_stage(self, num_stages: int) -> tuple[list[float], list[float], list[float]]:
+        """Forward, backward and weight-gradient cost of every stage, checked."""
+        values = {}
+        for name in ("forward", "backward", "weight_grad"):
+            value = getattr(self, name)
+            stages = [float(value)] * num_stages if isinstance(value, (int, float)) else [float(x) for x in value]
+            if len(stages) != num_stages:
+                raise ConfigError(f"costs.{name}: {len(stages)} values for {num_stages} stages")
+            if min(stages) < 0:
+                raise ConfigError(f"costs.{name}: must not be negative, got {min(stages)}")
+            values[name] = stages
+        if self.p2p < 0:
+            raise ConfigError(f"costs.p2p: must not be negative, got {self.p2p}")
+        if any(w > b for w, b in zip(values["weight_grad"], values["backward"])):
+            raise ConfigError("costs.weight_grad: must not exceed the full backward of its stage")
+        return values["forward"], values["backward"], values["weight_grad"]
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: Schedule
+    timelines: tuple[tuple[TimedAction, ...], ...]  # per rank, every action with its times
+    makespan: float
+    bubble_fraction: float
+    peak_activations: tuple[float, ...]  # per rank, in micro-batches through the rank's layers
+
+    def segments(self) -> list[list[Segment]]:
+        """The compute actions per rank as (start, end, kind, micro-batch), for drawing."""
+        return [[(t.start, t.end, t.action.kind, t.action.microbatch) for t in rank if t.action.kind.is_compute]
+                for rank in self.timelines]
+
+
+def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResult:
+    """Play ``schedule`` with ``costs``; raises ScheduleError if it cannot run to the end."""
+    forward, backward, weight_grad = costs.per_stage(schedule.num_stages)
+    split = schedule.split_backward
+    duration = {
+        Kind.FORWARD: forward,
+        Kind.BACKWARD: [b - w for b, w in zip(backward, weight_grad)] if split else backward,
+        Kind.WEIGHT_GRAD: weight_grad,
+    }
+    clock = [0.0] * schedule.pp
+    sent_at: dict[tuple[int, int], float] = {}
+    timelines: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
+    for step in play(schedule):
+        action, rank = step.action, step.rank
+        start = end = clock[rank]
+        if action.kind.is_compute:
+            end = start + duration[action.kind][action.stage]
+        elif action.kind.is_send:
+            sent_at[rank, step.index] = start
+        else:
+            end = max(start, sent_at[step.sent_by] + costs.p2p)
+        clock[rank] = end
+        timelines[rank].append(TimedAction(start, end, action))
+    result_timelines = tuple(tuple(rank) for rank in timelines)
+    return SimResult(
+        schedule=schedule,
+        timelines=result_timelines,
+        makespan=max(clock),
+        bubble_fraction=bubble_fraction([[(t.start, t.end) for t in rank if t.action.kind.is_compute]
+                                         for rank in result_timelines]),
+        peak_activations=tuple(_peak_in_flight(actions, split) / schedule.virtual_stages
+                               for actions in schedule.actions),
+    )
+
+
+def bubble_fraction(busy_intervals: Sequence[Sequence[tuple[float, ...]]]) -> float:
+    """Idle over total rank-time, from each rank's busy (start, end, …) intervals; the span
+    runs from the earliest start to the latest end over all ranks. Works on measured timelines."""
+    starts = [seg[0] for rank in busy_intervals for seg in rank]
+    ends = [seg[1] for rank in busy_intervals for seg in rank]
+    if not starts:
+        return 0.0
+    span = max(ends) - min(starts)
+    if span <= 0:
+        return 0.0
+    busy = sum(seg[1] - seg[0] for rank in busy_intervals for seg in rank)
+    return 1.0 - busy / (len(busy_intervals) * span)
+
+
+def _peak_in_flight(actions: Sequence[Action], split_backward: bool) -> int:
+    """Most (micro-batch, stage) activation sets a rank stores at once, following its order."""
+    release = Kind.WEIGHT_GRAD if split_backward else Kind.BACKWARD
+    in_flight = peak = 0
+    for action in actions:
+        if action.kind is Kind.FORWARD:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        elif action.kind is release:
+            in_flight -= 1
+    return peak
