@@ -24,9 +24,9 @@ from typing import Sequence
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Action, Kind, Schedule, play
 
-# A drawn or measured timeline: per rank, (start, end, kind, micro-batch) of each compute action,
-# kind being "F", "B" or "W" (a Kind's value) or the Kind itself.
-Segment = tuple[float, float, "Kind | str", int]
+# A drawn or measured timeline: per rank, (start, end, kind, micro-batch[, model chunk]) of each
+# compute action, kind being "F", "B" or "W" (a Kind's value) or the Kind itself.
+Segment = tuple
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,16 @@ class SimResult:
     bubble_fraction: float
     peak_activations: tuple[float, ...]  # per rank, in micro-batches through the rank's layers
 
+    @property
+    def busy(self) -> list[float]:
+        """Compute time of each rank."""
+        return [sum(t.end - t.start for t in rank if t.action.kind.is_compute) for rank in self.timelines]
+
     def segments(self) -> list[list[Segment]]:
-        """The compute actions per rank as (start, end, kind, micro-batch), for drawing."""
-        return [[(t.start, t.end, t.action.kind, t.action.microbatch) for t in rank if t.action.kind.is_compute]
-                for rank in self.timelines]
+        """The compute actions per rank as (start, end, kind, micro-batch, model chunk), for drawing."""
+        pp = self.schedule.pp
+        return [[(t.start, t.end, t.action.kind, t.action.microbatch, t.action.stage // pp)
+                 for t in rank if t.action.kind.is_compute] for rank in self.timelines]
 
 
 def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResult:

@@ -109,17 +109,17 @@ class Schedule:
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The per-rank actions of schedule ``name`` for ``pp`` ranks and ``microbatches`` micro-batches."""
     if name not in SCHEDULES:
-        raise ConfigError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {name!r}")
+        raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if pp < 1:
-        raise ConfigError(f"pp: must be a positive integer, got {pp}")
+        raise ConfigError(f"parallel.pp: must be a positive integer, got {pp}")
     if microbatches < 1:
-        raise ConfigError(f"microbatches: must be a positive integer, got {microbatches}")
+        raise ConfigError(f"parallel.microbatches: must be a positive integer, got {microbatches}")
     if virtual_stages < 1:
-        raise ConfigError(f"virtual_stages: must be a positive integer, got {virtual_stages}")
+        raise ConfigError(f"parallel.virtual_stages: must be a positive integer, got {virtual_stages}")
     if name == "interleaved":
         _check_interleaved(pp, microbatches, virtual_stages)
     elif virtual_stages != 1:
-        raise ConfigError(f"virtual_stages: {name} has one stage per rank; only interleaved takes "
+        raise ConfigError(f"parallel.virtual_stages: {name} has one stage per rank; only interleaved takes "
                           f"virtual_stages > 1, got {virtual_stages}")
     orders = {
         "gpipe": _gpipe_order,
@@ -171,9 +171,9 @@ def _zb_h1_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
 
 def _check_interleaved(pp: int, m: int, v: int) -> None:
     if v < 2:
-        raise ConfigError(f"virtual_stages: interleaved needs at least 2 (with 1 it is 1f1b), got {v}")
+        raise ConfigError(f"parallel.virtual_stages: interleaved needs at least 2 (with 1 it is 1f1b), got {v}")
     if pp < 2:
-        raise ConfigError("pp: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), got 1")
+        raise ConfigError("parallel.pp: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), got 1")
 
 
 def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:

@@ -1,0 +1,73 @@
+"""``threefold schedule``: build a pipeline schedule, play it on relative costs, print its bubble
+and the peak activations each rank holds, and draw its timeline.
+
+Costs are relative to one pipeline stage's forward (= 1). An interleaved schedule's chunk is
+1/virtual_stages of a stage, so its forward costs 1/v and schedules compare on the same model.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from threefold.config import SCHEDULES
+from threefold.parallel.pipeline.schedule import build_schedule
+from threefold.plan.simulate import ActionCosts, SimResult, simulate
+
+
+@click.command("schedule")
+@click.option("--schedule", "name", type=click.Choice(SCHEDULES), default="1f1b", show_default=True,
+              help="Pipeline schedule.")
+@click.option("--pp", type=int, default=4, show_default=True, help="Pipeline ranks.")
+@click.option("--microbatches", type=int, default=8, show_default=True, help="Micro-batches per step.")
+@click.option("--virtual-stages", type=int, default=1, show_default=True,
+              help="Model chunks per rank (interleaved only).")
+@click.option("--backward-ratio", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Full backward time over forward time.")
+@click.option("--weight-grad-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Share of the backward that computes weight gradients (W, deferred by zb-h1).")
+@click.option("--p2p-ratio", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Time to send one activation to the next stage, over forward time.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Draw the timeline to this PNG.")
+@click.option("--actions", "show_actions", is_flag=True, help="Also print each rank's ordered actions.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad_share, p2p_ratio, out,
+             show_actions, as_json):
+    """Draw a pipeline schedule and print its bubble fraction and peak activations per rank."""
+    plan = build_schedule(name, pp, microbatches, virtual_stages)
+    chunk = 1.0 / virtual_stages
+    costs = ActionCosts(forward=chunk, backward=backward_ratio * chunk,
+                        weight_grad=weight_grad_share * backward_ratio * chunk, p2p=p2p_ratio)
+    result = simulate(plan, costs)
+    if out:
+        from threefold.plan.timeline import draw_timelines  # matplotlib only when drawing
+
+        draw_timelines([(_describe(result), result.segments())], out, unit="time (one stage's forward = 1)")
+    if as_json:
+        click.echo(json.dumps({
+            "schedule": name, "pp": pp, "microbatches": microbatches, "virtual_stages": virtual_stages,
+            "bubble_fraction": result.bubble_fraction, "makespan": result.makespan,
+            "peak_activations": list(result.peak_activations),
+            "costs": {"forward": 1.0, "backward": backward_ratio, "weight_grad": weight_grad_share * backward_ratio,
+                      "p2p": p2p_ratio},
+            "out": out,
+        }))
+        return
+    console = Console()
+    if show_actions:
+        click.echo(str(plan))
+    console.print(f"{_describe(result)}: bubble [bold]{result.bubble_fraction:.1%}[/bold], "
+                  f"step {result.makespan:g} forward-units")
+    table = Table("rank", "busy", "idle", "peak activations (micro-batches)")
+    for rank, busy in enumerate(result.busy):
+        table.add_row(str(rank), f"{busy:g}", f"{result.makespan - busy:g}", f"{result.peak_activations[rank]:g}")
+    console.print(table)
+    console.print(f"timeline drawn to {out}" if out else "draw the timeline with --out FILE.png", highlight=False)
+
+
+def _describe(result: SimResult) -> str:
+    plan = result.schedule
+    text = f"{plan.name} pp={plan.pp} m={plan.microbatches}"
+    return text + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
