@@ -15,6 +15,7 @@ from threefold.config import ConfigError, DataConfig
 from threefold.data import BatchSampler, prepare_dataset, val_batches
 from threefold.data.corpus import find_corpus, markdown_to_text
 from threefold.data.tokenizer import gpt2_tokenizer, train_bpe
+from threefold.data import tokens as tokens_module
 from threefold.data.tokens import token_dtype, unigram_entropy
 
 WORDS = "the king queen sword night love death crown café naïve Größe 日本 fair foul hath thee".split()
@@ -110,6 +111,18 @@ def test_prepare_splits_every_document_without_overlap(small_cfg):
     assert len(train_lines | val_lines) >= 3 * 300 - 3  # at most the line cut at each split point is lost
     counts = np.bincount(dataset.train_tokens, minlength=tokenizer.vocab_size)
     assert meta["unigram_entropy"] == pytest.approx(unigram_entropy(counts))
+
+
+def test_encoding_in_pieces_gives_the_tokens_of_the_whole_text(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokens_module, "PIECE_CHARS", 64)  # force many cuts in a short text
+    rng = random.Random(1)
+    text = "".join(rng.choice(["", " ", "  ", "\t"]) + " ".join(rng.choices(WORDS, k=rng.randint(0, 6)))
+                   + rng.choice(["", " ", "  "]) + "\n" * rng.randint(1, 3) for _ in range(400))
+    (tmp_path / "one.txt").write_text(text, encoding="utf-8")
+    cfg = DataConfig(corpus=str(tmp_path / "one.txt"), vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    dataset = prepare_dataset(cfg, seq_len=8, progress=False)
+    whole = dataset.tokenizer.encode(text) + [dataset.tokenizer.eos_id]
+    assert np.concatenate([dataset.train_tokens, dataset.val_tokens]).tolist() == whole  # one document: head, tail
 
 
 def test_second_prepare_reuses_the_cache(small_cfg, tmp_path):
@@ -240,8 +253,9 @@ def test_cli_prepare_prints_a_table(small_cfg, capsys):
 @pytest.mark.parametrize("args, key", [
     (["--corpus", "/no/such/corpus"], "data.corpus"),
     (["--vocab-size", "100"], "data.vocab_size"),
+    (["--cache-dir", "/proc/not-writable"], "data.cache_dir"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, key, tmp_path, capsys):
-    assert main(["data", "prepare", "--cache-dir", str(tmp_path), *args]) == 2
+    assert main(["data", "prepare", "--cache-dir", str(tmp_path / "cache"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {key}:") and "\n" not in err and "Traceback" not in err

@@ -32,8 +32,10 @@ from threefold.data.corpus import Corpus, find_corpus
 from threefold.data.tokenizer import Tokenizer, gpt2_tokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 FORMAT_VERSION = 1  # bump when the text cleaning, tokenizer training or file layout changes
-GROUP_CHARS = 4 << 20  # documents are encoded in groups of about this many characters
-PIECE_CHARS = 1 << 20  # and long documents in pieces of about this size, cut at line ends
+# Documents are encoded in groups of about GROUP_CHARS characters (the unit of progress), each cut
+# into pieces of about PIECE_CHARS at line ends, which tokenizers encodes in parallel.
+GROUP_CHARS = 1 << 20
+PIECE_CHARS = 1 << 17
 
 
 @dataclass
@@ -157,11 +159,13 @@ def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, data_cfg: DataConfig, fo
 def _encode_groups(documents: Iterator[str], tokenizer: Tokenizer) -> Iterator[tuple[list[str], list[list[int]]]]:
     """Yields (texts, ids) for groups of whole documents; long documents are encoded in pieces."""
     group: list[str] = []
+    group_chars = 0
     for text in documents:
         group.append(text)
-        if sum(map(len, group)) >= GROUP_CHARS:
+        group_chars += len(text)
+        if group_chars >= GROUP_CHARS:
             yield group, _encode_documents(group, tokenizer)
-            group = []
+            group, group_chars = [], 0
     if group:
         yield group, _encode_documents(group, tokenizer)
 
@@ -179,21 +183,29 @@ def _encode_documents(texts: list[str], tokenizer: Tokenizer) -> list[list[int]]
 
 
 def _pieces(text: str) -> Iterator[str]:
-    """Cuts text into pieces of about PIECE_CHARS, each ending at a line end when there is one."""
+    """Cuts text into pieces of about PIECE_CHARS, each cut just before a space or line end that
+    follows a non-space. GPT-2's pre-tokenizer splits there too (no pre-token runs from a
+    non-space into whitespace), so the pieces encode to exactly the tokens of the whole text."""
     start = 0
-    while start < len(text):
-        end = start + PIECE_CHARS
-        if end < len(text):
-            line_end = text.rfind("\n", start, end)
-            end = line_end + 1 if line_end > start else end
-        yield text[start:end]
-        start = end
+    while len(text) - start > PIECE_CHARS:
+        cut = start + PIECE_CHARS
+        while cut > start and not (text[cut] in " \n" and not text[cut - 1].isspace()):
+            cut -= 1
+        cut = cut if cut > start else start + PIECE_CHARS  # no clean cut in a whole piece: cut anyway
+        yield text[start:cut]
+        start = cut
+    if start < len(text):
+        yield text[start:]
 
 
 @contextmanager
 def _locked(folder: Path):
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".lock", "w")
+    except OSError as err:
+        raise ConfigError(f"data.cache_dir: cannot write {folder} ({err.strerror})") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
