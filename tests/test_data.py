@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import random
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -140,22 +141,23 @@ def test_second_prepare_reuses_the_cache(small_cfg, tmp_path):
     assert not grown.cached and grown.meta["documents"] == 4
 
 
-def _prepare_in_child(cfg_values, queue):
-    queue.put(prepare_dataset(DataConfig(**cfg_values), seq_len=32, progress=False).meta["train_tokens"])
+PREPARE_IN_CHILD = """
+import json, sys
+from threefold.config import DataConfig
+from threefold.data.tokens import prepare_dataset
+dataset = prepare_dataset(DataConfig(**json.loads(sys.argv[1])), seq_len=32, progress=False)
+print(json.dumps([dataset.cached, len(dataset.train_tokens)]))
+"""
 
 
 def test_concurrent_prepare_on_a_cold_cache(small_cfg):
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    children = [context.Process(target=_prepare_in_child, args=(vars(small_cfg), queue)) for _ in range(2)]
-    for child in children:
-        child.start()
-    results = [queue.get(timeout=120) for _ in children]
-    for child in children:
-        child.join(timeout=60)
-        assert child.exitcode == 0
+    children = [subprocess.Popen([sys.executable, "-c", PREPARE_IN_CHILD, json.dumps(vars(small_cfg))],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [json.loads(child.communicate(timeout=120)[0]) for child in children]
+    assert [child.returncode for child in children] == [0, 0, 0]
+    assert sorted(cached for cached, _ in results) == [False, True, True]  # one built, the others waited
     dataset = prepare_dataset(small_cfg, seq_len=32, progress=False)
-    assert dataset.cached and results == [len(dataset.train_tokens)] * 2
+    assert dataset.cached and {length for _, length in results} == {len(dataset.train_tokens)}
 
 
 def test_too_small_corpus_is_a_config_error(small_cfg):
