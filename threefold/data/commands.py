@@ -7,7 +7,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from threefold.config import DataConfig
+from threefold.config import DataConfig, ModelConfig
 
 _DEFAULTS = DataConfig()
 
@@ -25,7 +25,7 @@ def data():
               help="Vocabulary of the locally trained BPE.")
 @click.option("--val-fraction", type=float, default=_DEFAULTS.val_fraction, show_default=True)
 @click.option("--cache-dir", default=_DEFAULTS.cache_dir, show_default=True)
-@click.option("--seq-len", type=int, default=256, show_default=True,
+@click.option("--seq-len", type=click.IntRange(min=1), default=ModelConfig().seq_len, show_default=True,
               help="Check that each split holds at least one sequence of this length.")
 def prepare(corpus, tokenizer, vocab_size, val_fraction, cache_dir, seq_len):
     """Tokenize a corpus into memory-mapped train/validation files (reused when cached)."""
