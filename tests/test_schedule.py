@@ -1,0 +1,283 @@
+"""Pipeline schedules as data, their validator, the simulator, the timeline drawing and the
+``threefold schedule`` command. Expected bubbles come from the papers' closed forms, computed
+here independently of the simulator:
+
+GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021): (p−1)/(m+p−1) for uniform stage costs,
+whatever the backward/forward ratio; interleaved with v chunks per rank (Narayanan et al. 2021):
+(p−1)/(v·m+p−1); ZB-H1 with F = B = W (Qi et al. 2023): idle (p−1)·(F+B−W) per rank, i.e.
+(p−1)/(3m+p−1). All with p2p time 0.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from threefold.cli import main
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import Action, Kind, ScheduleError, build_schedule, validate
+from threefold.plan.simulate import ActionCosts, bubble_fraction, simulate
+from threefold.plan.timeline import draw_timelines
+
+PP = [1, 2, 3, 4, 5, 8]
+MICROBATCHES = [1, 2, 3, 4, 5, 7, 8, 12, 16]
+
+
+def grid(min_pp=1):
+    return [(p, m) for p in PP if p >= min_pp for m in MICROBATCHES]
+
+
+# ---------------------------------------------------------------- building and validating
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("pp,m", grid())
+def test_every_single_chunk_schedule_validates(name, pp, m):
+    validate(build_schedule(name, pp, m))
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("pp,m", grid(min_pp=2))
+def test_every_interleaved_schedule_validates(pp, m, v):
+    validate(build_schedule("interleaved", pp, m, v))
+
+
+def test_actions_carry_what_a_runtime_needs():
+    plan = build_schedule("1f1b", 2, 2)
+    rank0 = [str(a) for a in plan.actions[0]]
+    rank1 = [str(a) for a in plan.actions[1]]
+    assert rank0 == ["F0@s0", "send_act0@s0->r1", "F1@s0", "send_act1@s0->r1",
+                     "recv_grad0@s0<-r1", "B0@s0", "recv_grad1@s0<-r1", "B1@s0"]
+    assert rank1 == ["recv_act0@s1<-r0", "F0@s1", "B0@s1", "send_grad0@s1->r0",
+                     "recv_act1@s1<-r0", "F1@s1", "B1@s1", "send_grad1@s1->r0"]
+    assert not plan.split_backward and build_schedule("zb-h1", 2, 2).split_backward
+
+
+def test_interleaved_places_chunks_round_the_ring():
+    plan = build_schedule("interleaved", 2, 2, 2)
+    assert plan.num_stages == 4 and list(plan.stages_of(1)) == [1, 3]
+    # the last stage of chunk 0 (stage 1, rank 1) feeds stage 2 on rank 0
+    assert Action(Kind.SEND_ACT, 0, 1, peer=0) in plan.actions[1]
+    assert Action(Kind.RECV_ACT, 0, 2, peer=1) in plan.actions[0]
+
+
+def _edit(plan, rank, edit):
+    actions = list(plan.actions)
+    actions[rank] = tuple(edit(list(actions[rank])))
+    return replace(plan, actions=tuple(actions))
+
+
+def _swap(first, second):
+    def edit(actions):
+        i, j = actions.index(first), actions.index(second)
+        actions[i], actions[j] = actions[j], actions[i]
+        return actions
+    return edit
+
+
+def _move_after(moved, anchor):
+    def edit(actions):
+        actions.remove(moved)
+        actions.insert(actions.index(anchor) + 1, moved)
+        return actions
+    return edit
+
+
+BROKEN = {
+    # rank 0 waits for micro-batch 0's gradient before sending the activation that produces it
+    "swapped send/recv": (0, _swap(Action(Kind.SEND_ACT, 0, 0, 1), Action(Kind.RECV_GRAD, 0, 0, 1)), "deadlock"),
+    # both sends still follow their forwards, but arrive in the wrong order
+    "sends out of order": (0, _move_after(Action(Kind.SEND_ACT, 0, 0, 1), Action(Kind.SEND_ACT, 1, 0, 1)),
+                           "out of order"),
+    "backward before its gradient": (0, _swap(Action(Kind.RECV_GRAD, 1, 0, 1), Action(Kind.BACKWARD, 1, 0)),
+                                     "comes before its RECV_GRAD"),
+    "wrong peer": (1, lambda a: [replace(x, peer=1) if x.kind is Kind.SEND_GRAD else x for x in a], "peer should be"),
+    "missing backward": (1, lambda a: [x for x in a if (x.microbatch, x.kind) not in
+                                       ((2, Kind.BACKWARD), (2, Kind.SEND_GRAD))], "appears 0 times"),
+    "duplicate forward": (0, lambda a: a + [Action(Kind.FORWARD, 0, 0)], "appears twice"),
+    "stage on another rank": (0, lambda a: a + [Action(Kind.FORWARD, 0, 1)], "not on this rank"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_validator_rejects_broken_schedules(case):
+    rank, edit, message = BROKEN[case]
+    plan = build_schedule("1f1b", 2, 3)
+    validate(plan)
+    with pytest.raises(ScheduleError, match=message):
+        validate(_edit(plan, rank, edit))
+
+
+def test_validator_requires_every_weight_grad_of_a_split_schedule():
+    plan = build_schedule("zb-h1", 2, 2)
+    broken = _edit(plan, 1, lambda a: [x for x in a if x != Action(Kind.WEIGHT_GRAD, 1, 1)])
+    with pytest.raises(ScheduleError, match="WEIGHT_GRAD of micro-batch 1 on stage 1 appears 0 times"):
+        validate(broken)
+
+
+@pytest.mark.parametrize("name,pp,m,v,message", [
+    ("1f1b", 0, 8, 1, "parallel.pp"),
+    ("1f1b", 4, 0, 1, "parallel.microbatches"),
+    ("pipedream", 4, 8, 1, "parallel.schedule"),
+    ("gpipe", 4, 8, 2, "parallel.virtual_stages"),
+    ("zb-h1", 4, 8, 2, "parallel.virtual_stages"),
+    ("interleaved", 4, 8, 1, "parallel.virtual_stages"),
+    ("interleaved", 1, 8, 2, "parallel.pp"),
+])
+def test_bad_layouts_are_refused(name, pp, m, v, message):
+    with pytest.raises(ConfigError, match=message):
+        build_schedule(name, pp, m, v)
+
+
+# ---------------------------------------------------------------- bubble
+
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", grid())
+def test_gpipe_and_1f1b_bubble_matches_the_closed_form(name, pp, m, backward):
+    result = simulate(build_schedule(name, pp, m), ActionCosts(forward=1.0, backward=backward, weight_grad=0.0))
+    assert result.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert result.makespan == pytest.approx((m + pp - 1) * (1.0 + backward))
+
+
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("pp,m", [(p, m) for p, m in grid(min_pp=2) if m >= p])
+def test_interleaved_bubble_matches_the_closed_form(pp, m, v, backward):
+    costs = ActionCosts(forward=1 / v, backward=backward / v, weight_grad=0.0)
+    result = simulate(build_schedule("interleaved", pp, m, v), costs)
+    assert result.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p, m in grid(min_pp=2) if m < p])
+def test_interleaved_with_fewer_microbatches_than_ranks_runs_with_a_larger_bubble(pp, m):
+    costs = ActionCosts(forward=0.5, backward=1.0, weight_grad=0.0)
+    result = simulate(build_schedule("interleaved", pp, m, 2), costs)
+    assert (pp - 1) / (2 * m + pp - 1) < result.bubble_fraction <= (pp - 1) / (m + pp - 1) + 1e-12
+
+
+ZB_COSTS = ActionCosts(forward=1.0, backward=2.0, weight_grad=1.0)  # F = B = W = 1
+
+
+@pytest.mark.parametrize("pp,m", [(p, m) for p, m in grid() if m >= p])
+def test_zb_h1_bubble_matches_the_closed_form(pp, m):
+    result = simulate(build_schedule("zb-h1", pp, m), ZB_COSTS)
+    assert result.bubble_fraction == pytest.approx((pp - 1) / (3 * m + pp - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", grid(min_pp=2))
+def test_zb_h1_never_idles_more_than_1f1b(pp, m):
+    zb = simulate(build_schedule("zb-h1", pp, m), ZB_COSTS)
+    one_f_one_b = simulate(build_schedule("1f1b", pp, m), ZB_COSTS)
+    assert zb.makespan <= one_f_one_b.makespan
+    if m >= 4 * pp:  # the papers' regime: about a third of 1F1B's bubble
+        assert 1 / 3 <= zb.bubble_fraction / one_f_one_b.bubble_fraction < 0.4
+
+
+# ---------------------------------------------------------------- activations in flight
+
+@pytest.mark.parametrize("pp,m", grid())
+def test_peak_activations(pp, m):
+    one_f_one_b = simulate(build_schedule("1f1b", pp, m)).peak_activations
+    assert one_f_one_b[0] == min(pp, m)
+    assert list(one_f_one_b) == [min(pp - r, m) for r in range(pp)]
+    assert list(simulate(build_schedule("gpipe", pp, m)).peak_activations) == [m] * pp
+    assert max(simulate(build_schedule("zb-h1", pp, m), ZB_COSTS).peak_activations) == min(pp, m)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 3), (8, 16, 2)])
+def test_interleaved_peak_follows_megatrons_warmup(pp, m, v):
+    """Rank 0 runs (v−1)·pp + 2·(pp−1) warm-up chunk forwards and one more before its first
+    backward; each chunk is 1/v of the rank's activations."""
+    peak = simulate(build_schedule("interleaved", pp, m, v)).peak_activations
+    assert peak[0] == pytest.approx(((v - 1) * pp + 2 * (pp - 1) + 1) / v)
+
+
+# ---------------------------------------------------------------- simulator timing
+
+def test_one_microbatch_walks_the_pipeline_with_per_stage_costs_and_latency():
+    forward, backward, p2p = [1.0, 2.0, 3.0], [2.0, 5.0, 4.0], 0.25
+    result = simulate(build_schedule("1f1b", 3, 1), ActionCosts(forward, backward, 0.0, p2p))
+    assert result.makespan == pytest.approx(sum(forward) + sum(backward) + 4 * p2p)
+    # split backward: B travels back, then rank 0's own weight gradient ends the step
+    weight = [1.0, 2.0, 1.5]
+    zb = simulate(build_schedule("zb-h1", 3, 1), ActionCosts(forward, backward, weight, p2p))
+    assert zb.makespan == pytest.approx(sum(forward) + sum(b - w for b, w in zip(backward, weight)) + weight[0] + 4 * p2p)
+
+
+def test_simulated_actions_respect_order_and_never_overlap():
+    result = simulate(build_schedule("interleaved", 4, 8, 2), ActionCosts(0.5, 1.0, 0.0, p2p=0.1))
+    for rank in result.timelines:
+        for before, after in zip(rank, rank[1:]):
+            assert before.end <= after.start + 1e-12
+    assert result.busy == pytest.approx([8 * 2 * (0.5 + 1.0)] * 4)
+
+
+@pytest.mark.parametrize("costs", [
+    ActionCosts(weight_grad=3.0),
+    ActionCosts(forward=[1.0, 2.0]),
+    ActionCosts(p2p=-1.0),
+])
+def test_bad_costs_are_refused(costs):
+    with pytest.raises(ConfigError, match="costs"):
+        simulate(build_schedule("1f1b", 4, 8), costs)
+
+
+def test_bubble_of_a_measured_timeline():
+    measured = [[(0.0, 2.0, "F", 0), (3.0, 4.0, "B", 0)], [(1.0, 4.0, "F", 0)]]
+    assert bubble_fraction(measured) == pytest.approx(1 - 6 / 8)
+
+
+# ---------------------------------------------------------------- drawing and the command
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_draws_a_measured_timeline_beside_the_simulated_one(tmp_path):
+    simulated = simulate(build_schedule("zb-h1", 2, 3), ZB_COSTS).segments()
+    measured = [[(0.0, 0.01, "F", 0), (0.02, 0.03, "B", 0), (0.03, 0.04, "W", 0)],
+                [(0.01, 0.02, "F", 0), (0.02, 0.025, Kind.BACKWARD, 0)]]
+    one = draw_timelines([("simulated", simulated)], tmp_path / "one.png")
+    two = draw_timelines([("simulated", simulated), ("measured", measured)], tmp_path / "two.png")
+    (w1, h1), (w2, h2) = _png_size(one), _png_size(two)
+    assert w1 == w2 and h2 > h1
+
+
+def _run(capsys, *args):
+    code = main(["schedule", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_command_json(capsys, tmp_path):
+    code, out, _ = _run(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json",
+                        "--out", str(tmp_path / "t.png"))
+    assert code == 0
+    result = json.loads(out)
+    assert result["bubble_fraction"] == pytest.approx(3 / 11)
+    assert result["peak_activations"] == [4, 3, 2, 1]
+    assert (result["schedule"], result["pp"], result["microbatches"], result["virtual_stages"]) == ("1f1b", 4, 8, 1)
+    assert _png_size(tmp_path / "t.png")[0] > 0
+
+
+def test_command_table(capsys):
+    code, out, _ = _run(capsys, "--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2")
+    assert code == 0
+    assert f"bubble {3 / 19:.1%}" in out and "5.5" in out
+
+
+@pytest.mark.parametrize("args", [
+    ["--pp", "0"],
+    ["--schedule", "nope"],
+    ["--schedule", "1f1b", "--virtual-stages", "2"],
+    ["--schedule", "interleaved", "--pp", "1", "--virtual-stages", "2"],
+    ["--microbatches", "-1"],
+])
+def test_command_refuses_bad_input_in_one_line(capsys, args):
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if "rror" in line]) == 1
