@@ -6,6 +6,9 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Any
+
 import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
@@ -89,18 +92,18 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * matmul_param_count(cfg) + 3.0 * attention_flops_per_token(cfg)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
-    """FLOPs the GPU actually executes per token, including the recomputed forward.
+def recompute_flops_per_token(cfg: ModelConfig) -> tuple[float, float, float]:
+    """Extra forward FLOPs per token that recomputation executes, for each of RECOMPUTE.
 
     full: every block's forward runs twice (the logits are not recomputed);
     selective: the attention core's forward runs twice (Korthikanti et al. 2022).
     """
-    extra = {"none": 0.0,
-             "selective": attention_flops_per_token(cfg),
-             "full": 2.0 * cfg.layers * block_param_count(cfg) + attention_flops_per_token(cfg)}
-    if recompute not in extra:
-        raise ConfigError(f"--recompute: must be none, selective or full, got {recompute!r}")
-    return model_flops_per_token(cfg) + extra[recompute]
+    return 0.0, attention_flops_per_token(cfg), 2.0 * cfg.layers * block_param_count(cfg) + attention_flops_per_token(cfg)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
+    """FLOPs the GPU executes per token including the recomputed forward (for HFU)."""
+    return model_flops_per_token(cfg) + recompute_flops_per_token(cfg)[_index(RECOMPUTE, recompute, "--recompute")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,3 +142,340 @@ def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4
         "grads": _scalar_or_array(numel * grad_bytes / np.where(zero >= 2, dp, 1)),
         "optimizer": _scalar_or_array(numel * optimizer_bytes / np.where(zero >= 1, dp, 1)),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ATTENTION = ("flash", "eager")
+
+
+@dataclass
+class Layout:
+    """One parallel layout, or (numpy arrays in every field) many of them.
+
+    ``recompute`` and ``schedule`` are indices into RECOMPUTE and SCHEDULES so that arrays of
+    layouts stay numeric; ``Layout.named`` builds one from names.
+    """
+    tp: Any = 1
+    pp: Any = 1
+    dp: Any = 1
+    cp: Any = 1
+    zero: Any = 0
+    micro_batch: Any = 1
+    virtual_stages: Any = 1
+    sequence_parallel: Any = False
+    recompute: Any = 0
+    schedule: Any = 1
+
+    @classmethod
+    def named(cls, recompute: str = "none", schedule: str = "1f1b", **sizes) -> "Layout":
+        return cls(recompute=_index(RECOMPUTE, recompute, "--recompute"),
+                   schedule=_index(SCHEDULES, schedule, "--schedule"), **sizes)
+
+    @property
+    def num_gpus(self):
+        return self.tp * self.pp * self.dp * self.cp
+
+    def take(self, index) -> "Layout":
+        """The layouts at ``index`` of an array-valued Layout."""
+        return Layout(**{f.name: np.asarray(getattr(self, f.name))[index] for f in fields(self)})
+
+    def describe(self, i: int | None = None) -> str:
+        """``TP=8 PP=16 DP=8 mb=1 zero=1 SP selective 1f1b``: one layout (element ``i`` of an array)."""
+        v = {f.name: (np.asarray(getattr(self, f.name))[i] if i is not None else getattr(self, f.name))
+             for f in fields(self)}
+        parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
+        if int(v["cp"]) > 1:
+            parts.append(f"CP={int(v['cp'])}")
+        parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
+        if bool(v["sequence_parallel"]):
+            parts.append("SP")
+        parts.append(RECOMPUTE[int(v["recompute"])])
+        if int(v["pp"]) > 1:
+            schedule = SCHEDULES[int(v["schedule"])]
+            parts.append(f"{schedule} v={int(v['virtual_stages'])}" if schedule == "interleaved" else schedule)
+        return " ".join(parts)
+
+
+def _index(names: tuple[str, ...], name: str, flag: str) -> int:
+    if name not in names:
+        raise ConfigError(f"{flag}: must be one of {', '.join(names)}, got {name!r}")
+    return names.index(name)
+
+
+def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus: int) -> None:
+    """Raise ConfigError, one line, for a scalar layout that cannot run this model on these GPUs."""
+    t, p, d, c, b, v = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
+                                        layout.virtual_stages))
+    schedule = SCHEDULES[int(layout.schedule)]
+    for flag, value in (("--tp", t), ("--pp", p), ("--dp", d), ("--cp", c), ("--micro-batch", b),
+                        ("--virtual-stages", v), ("--global-batch", global_batch), ("--num-gpus", num_gpus)):
+        if value < 1:
+            raise ConfigError(f"{flag}: must be a positive integer, got {value}")
+    if int(layout.zero) not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero: must be 0, 1, 2 or 3, got {int(layout.zero)}")
+    if t * p * d * c != num_gpus:
+        raise ConfigError(f"--tp × --pp × --dp × --cp = {t}×{p}×{d}×{c} = {t * p * d * c}, not --num-gpus {num_gpus}")
+    if model.heads % t or model.n_kv_heads % t:
+        raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
+    if model.ffn_hidden % t:
+        raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
+    if p * v > model.layers:
+        raise ConfigError(f"--pp × --virtual-stages = {p * v} is more than the model's {model.layers} layers")
+    if model.seq_len % c:
+        raise ConfigError(f"--cp: {c} does not divide the sequence length {model.seq_len}")
+    if global_batch % (d * b):
+        raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
+    if layout.sequence_parallel and t == 1:
+        raise ConfigError("--sequence-parallel: needs --tp > 1")
+    if (schedule == "interleaved") != (v > 1):
+        raise ConfigError(f"--virtual-stages: {v} with --schedule {schedule}; interleaved needs 2 or more, "
+                          "other schedules 1")
+    microbatches = global_batch // (d * b)
+    if schedule == "interleaved" and microbatches % p:
+        raise ConfigError(f"--schedule interleaved: {microbatches} micro-batches is not a multiple of --pp {p}")
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model of a training step
+# --------------------------------------------------------------------------------------------
+
+PARAM_BYTES = 2  # 16-bit weights used in forward and backward
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam's two fp32 moments
+# grad_bytes 4 (fp32 gradients, as Megatron's main_grad and FSDP's fp32 reduction keep them):
+# 2 + 4 + 12 = 18 bytes per parameter; grad_bytes 2 (16-bit gradients): the classic 16.
+# HBM bytes moved by the memory-bound (non-matmul) kernels, per byte of activations a layer stores:
+# each is written and read in forward, read again in backward, and its gradient written and read.
+ELEMENTWISE_PASSES = 6
+BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
+RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the model, the global batch in sequences, and numeric choices."""
+    model: ModelConfig
+    global_batch: int
+    attention: str = "flash"  # flash: never stores the s×s scores; eager: stores them (Megatron 2021-22)
+    grad_bytes: int = 4
+
+
+def activation_coefficients(model: ModelConfig, attention: str) -> dict:
+    """Bytes stored per token per layer for the backward pass, by how TP shards them.
+
+    replicated: held whole on every TP rank unless sequence parallelism splits them;
+    sharded:    split over TP ranks (heads, FFN columns);
+    core:       the attention core's internals: the s×s scores in eager mode, flash's fp32
+                log-sum-exp per head otherwise; dropped by selective recomputation;
+    embedding:  stored by the embedding layer per token (GPT's dropout mask).
+    GPT (Korthikanti et al. 2022, 16-bit activations, 1-byte dropout masks): LayerNorm inputs 4h,
+    QKV and MLP inputs 4h, two dropout masks 2h replicated; Q, K, V and the attention output
+    4q + 4k, GELU input and output 4f sharded; eager scores: softmax 2as, dropout mask as, dropout
+    output 2as. Our Llama block (no dropout): RMSNorm inputs and outputs 8h replicated;
+    Q, K, V and output 4q + 4k; SwiGLU's gate, up, silu(gate) and product 8f; eager: softmax 2as.
+    """
+    h, f, a, s = model.hidden, model.ffn_hidden, model.heads, model.seq_len
+    q, kv = attention_width(model)
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention: must be flash or eager, got {attention!r}")
+    eager = attention == "eager"
+    if model.arch == "llama":
+        return dict(replicated=8 * h, sharded=4 * q + 4 * kv + 8 * f, core=2 * a * s if eager else 4 * a, embedding=0)
+    return dict(replicated=10 * h, sharded=4 * q + 4 * kv + 4 * f, core=5 * a * s if eager else 4 * a, embedding=h)
+
+
+def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
+    """Idle fraction of a pipeline step at uniform stage costs, in closed form.
+
+    GPipe and 1F1B (p−1)/(m+p−1) (Huang et al. 2019; Narayanan et al. 2021); interleaved 1F1B
+    (p−1)/(v·m+p−1) (Narayanan et al. 2021); ZB-H1 with f = b = w: (p−1)/(3m+p−1), a third of
+    1F1B's bubble time (Qi et al. 2023). ``schedule`` is an index into SCHEDULES or a name.
+    """
+    if isinstance(schedule, str):
+        schedule = _index(SCHEDULES, schedule, "--schedule")
+    slots, work = _bubble_slots(np.asarray(schedule), np.asarray(pp), np.asarray(microbatches),
+                                np.asarray(virtual_stages))
+    return _scalar_or_array(slots / (work + slots))
+
+
+def _bubble_slots(schedule, p, m, v):
+    """(idle slots, busy slots) on a rank, a slot being one micro-batch through one model chunk."""
+    idle = np.where(schedule == SCHEDULES.index("zb-h1"), (p - 1) / 3, p - 1)
+    return idle, v * m
+
+
+def _ring_time(bytes_sent, steps, link_bw, latency):
+    """Seconds for a ring collective: latency per step plus the bytes each rank sends over the link."""
+    return steps * latency + bytes_sent / link_bw
+
+
+def estimate(work: Workload, layout: Layout, gpu) -> dict:
+    """Memory, communication and time of one training step, for one layout or arrays of them.
+
+    Returns a flat dict of numbers (or arrays): see ``RESULT_KEYS`` in report.py for the JSON
+    shape. The GPU reported is the one on the busiest pipeline stage (the last, which also
+    computes the logits); memory is that of the fuller of the first and last stages.
+    """
+    cfg = work.model
+    L, h, s, V = cfg.layers, cfg.hidden, cfg.seq_len, _require_vocab(cfg)
+    q, kv = attention_width(cfg)
+    t, p, d, c = (np.asarray(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp))
+    zero, b, v = np.asarray(layout.zero), np.asarray(layout.micro_batch), np.asarray(layout.virtual_stages)
+    sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
+                               np.asarray(layout.schedule))
+    full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
+    gpipe, interleaved = schedule == SCHEDULES.index("gpipe"), schedule == SCHEDULES.index("interleaved")
+    single_stage = p == 1
+    num_gpus = t * p * d * c
+    m = work.global_batch / (d * b)  # micro-batches per replica per step
+    tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
+    stage_layers = np.ceil(L / p)
+    seq_split = np.where(sp, t, 1)
+    replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
+
+    # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
+    coef = activation_coefficients(cfg, work.attention)
+    layer_kept = tokens * (coef["replicated"] / seq_split + coef["sharded"] / t)
+    layer_all = layer_kept + tokens * coef["core"] / t
+    per_layer = np.where(full, tokens * 2 * h / seq_split, np.where(selective, layer_kept, layer_all))
+    # Micro-batches whose activations a stage holds at its peak (first stage; last stage).
+    in_flight_first = np.where(gpipe, m, np.minimum(p, m) * np.where(interleaved, 1 + (p - 1) / (p * v), 1))
+    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * p + 1) / v, 1))
+    in_flight_first, in_flight_last = np.where(single_stage, 1, in_flight_first), np.where(single_stage, 1, in_flight_last)
+    recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
+    block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
+    block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
+    embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
+    logits_act = tokens * (4 * h / seq_split + 4 * V / t)  # final-norm and head inputs, fp32 log-probs
+    act_first = block_act_first + embedding_act + np.where(single_stage, logits_act, 0)
+    act_last = np.where(single_stage, act_first, block_act_last + logits_act)
+
+    # ---- model states ------------------------------------------------------------------------
+    block_params = block_param_count(cfg)
+    final_norm = h if cfg.arch == "llama" else 2 * h
+    block_numel = stage_layers * block_params / t
+    embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
+    head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
+    whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
+    first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel)
+    last_numel = np.where(single_stage, whole_numel, block_numel + head_numel)
+    gathered_params = np.where(zero == 3, 2 * block_params / t * PARAM_BYTES, 0)  # ZeRO-3: current + prefetched block
+    gathered_grads = np.where(zero == 3, block_params / t * work.grad_bytes, 0)
+
+    def states(numel):
+        st = model_state_bytes(numel, replicas, zero, PARAM_BYTES, work.grad_bytes, OPTIMIZER_BYTES)
+        return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
+
+    first_states, last_states = states(first_numel), states(last_numel)
+    block_states = sum(model_state_bytes(block_numel, replicas, zero, PARAM_BYTES, work.grad_bytes,
+                                         OPTIMIZER_BYTES).values())
+    total_first = sum(first_states) + act_first
+    total_last = sum(last_states) + act_last
+    last_fuller = total_last > total_first
+    params, grads, optimizer = (np.where(last_fuller, lst, fst) for fst, lst in zip(first_states, last_states))
+    activations = np.where(last_fuller, act_last, act_first)
+    memory_total = np.maximum(total_first, total_last) + RESERVED_BYTES
+
+    # ---- compute on the busiest stage, per micro-batch ----------------------------------------
+    attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
+    layer_forward = 2 * block_params + attention_executed
+    layer_flops = 3 * layer_forward + np.where(full, layer_forward, np.where(selective, attention_executed, 0))
+    stage_flops = tokens / t * (stage_layers * layer_flops + 6 * V * h)  # the last stage computes the logits
+    rate = gpu.peak_flops * gpu.matmul_efficiency
+    math_s = stage_flops / rate
+    traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
+                                                    + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
+               + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
+    memory_bound_s = traffic / (gpu.hbm_bw * gpu.hbm_efficiency)
+
+    def link(group_span):
+        """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks."""
+        intra = group_span <= gpu.gpus_per_node
+        return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, gpu.inter_node_bw * gpu.inter_link_efficiency),
+                np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
+
+    # ---- tensor parallel, per layer in all-reduce equivalents: 2 forward, 2 backward, 2 more to
+    # recompute. Sequence parallelism turns each into a reduce-scatter + all-gather pair (same bytes)
+    # and all-gathers the two column-parallel inputs again in backward: one more (Korthikanti §4.2.2).
+    tp_message = tokens * h * PARAM_BYTES
+    tp_collectives = stage_layers * (4 + 2 * full + sp) + np.where(single_stage, 2, 1)  # + embedding or head
+    tp_bw, tp_lat = link(t)
+    tp_sent_mb = tp_collectives * 2 * (t - 1) / t * tp_message
+    tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, tp_collectives * 2 * (t - 1), tp_bw, tp_lat), 0)
+    tp_bytes = m * tp_sent_mb
+
+    # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
+    cp_collectives = stage_layers * (3 + full)
+    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * PARAM_BYTES / t)
+    cp_bw, cp_lat = link(t * c)
+    cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
+    attention_s = tokens / t * stage_layers * 3 * attention_executed / rate
+    cp_exposed_mb = np.maximum(0, cp_mb_s - attention_s)  # ring attention overlaps with the core
+    cp_bytes = m * cp_sent_mb
+
+    # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
+    pp_message = tokens * h * PARAM_BYTES / t  # Megatron's scatter/gather: each TP rank sends its slice
+    pp_bw, pp_lat = link(num_gpus)
+    p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
+    pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
+    idle_slots, busy_slots = _bubble_slots(schedule, p, m, v)
+    mb_s = math_s + memory_bound_s + tp_mb_s + cp_exposed_mb
+    slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
+    bubble_s = idle_slots * slot_s
+    pipeline_s = busy_slots * slot_s + bubble_s
+
+    # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
+    dp_bytes = dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
+    dp_bw, dp_lat = link(t * c * d)
+    # Collectives per step: DDP and ZeRO-1/2 reduce (and gather) in buckets; ZeRO-3 gathers and
+    # reduce-scatters block by block (FSDP's unit), three times per micro-batch.
+    buckets = np.maximum(1, np.ceil(last_numel * work.grad_bytes / BUCKET_BYTES))
+    collectives = np.where(zero == 0, buckets, np.where(zero == 3, 3 * m * (stage_layers + 1), 2 * buckets))
+    ring_steps = np.where(zero == 0, 2, 1) * (replicas - 1)
+    dp_s = np.where(replicas > 1, _ring_time(dp_bytes, collectives * ring_steps, dp_bw, dp_lat), 0)
+    grad_share = np.where(zero == 0, 1.0, work.grad_bytes / (work.grad_bytes + PARAM_BYTES))
+    grad_s, gather_s = dp_s * grad_share, dp_s * (1 - grad_share)
+    one_collective_s = dp_s / collectives
+    backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
+    # Overlap: gradients reduce during the last micro-batch's backward and parameters gather
+    # during the first one's forward, except one bucket each; ZeRO-3 prefetches the next block
+    # while computing this one, so only what exceeds each micro-batch's compute, and the first
+    # gather, are exposed.
+    bucketed = (np.maximum(grad_s - backward_s, one_collective_s)
+                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
+    block_wise = m * np.maximum(0, dp_s / m - mb_s) + one_collective_s
+    dp_exposed_s = np.where(replicas > 1, np.where(zero == 3, block_wise, bucketed), 0)
+
+    # ---- optimizer: memory-bound passes over this rank's share of the states: Adam reads the
+    # master weights, both moments and the gradient and writes them back with the 16-bit copy
+    # (26 bytes + the gradient); the gradient norm reads the gradients, zeroing them writes them.
+    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1)
+    optimizer_s = optimizer_numel * (26 + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
+
+    step_s = pipeline_s + dp_exposed_s + optimizer_s
+    step_tokens = work.global_batch * s
+    model_flops = model_flops_per_token(cfg) * step_tokens
+    hardware_flops = model_flops + np.choose(recompute, recompute_flops_per_token(cfg)) * step_tokens
+    result = dict(
+        num_gpus=num_gpus, microbatches=m, step_time_s=step_s, tokens_per_s=step_tokens / step_s,
+        tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,
+        mfu=model_flops / (step_s * num_gpus * gpu.peak_flops),
+        hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
+        bubble_fraction=idle_slots / (busy_slots + idle_slots),
+        params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activations_bytes=activations,
+        memory_bytes=memory_total, reserved_bytes=memory_total * 0 + RESERVED_BYTES, fits=memory_total <= gpu.hbm_bytes,
+        block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
+        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
+        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
+        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_mb_s,
+        cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
+        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
+        tp_crosses_nodes=(t > gpu.gpus_per_node) & (t > 1),
+    )
+    result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
+    return {key: _scalar_or_array(value) if key not in ("fits", "tp_crosses_nodes") else
+            (bool(value) if np.ndim(value) == 0 else value) for key, value in result.items()}

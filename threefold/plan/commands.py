@@ -1,0 +1,201 @@
+"""``threefold estimate`` (one layout, or a JSONL file of them) and ``threefold plan`` (search).
+
+Flags and JSON keys are those of DESIGN.md's "Interfaces others rely on". In ``--batch`` mode each
+input line is an object whose keys are the flags' long names with underscores; flags given on
+the command line are the defaults every line starts from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+from rich.console import Console
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.models.presets import PRESETS, get_preset
+from threefold.plan import costs, report, search
+from threefold.plan.hardware import CATALOG, get_gpu
+
+# Flag → ModelConfig field, for the model's shape.
+MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+                "ffn": "ffn", "vocab": "vocab_size", "seq_len": "seq_len", "tie_embeddings": "tie_embeddings"}
+REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
+
+
+def _model_options(command):
+    options = [
+        click.option("--model", type=click.Choice(list(PRESETS)), help="A named model; the shape flags below override it."),
+        click.option("--arch", type=click.Choice(["llama", "gpt"]),
+                     help="llama: RMSNorm, SwiGLU, rotary (default). gpt: LayerNorm, GELU MLP, learned positions."),
+        click.option("--layers", type=int), click.option("--hidden", type=int), click.option("--heads", type=int),
+        click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention); default: --heads."),
+        click.option("--ffn", type=int, help="FFN width; default 4·hidden (gpt) or Llama's ~8/3·hidden."),
+        click.option("--vocab", type=int), click.option("--seq-len", type=int),
+        click.option("--tie-embeddings/--no-tie-embeddings", default=None),
+        click.option("--global-batch", type=int, help="Sequences per optimizer step."),
+        click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`)."),
+        click.option("--num-gpus", type=int),
+        click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
+        click.option("--attention", type=click.Choice(costs.ATTENTION), default="flash", show_default=True,
+                     help="flash never stores the s×s scores; eager stores them (Megatron 2021-22)."),
+        click.option("--grad-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                     help="Gradients kept in fp32 (18 bytes of model state per parameter) or bf16 (16)."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def build_model(o: dict) -> ModelConfig:
+    if o.get("model"):
+        cfg = get_preset(o["model"])
+    else:
+        missing = [flag for flag in REQUIRED_WITHOUT_PRESET if o.get(flag) is None]
+        if missing:
+            raise ConfigError(f"--{missing[0].replace('_', '-')}: required unless --model PRESET is given")
+        cfg = ModelConfig(arch=o.get("arch") or "llama")
+    cfg = dataclasses.replace(cfg, **{field: o[flag] for flag, field in MODEL_FIELDS.items() if o.get(flag) is not None})
+    cfg.validate()
+    if cfg.vocab_size is None:
+        raise ConfigError("--vocab: required: the preset leaves the vocabulary to the tokenizer")
+    return cfg
+
+
+def build_workload(o: dict) -> tuple[costs.Workload, object]:
+    """The model, batch and GPU of a command's options."""
+    if o.get("global_batch") is None:
+        raise ConfigError("--global-batch: required (sequences per optimizer step)")
+    if o.get("gpu") is None:
+        raise ConfigError(f"--gpu: required, one of {', '.join([*CATALOG, 'local'])}")
+    work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
+                          grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2)
+    return work, get_gpu(o["gpu"]).with_gpus_per_node(o.get("gpus_per_node"))
+
+
+def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
+    """The layout and GPU count of estimate's options; --dp or --num-gpus may be left out."""
+    tp, pp, cp = o.get("tp") or 1, o.get("pp") or 1, o.get("cp") or 1
+    dp, num_gpus = o.get("dp"), o.get("num_gpus")
+    if num_gpus is None:
+        dp = dp or 1
+        num_gpus = tp * pp * cp * dp
+    elif dp is None:
+        if num_gpus % (tp * pp * cp):
+            raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
+        dp = num_gpus // (tp * pp * cp)
+    schedule = o.get("schedule") or "1f1b"
+    virtual = o.get("virtual_stages") or (2 if schedule == "interleaved" else 1)
+    layout = costs.Layout.named(recompute=o.get("recompute") or "none", schedule=schedule, tp=tp, pp=pp, dp=dp, cp=cp,
+                                zero=o.get("zero") or 0, micro_batch=o.get("micro_batch") or 1,
+                                virtual_stages=virtual, sequence_parallel=bool(o.get("sequence_parallel")))
+    costs.check_layout(work.model, layout, work.global_batch, num_gpus)
+    return layout, num_gpus
+
+
+def evaluate(o: dict) -> dict:
+    """One layout's estimate as JSON, from estimate's options."""
+    work, gpu = build_workload(o)
+    layout, _ = build_layout(o, work)
+    return report.result_json(costs.estimate(work, layout, gpu), layout)
+
+
+def _title(o: dict, work: costs.Workload, num_gpus: int, gpu) -> str:
+    name = o.get("model") or f"{work.model.arch} {costs.param_count(work.model) / 1e9:.1f}B"
+    return f"{name} on {num_gpus}× {gpu.name}, global batch {work.global_batch} × {work.model.seq_len} tokens"
+
+
+def _batch_line(text: str, defaults: dict, params: dict) -> dict:
+    """Options of one --batch line: the command line's, overridden by the line's keys."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"not a JSON object ({err})") from None
+    if not isinstance(line, dict):
+        raise ConfigError("not a JSON object")
+    options = dict(defaults)
+    for key, value in line.items():
+        if key not in params:
+            raise ConfigError(f"{key}: unknown key (keys are estimate's flags with underscores)")
+        try:
+            options[key] = None if value is None else params[key].type.convert(value, params[key], None)
+        except click.BadParameter as err:
+            raise ConfigError(f"{key}: {err.format_message()}") from None
+    return options
+
+
+@click.command()
+@_model_options
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
+@click.option("--dp", type=int, help="Data-parallel size; default: --num-gpus / (tp·pp·cp).")
+@click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel size.")
+@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=False)
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--recompute", type=click.Choice(costs.RECOMPUTE), default="none", show_default=True)
+@click.option("--schedule", type=click.Choice(costs.SCHEDULES), default="1f1b", show_default=True)
+@click.option("--batch", "batch_file", type=click.File("r"),
+              help="Evaluate every JSON line of this file; print one JSON line each, in order.")
+@click.option("--list-gpus", is_flag=True, help="List the GPUs of the catalog and exit.")
+@click.pass_context
+def estimate(ctx, as_json, batch_file, list_gpus, **options):
+    """Predict memory, communication and step time of one layout."""
+    console = Console()
+    if list_gpus:
+        gpus = list(CATALOG.values())
+        try:
+            gpus.append(get_gpu("local"))
+        except ConfigError:
+            pass  # no calibrated profile: the table lists the catalog only
+        console.print(report.gpu_table(gpus))
+        if len(gpus) == len(CATALOG):
+            console.print("local: not measured yet; run `threefold calibrate`")
+        return
+    if batch_file is not None:
+        params = {p.name: p for p in ctx.command.params if p.name in options}
+        for text in batch_file:
+            if not text.strip():
+                continue
+            try:
+                result = evaluate(_batch_line(text, options, params))
+            except ConfigError as err:
+                result = {"error": str(err)}
+            click.echo(json.dumps(result))
+        return
+    work, gpu = build_workload(options)
+    layout, num_gpus = build_layout(options, work)
+    result = report.result_json(costs.estimate(work, layout, gpu), layout)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {layout.describe()}"):
+        console.print(table)
+
+
+@click.command()
+@_model_options
+@click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many layouts to show.")
+def plan(as_json, top, **options):
+    """Search layouts for the fastest one that fits."""
+    work, gpu = build_workload(options)
+    if options.get("num_gpus") is None:
+        raise ConfigError("--num-gpus: required")
+    found = search.search(work, gpu, options["num_gpus"])
+    best = found.ranked(top)
+    if as_json:
+        click.echo(json.dumps({"evaluated": found.count, "seconds": found.seconds, "layouts_per_s": found.rate,
+                               "fitting": found.fitting, "layouts": [dict(r, why=why) for r, why in best]}))
+        return
+    console = Console()
+    console.print(f"Evaluated {found.count:,} layouts in {found.seconds:.3f} s ({found.rate:,.0f} layouts/s); "
+                  f"{found.fitting:,} fit in {gpu.hbm_bytes / 2**30:.0f} GiB.")
+    if not best:
+        raise ConfigError(f"--num-gpus: no layout of this model fits on {options['num_gpus']} × {gpu.name}"
+                          f"{found.closest_miss()}")
+    console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
+                                    _title(options, work, options["num_gpus"], gpu)))
+    for line in found.notes():
+        console.print(line)

@@ -1,0 +1,108 @@
+"""How the planner's numbers are shown: the JSON shape of one estimate, and rich tables."""
+from __future__ import annotations
+
+import numpy as np
+from rich.table import Table
+
+from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout
+
+GiB = 2**30
+
+# Seconds of one step, by where they go; they add up to step_time_s.
+TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer")
+
+
+def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
+    """One layout's estimate (element ``i`` of array-valued ones) as the JSON DESIGN.md promises."""
+    def get(key):
+        value = est[key] if i is None else np.asarray(est[key])[i]
+        return value.item() if isinstance(value, np.generic) else value
+
+    def lay(name):
+        value = getattr(layout, name)
+        return (value if i is None else np.asarray(value)[i]).item() if hasattr(value, "item") else value
+
+    memory = {part: get(f"{part}_bytes") / GiB for part in ("params", "grads", "optimizer", "activations")}
+    memory["reserved"] = get("reserved_bytes") / GiB
+    memory["total"] = get("memory_bytes") / GiB
+    return {
+        "layout": {"tp": int(lay("tp")), "pp": int(lay("pp")), "dp": int(lay("dp")), "cp": int(lay("cp")),
+                   "zero": int(lay("zero")), "micro_batch": int(lay("micro_batch")),
+                   "virtual_stages": int(lay("virtual_stages")), "sequence_parallel": bool(lay("sequence_parallel")),
+                   "recompute": RECOMPUTE[int(lay("recompute"))], "schedule": SCHEDULES[int(lay("schedule"))]},
+        "num_gpus": int(get("num_gpus")), "microbatches": int(get("microbatches")),
+        "step_time_s": get("step_time_s"), "tokens_per_s": get("tokens_per_s"), "tflops_per_gpu": get("tflops_per_gpu"),
+        "mfu": get("mfu"), "hfu": get("hfu"), "bubble_fraction": get("bubble_fraction"), "fits": bool(get("fits")),
+        "memory_gib": memory,
+        "comm": {key: get(key) for key in ("dp_bytes", "tp_bytes", "pp_bytes", "cp_bytes", "dp_s", "tp_s", "pp_s", "cp_s",
+                                           "exposed_s")},
+        "time_s": {part: get(f"{part}_s") for part in TIME_PARTS},
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def estimate_tables(result: dict, title: str) -> list[Table]:
+    """Throughput, where the step's time goes, memory per GPU and communication per GPU."""
+    summary = Table(title=title, show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    for label, value in (("step time", f"{result['step_time_s']:.3f} s"),
+                         ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
+                         ("TFLOP/s per GPU (model)", f"{result['tflops_per_gpu']:.1f}"),
+                         ("MFU / HFU", f"{result['mfu']:.1%} / {result['hfu']:.1%}"),
+                         ("micro-batches per replica", f"{result['microbatches']}"),
+                         ("pipeline bubble", f"{result['bubble_fraction']:.1%}"),
+                         ("fits in memory", "yes" if result["fits"] else "[red]no[/red]")):
+        summary.add_row(label, value)
+
+    time = Table(title="Where the step's time goes")
+    time.add_column("part")
+    time.add_column("seconds", justify="right")
+    time.add_column("share", justify="right")
+    for part, seconds in result["time_s"].items():
+        time.add_row(part.replace("_", " "), f"{seconds:.3f}", f"{seconds / result['step_time_s']:.1%}")
+
+    memory = Table(title="Memory per GPU (fuller pipeline stage)")
+    memory.add_column("part")
+    memory.add_column("GiB", justify="right")
+    for part, gib in result["memory_gib"].items():
+        memory.add_row(part, f"{gib:.2f}")
+
+    comm = Table(title="Communication per GPU per step")
+    comm.add_column("axis")
+    comm.add_column("bytes sent", justify="right")
+    comm.add_column("seconds", justify="right")
+    for axis in ("dp", "tp", "pp", "cp"):
+        comm.add_row(axis.upper(), _bytes(result["comm"][f"{axis}_bytes"]), f"{result['comm'][f'{axis}_s']:.3f}")
+    comm.add_row("exposed", "", f"{result['comm']['exposed_s']:.3f}")
+    return [summary, time, memory, comm]
+
+
+def gpu_table(gpus) -> Table:
+    table = Table(title="GPUs the planner knows (--gpu NAME)")
+    for column in ("name", "TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff", "what"):
+        table.add_column(column, justify="left" if column in ("name", "what") else "right")
+    for gpu in gpus:
+        table.add_row(gpu.name, f"{gpu.peak_flops / 1e12:,.0f}", f"{gpu.hbm_bytes / GiB:.0f}", f"{gpu.hbm_bw / 1e12:.2f}",
+                      f"{gpu.intra_node_bw / 1e9:,.0f}", f"{gpu.inter_node_bw / 1e9:,.0f}", str(gpu.gpus_per_node),
+                      f"{gpu.matmul_efficiency:.2f}", gpu.description)
+    table.caption = ("TFLOP/s: dense 16-bit peak; node/net: bandwidth per GPU, one direction, within a node "
+                     "and across nodes; matmul eff: the fraction of peak large GEMMs reach")
+    return table
+
+
+def plan_table(results: list[dict], reasons: list[str], title: str) -> Table:
+    table = Table(title=title)
+    for column, justify in (("#", "right"), ("layout", "left"), ("step s", "right"), ("MFU", "right"),
+                            ("bubble", "right"), ("GiB/GPU", "right"), ("why", "left")):
+        table.add_column(column, justify=justify)
+    for rank, (result, reason) in enumerate(zip(results, reasons), 1):
+        table.add_row(str(rank), result["describe"], f"{result['step_time_s']:.2f}", f"{result['mfu']:.1%}",
+                      f"{result['bubble_fraction']:.0%}", f"{result['memory_gib']['total']:.1f}", reason)
+    return table

@@ -1,0 +1,162 @@
+"""Search the layouts of a model on a cluster: enumerate, drop what cannot run or does not fit,
+rank by step time, and say in one line why each of the best wins or loses.
+
+Every candidate is a row of numpy arrays and the cost model evaluates them all in one call,
+which is what makes a full search of GPT-3 175B on 1024 GPUs take a fraction of a second.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from threefold.plan import costs, report
+from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout, Workload
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+CONTEXT_PARALLEL = (1, 2, 4, 8)
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(work: Workload, num_gpus: int) -> Layout:
+    """Every layout that can run the model on ``num_gpus`` GPUs, as arrays.
+
+    TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
+    layer count; CP: 1-8 dividing the sequence; DP fills the rest. Then every ZeRO stage,
+    micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
+    (interleaved with 2-8 chunks per rank; pipelines only when PP > 1).
+    """
+    cfg = work.model
+    grids = []
+    for tp, pp, cp in itertools.product(_divisors(num_gpus), repeat=3):
+        if (tp & (tp - 1) or tp * pp * cp > num_gpus or num_gpus % (tp * pp * cp) or cfg.heads % tp
+                or cfg.n_kv_heads % tp or cfg.ffn_hidden % tp or pp > cfg.layers or cp not in CONTEXT_PARALLEL
+                or cfg.seq_len % cp):
+            continue
+        dp = num_gpus // (tp * pp * cp)
+        micro = [b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0]
+        if pp == 1:
+            pipelines = [(SCHEDULES.index("1f1b"), 1)]
+        else:
+            pipelines = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b", "zb-h1")]
+            pipelines += [(SCHEDULES.index("interleaved"), v) for v in VIRTUAL_STAGES if pp * v <= cfg.layers]
+        for b, (schedule, v), sp in itertools.product(micro, pipelines, (False, True) if tp > 1 else (False,)):
+            if v > 1 and (work.global_batch // (dp * b)) % pp:
+                continue  # interleaving needs whole rounds of micro-batches
+            grids.append((tp, pp, dp, cp, b, v, sp, schedule))
+    if not grids:
+        return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
+    base = np.array(grids, dtype=np.int64)
+    # Every base row with every ZeRO stage and recomputation mode.
+    repeat = 4 * len(RECOMPUTE)
+    rows = np.repeat(base, repeat, axis=0)
+    zero = np.tile(np.repeat(np.arange(4), len(RECOMPUTE)), len(base))
+    recompute = np.tile(np.arange(len(RECOMPUTE)), 4 * len(base))
+    tp, pp, dp, cp, b, v, sp, schedule = rows.T
+    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
+                  sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule)
+
+
+@dataclass
+class SearchResult:
+    work: Workload
+    gpu: object
+    layouts: Layout
+    est: dict
+    order: np.ndarray  # indices of fitting layouts, fastest first
+    count: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def fitting(self) -> int:
+        return len(self.order)
+
+    def ranked(self, top: int) -> list[tuple[dict, str]]:
+        """The ``top`` fastest distinct layouts (JSON, with ``describe``) and why each wins or loses."""
+        shown = self.order[:top]
+        out = []
+        for i in shown:
+            result = report.result_json(self.est, self.layouts, int(i))
+            result["describe"] = self.layouts.describe(int(i))
+            out.append((result, self.explain(int(i))))
+        return out
+
+    def _get(self, key: str, i: int) -> float:
+        return float(np.asarray(self.est[key])[i])
+
+    def _phrase(self, part: str, i: int) -> str:
+        """One clause saying what ``part`` of layout ``i``'s step time comes from."""
+        lay = {f.name: int(np.asarray(getattr(self.layouts, f.name))[i]) for f in fields(Layout)}
+        seconds = self._get(f"{part}_s", i)
+        if part == "bubble":
+            return (f"PP={lay['pp']} with {int(self._get('microbatches', i))} micro-batches: "
+                    f"{self._get('bubble_fraction', i):.0%} bubble")
+        if part == "tp_exposed":
+            where = "crosses nodes" if lay["tp"] > self.gpu.gpus_per_node else "within a node"
+            return f"TP={lay['tp']} {where}: {seconds:.2f} s of exposed TP traffic"
+        if part == "dp_exposed":
+            return f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas: {seconds:.2f} s of exposed DP traffic"
+        if part == "pp_exposed":
+            return f"PP={lay['pp']}: {seconds:.2f} s of exposed pipeline transfers"
+        if part == "cp_exposed":
+            return f"CP={lay['cp']}: {seconds:.2f} s of exposed key/value exchange"
+        if part == "compute":
+            return f"{RECOMPUTE[lay['recompute']]} recompute: {seconds:.2f} s of math"
+        if part == "memory_bound":
+            sp = "with" if lay["sequence_parallel"] else "without"
+            return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
+        return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
+
+    def explain(self, i: int) -> str:
+        """Why layout ``i`` wins (its largest overhead) or loses (what it spends more on than #1)."""
+        best = int(self.order[0])
+        if i == best:
+            overhead = max((p for p in report.TIME_PARTS if p != "compute"), key=lambda p: self._get(f"{p}_s", i))
+            share = self._get("compute_s", i) / self._get("step_time_s", i)
+            return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}"
+        deltas = {p: self._get(f"{p}_s", i) - self._get(f"{p}_s", best) for p in report.TIME_PARTS}
+        worst = max(deltas, key=deltas.get)
+        gap = self._get("step_time_s", i) - self._get("step_time_s", best)
+        return f"+{gap:.2f} s vs #1, mostly {self._phrase(worst, i)}"
+
+    def notes(self) -> list[str]:
+        """One line each: the fastest layout that does not fit, if it beats the winner."""
+        lines = []
+        fits = np.asarray(self.est["fits"])
+        step = np.asarray(self.est["step_time_s"])
+        if (~fits).any():
+            i = int(np.flatnonzero(~fits)[np.argmin(step[~fits])])
+            if not len(self.order) or step[i] < step[self.order[0]]:
+                lines.append(f"Faster but does not fit: {self.layouts.describe(i)} would take {step[i]:.2f} s "
+                             f"but needs {self._get('memory_bytes', i) / 2**30:.0f} GiB per GPU.")
+        return lines
+
+    def closest_miss(self) -> str:
+        """``: the smallest needs X GiB (layout)`` for the error when nothing fits."""
+        if not self.count:
+            return ": no layout divides the model and the GPUs"
+        i = int(np.argmin(np.asarray(self.est["memory_bytes"])))
+        return f"; the leanest, {self.layouts.describe(i)}, needs {self._get('memory_bytes', i) / 2**30:.0f} GiB per GPU"
+
+
+def search(work: Workload, gpu, num_gpus: int) -> SearchResult:
+    """Enumerate, evaluate, drop what does not fit, rank by step time (ties: less memory first)."""
+    start = time.perf_counter()
+    layouts = candidate_layouts(work, num_gpus)
+    est = costs.estimate(work, layouts, gpu)
+    fits = np.asarray(est["fits"], dtype=bool)
+    step, memory = np.asarray(est["step_time_s"]), np.asarray(est["memory_bytes"])
+    candidates = np.flatnonzero(fits)
+    order = candidates[np.lexsort((memory[candidates], step[candidates]))]
+    seconds = time.perf_counter() - start
+    return SearchResult(work, gpu, layouts, est, order, len(np.asarray(layouts.tp)), seconds)
