@@ -27,6 +27,17 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-3 175B as Megatron-LM trains it (Korthikanti et al. 2022): vocabulary padded to 51200.
     "gpt3-175b": ModelConfig(arch="gpt", layers=96, hidden=12288, heads=96, ffn=49152, vocab_size=51200,
                              seq_len=2048, tie_embeddings=True),
+    # The GPT models of Korthikanti et al. 2022, Table 3 (Megatron-LM; vocabulary padded to 51200).
+    "gpt-22b": ModelConfig(arch="gpt", layers=48, hidden=6144, heads=64, ffn=24576, vocab_size=51200,
+                           seq_len=2048, tie_embeddings=True),
+    "gpt-530b": ModelConfig(arch="gpt", layers=105, hidden=20480, heads=128, ffn=81920, vocab_size=51200,
+                            seq_len=2048, tie_embeddings=True),
+    "gpt-1t": ModelConfig(arch="gpt", layers=128, hidden=25600, heads=160, ffn=102400, vocab_size=51200,
+                          seq_len=2048, tie_embeddings=True),
+    # GLM-130B's shape (Zeng et al. 2022: 70 layers, 12288 wide, GLU FFN of 32768, 150528 tokens)
+    # on our Llama block, whose SwiGLU costs what GLM's GeGLU does.
+    "glm-130b": ModelConfig(layers=70, hidden=12288, heads=96, ffn=32768, vocab_size=150528, seq_len=2048,
+                            tie_embeddings=False),
 }
 
 

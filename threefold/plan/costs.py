@@ -344,7 +344,9 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     per_layer = np.where(full, tokens * 2 * h / seq_split, np.where(selective, layer_kept, layer_all))
     # Micro-batches whose activations a stage holds at its peak (first stage; last stage).
     in_flight_first = np.where(gpipe, m, np.minimum(p, m) * np.where(interleaved, 1 + (p - 1) / (p * v), 1))
-    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * p + 1) / v, 1))
+    # ZB-H1 defers weight gradients, so every stage keeps 1F1B's first-stage count (Qi et al. 2023).
+    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * p + 1) / v,
+                                                 np.where(schedule == SCHEDULES.index("zb-h1"), np.minimum(p, m), 1)))
     in_flight_first, in_flight_last = np.where(single_stage, 1, in_flight_first), np.where(single_stage, 1, in_flight_last)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
     block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace

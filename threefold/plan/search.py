@@ -82,8 +82,12 @@ class SearchResult:
         return len(self.order)
 
     def ranked(self, top: int) -> list[tuple[dict, str]]:
-        """The ``top`` fastest distinct layouts (JSON, with ``describe``) and why each wins or loses."""
-        shown = self.order[:top]
+        """The fastest layout of each of the ``top`` fastest meshes (TP, PP, DP, CP), as JSON with
+        ``describe``, and why each wins or loses. Variants of one mesh (ZeRO stage, recomputation)
+        often tie; showing one of each keeps the near misses informative."""
+        mesh = np.stack([np.asarray(getattr(self.layouts, axis))[self.order] for axis in ("tp", "pp", "dp", "cp")], axis=1)
+        _, first = np.unique(mesh, axis=0, return_index=True)
+        shown = self.order[np.sort(first)[:top]]
         out = []
         for i in shown:
             result = report.result_json(self.est, self.layouts, int(i))
@@ -111,7 +115,13 @@ class SearchResult:
         if part == "cp_exposed":
             return f"CP={lay['cp']}: {seconds:.2f} s of exposed key/value exchange"
         if part == "compute":
-            return f"{RECOMPUTE[lay['recompute']]} recompute: {seconds:.2f} s of math"
+            mode = RECOMPUTE[lay["recompute"]]
+            if mode != "none":
+                return f"{mode} recompute: {seconds:.2f} s of math"
+            layers = self.work.model.layers
+            if layers % lay["pp"]:
+                return f"PP={lay['pp']} splits {layers} layers unevenly: {seconds:.2f} s of math on the fullest stage"
+            return f"{seconds:.2f} s of math on the last stage (its blocks and the logits)"
         if part == "memory_bound":
             sp = "with" if lay["sequence_parallel"] else "without"
             return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
@@ -127,7 +137,7 @@ class SearchResult:
         deltas = {p: self._get(f"{p}_s", i) - self._get(f"{p}_s", best) for p in report.TIME_PARTS}
         worst = max(deltas, key=deltas.get)
         gap = self._get("step_time_s", i) - self._get("step_time_s", best)
-        return f"+{gap:.2f} s vs #1, mostly {self._phrase(worst, i)}"
+        return f"+{gap:.2f} s vs #1; {self._phrase(worst, i)}"
 
     def notes(self) -> list[str]:
         """One line each: the fastest layout that does not fit, if it beats the winner."""
