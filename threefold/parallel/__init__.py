@@ -1,0 +1,35 @@
+"""Parallel strategies, each a transformation of the plain model in its own file.
+
+``build_engine`` is the one entry point the trainer uses: it joins the job's process group,
+builds the mesh, and wraps the model in the engine of the requested layout.
+"""
+from __future__ import annotations
+
+from threefold.config import Config, ConfigError
+from threefold.distributed.comm import Comm
+from threefold.distributed.mesh import ParallelMesh
+from threefold.models.llama import Llama
+from threefold.train.engine import Engine
+
+NOT_YET = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism",
+           "ep": "expert parallelism"}
+
+
+def build_engine(model: Llama, cfg: Config) -> Engine:
+    """The engine for ``cfg.parallel`` on this rank. Every rank passes the same full model
+    (built from the same seed); each strategy keeps its part of it."""
+    for axis, name in NOT_YET.items():
+        if getattr(cfg.parallel, axis) > 1:
+            raise ConfigError(f"parallel.{axis}: {name} is not implemented yet")
+    mesh = ParallelMesh.from_config(cfg.parallel)
+    if mesh.world_size == 1:
+        return Engine(model, cfg)
+    model.to(mesh.device)
+    comm = Comm(mesh)
+    if cfg.parallel.zero == 3:
+        from threefold.parallel.fsdp import FullyShardedEngine
+
+        return FullyShardedEngine(model, cfg, mesh, comm)
+    from threefold.parallel.data_parallel import DataParallelEngine
+
+    return DataParallelEngine(model, cfg, mesh, comm)

@@ -1,0 +1,182 @@
+"""Every collective and point-to-point operation of the engine goes through here, and is counted.
+
+``Comm`` binds a mesh to a ``CommLedger``: ``comm.all_reduce(t, "dp")`` runs over the mesh's dp
+group and records the operation, the axis, the bytes this rank sent, and the time it took.
+
+Bytes follow the ring convention of nccl-tests ("bus bytes"), the traffic one rank puts on
+its link when the collective runs as a ring over n ranks, for a tensor of B bytes:
+
+    all-reduce        2(n−1)/n · B      (a reduce-scatter followed by an all-gather)
+    reduce-scatter     (n−1)/n · B      (B is the full input; each rank keeps B/n)
+    all-gather         (n−1)/n · B      (B is the full output)
+    send                       B
+
+These are the numbers the planner's formulas use (threefold/plan/costs.py), whatever
+algorithm the backend picks underneath.
+
+Tags keep small bookkeeping traffic apart from the bulk: the loss averaged for the log and the
+squared gradient norm are one scalar each, tagged ``"scalar"`` and reported under the key
+``"dp.scalar"``; gathers done to save a checkpoint (``"checkpoint"``) or to evaluate
+(``"eval"``) likewise. Untagged traffic is reported under the bare axis name, so ``"dp"`` holds
+exactly the gradient and parameter traffic that ``dp_bytes_per_step`` predicts. Nothing is
+hidden: every byte appears under some key.
+
+Time: a synchronous call records its duration. An asynchronous call returns a ``Pending``
+handle; ``seconds`` is the time from launch to completion, taken from the work's future so a
+late ``wait()`` does not inflate it (gloo's reduce-scatter offers no future: there it is
+launch to the return of ``wait()``, an upper bound), and ``waited`` the time the caller was
+blocked in ``wait()``, the part of the communication that compute did not hide.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from threefold.distributed.mesh import ParallelMesh
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names the operation, axis and rank."""
+
+
+@dataclass
+class CommRecord:
+    op: str
+    axis: str
+    tag: str | None
+    bytes: float  # sent by this rank, ring convention
+    started: float  # time.perf_counter() at launch
+    seconds: float | None = None  # launch to completion; None while in flight
+    waited: float = 0.0  # time the caller spent blocked on it
+
+    @property
+    def key(self) -> str:
+        return self.axis if self.tag is None else f"{self.axis}.{self.tag}"
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends for ``op`` on a tensor of ``nbytes`` over ``n`` ranks (see module docstring)."""
+    if n <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}
+    return factor[op] * nbytes
+
+
+class CommLedger:
+    """The operations of this rank since the last ``take()``; thread-safe (completions arrive
+    on the backend's threads)."""
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+        self._lock = threading.Lock()
+
+    def add(self, record: CommRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def take(self) -> dict[str, int]:
+        """Bytes per key ("dp", "dp.scalar", …) since the last call, and forget those records."""
+        with self._lock:
+            records, self.records = self.records, []
+        out: dict[str, float] = {}
+        for r in records:
+            out[r.key] = out.get(r.key, 0.0) + r.bytes
+        return {k: round(v) for k, v in out.items()}
+
+
+class Pending:
+    """An asynchronous collective in flight. ``wait()`` blocks until it is done."""
+
+    def __init__(self, work, record: CommRecord, comm: "Comm"):
+        self.work, self.record, self._comm = work, record, comm
+        if work is None:
+            record.seconds = 0.0
+            return
+        try:
+            work.get_future().add_done_callback(self._completed)
+        except RuntimeError:  # gloo's reduce-scatter has no future: completion is seen at wait()
+            pass
+
+    def _completed(self, _future) -> None:
+        self.record.seconds = time.perf_counter() - self.record.started
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        began = time.perf_counter()
+        try:
+            self.work.wait()
+        except RuntimeError as err:
+            raise self._comm.error(self.record, err) from err
+        self.record.waited += time.perf_counter() - began
+        if self.record.seconds is None:  # the callback runs on another thread; it may lag wait()
+            self.record.seconds = time.perf_counter() - self.record.started
+        self.work = None
+
+
+class Comm:
+    """Collectives along the axes of one mesh, each recorded in ``ledger``."""
+
+    def __init__(self, mesh: ParallelMesh, ledger: CommLedger | None = None):
+        self.mesh = mesh
+        self.ledger = ledger or CommLedger()
+
+    def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   tag: str | None = None) -> Pending | None:
+        """Reduce ``tensor`` in place over the group along ``axis``."""
+        return self._run("all_reduce", axis, tag, _nbytes(tensor), async_op,
+                         lambda group: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, *, async_op: bool = False,
+                       tag: str | None = None) -> Pending | None:
+        """Sum ``input`` over the group; this rank gets chunk ``coord(axis)`` of the sum in ``output``.
+
+        ``output`` may be that chunk of ``input`` itself (in place)."""
+        return self._run("reduce_scatter", axis, tag, _nbytes(input), async_op,
+                         lambda group: dist.reduce_scatter_single(output, input, group=group, async_op=async_op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, *, async_op: bool = False,
+                   tag: str | None = None) -> Pending | None:
+        """Concatenate every rank's ``input`` into ``output`` (flat, in ``coord(axis)`` order).
+
+        ``input`` may be this rank's chunk of ``output`` itself (in place)."""
+        return self._run("all_gather", axis, tag, _nbytes(output), async_op,
+                         lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op))
+
+    def barrier(self) -> None:
+        """Wait for every rank of the job."""
+        if self.mesh.world_size == 1:
+            return
+        record = CommRecord("barrier", "world", None, 0.0, time.perf_counter())
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            raise self.error(record, err) from err
+
+    def error(self, record: CommRecord, err: Exception) -> CommError:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return CommError(f"{record.op} of {record.bytes:.0f} bytes over mesh axis {record.axis!r} failed on rank "
+                         f"{self.mesh.rank} ({self.mesh!r}): {first_line}")
+
+    def _run(self, op: str, axis: str, tag: str | None, nbytes: int, async_op: bool, call) -> Pending | None:
+        n = self.mesh.size(axis)
+        record = CommRecord(op, axis, tag, ring_bytes(op, nbytes, n), time.perf_counter())
+        if n == 1:  # nothing to exchange
+            return Pending(None, record, self) if async_op else None
+        self.ledger.add(record)
+        try:
+            work = call(self.mesh.group(axis))
+        except RuntimeError as err:
+            raise self.error(record, err) from err
+        if async_op:
+            return Pending(work, record, self)
+        record.seconds = record.waited = time.perf_counter() - record.started
+        return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

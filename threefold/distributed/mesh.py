@@ -1,0 +1,158 @@
+"""ParallelMesh: the ranks of a job arranged on named axes, with one process group per axis.
+
+The world is a grid of ranks, ``grid = arange(world).view(pp, dp, ep, cp, tp)``: tensor
+parallelism is the innermost axis (neighbouring ranks, which share the fastest links, usually
+one node's NVLink), pipeline parallelism the outermost (it sends the least, so it can cross
+nodes). This is Megatron-LM's order tp-cp-ep-dp-pp; a rank's coordinates are where it sits
+in the grid, as in picotron.
+
+Example, world 8 with dp=2, tp=2, pp=2: rank 5 sits at (pp=1, dp=0, tp=1); its tp group is
+[4, 5], its dp group [5, 7], its pp group [1, 5].
+
+The mesh is an object that strategies receive; there is no global mesh. It also works with
+world size 1 and no process group at all: every axis has size 1 and no group.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from threefold.config import ConfigError, ParallelConfig
+
+AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first; the grid's dimensions in this order
+
+
+class ParallelMesh:
+    """This rank's place in the grid of ranks, and a process group for each axis (or set of axes)."""
+
+    def __init__(self, sizes: dict[str, int], rank: int = 0, timeout_s: float = 300.0,
+                 combined: tuple[tuple[str, ...], ...] = (("dp", "cp"),),
+                 device: torch.device | None = None, owns_process_group: bool = False):
+        unknown = set(sizes) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES}")
+        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        self.grid = torch.arange(self.world_size).view(*(self.sizes[a] for a in AXES))
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        self.rank = rank
+        self.coords = dict(zip(AXES, (self.grid == rank).nonzero()[0].tolist()))
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device or torch.device("cpu")
+        self.owns_process_group = owns_process_group
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._created: list[dist.ProcessGroup] = []
+        if self.world_size > 1 and dist.is_initialized():  # without a process group: coordinates only
+            # new_group is collective: every rank creates every group, in the same order.
+            for axes in [(axis,) for axis in AXES] + [tuple(c) for c in combined]:
+                self._create(axes)
+
+    # --- construction from a config, inside or outside torchrun ---------------------------
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> "ParallelMesh":
+        """The mesh of this process: joins the job's process group (creating it under torchrun)
+        and checks that the number of processes equals dp·tp·pp·cp·ep."""
+        owns = False
+        device = None
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # NCCL between GPUs, gloo between CPU processes; torchrun's env:// rendezvous.
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))
+            owns = True
+        elif dist.is_initialized() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != parallel.world_size:
+            p = parallel
+            raise ConfigError(f"parallel: the layout dp×tp×pp×cp×ep = {p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = "
+                              f"{p.world_size} ranks, but {world} processes are running")
+        sizes = {axis: getattr(parallel, axis) for axis in AXES}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(sizes, rank, parallel.timeout_s, device=device, owns_process_group=owns)
+
+    # --- what a strategy asks ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def size(self, *axes: str) -> int:
+        """Ranks in the group spanned by ``axes`` (1 for no axes)."""
+        return math.prod(self.sizes[axis] for axis in self._check(axes))
+
+    def coord(self, *axes: str) -> int:
+        """This rank's index inside the group spanned by ``axes`` (outer axes major, as in the grid)."""
+        index = 0
+        for axis in self._ordered(axes):
+            index = index * self.sizes[axis] + self.coords[axis]
+        return index
+
+    def ranks(self, *axes: str) -> list[int]:
+        """Global ranks of this rank's group along ``axes``, ordered by ``coord``."""
+        return next(row for row in self._group_rows(self._ordered(axes)) if self.rank in row)
+
+    def group(self, *axes: str) -> dist.ProcessGroup | None:
+        """The process group along ``axes``; None when the group is this rank alone."""
+        key = self._key(axes)
+        if not key:
+            return None
+        if key not in self._groups:
+            raise KeyError(f"no process group was created for axes {key}; pass it to ParallelMesh(combined=...)")
+        return self._groups[key]
+
+    def shutdown(self) -> None:
+        """Destroy the groups this mesh created, and the job's group if the mesh started it."""
+        if not dist.is_initialized():
+            return
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._created.clear()
+        self._groups.clear()
+        if self.owns_process_group:
+            dist.destroy_process_group()
+            self.owns_process_group = False
+
+    def __repr__(self) -> str:
+        shape = " ".join(f"{a}={self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single"
+        where = " ".join(f"{a}={self.coords[a]}" for a in AXES if self.sizes[a] > 1)
+        return f"ParallelMesh({shape}; rank {self.rank}{': ' + where if where else ''})"
+
+    # --- internals --------------------------------------------------------------------------
+    def _check(self, axes) -> tuple[str, ...]:
+        for axis in axes:
+            if axis not in self.sizes:
+                raise KeyError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
+        return tuple(axes)
+
+    def _ordered(self, axes) -> tuple[str, ...]:
+        self._check(axes)
+        return tuple(a for a in AXES if a in axes)
+
+    def _key(self, axes) -> tuple[str, ...]:
+        """Axes of size 1 change nothing about a group: ("dp", "cp") with cp=1 is the dp group."""
+        return tuple(a for a in self._ordered(axes) if self.sizes[a] > 1)
+
+    def _group_rows(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group along ``axes``: move those axes last and read the grid row by row."""
+        rest = [AXES.index(a) for a in AXES if a not in axes]
+        along = [AXES.index(a) for a in axes]
+        return self.grid.permute(*rest, *along).reshape(-1, self.size(*axes)).tolist()
+
+    def _create(self, axes: tuple[str, ...]) -> None:
+        key = self._key(axes)
+        if not key or key in self._groups:
+            return
+        if self.size(*key) == self.world_size and self.owns_process_group:
+            self._groups[key] = dist.group.WORLD  # same members, same timeout: no need for another
+            return
+        for row in self._group_rows(key):
+            group = dist.new_group(row, timeout=self.timeout)
+            self._created.append(group)
+            if self.rank in row:
+                self._groups[key] = group
