@@ -86,8 +86,10 @@ def estimate_tables(result: dict, title: str) -> list[Table]:
 
 def gpu_table(gpus) -> Table:
     table = Table(title="GPUs the planner knows (--gpu NAME)")
-    for column in ("name", "TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff", "what"):
-        table.add_column(column, justify="left" if column in ("name", "what") else "right")
+    table.add_column("name", no_wrap=True)
+    for column in ("TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff"):
+        table.add_column(column, justify="right")
+    table.add_column("what", overflow="fold")
     for gpu in gpus:
         table.add_row(gpu.name, f"{gpu.peak_flops / 1e12:,.0f}", f"{gpu.hbm_bytes / GiB:.0f}", f"{gpu.hbm_bw / 1e12:.2f}",
                       f"{gpu.intra_node_bw / 1e9:,.0f}", f"{gpu.inter_node_bw / 1e9:,.0f}", str(gpu.gpus_per_node),

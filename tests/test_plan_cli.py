@@ -1,0 +1,136 @@
+"""`threefold estimate` and `threefold plan` as a user runs them: flags, JSON, errors, batch mode."""
+import json
+
+import pytest
+
+from threefold.cli import main
+from threefold.models.presets import get_preset
+from threefold.plan import costs
+from threefold.plan.hardware import CATALOG
+
+GPT3 = ["--model", "gpt3-175b", "--global-batch", "1536", "--gpu", "a100-80gb"]
+GPT3_LAYOUT = [*GPT3, "--num-gpus", "1024", "--tp", "8", "--pp", "16", "--zero", "1"]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_has_the_promised_keys(capsys):
+    code, out, _ = run(capsys, "estimate", *GPT3_LAYOUT, "--recompute", "selective", "--sequence-parallel", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert {"step_time_s", "mfu", "tflops_per_gpu", "tokens_per_s", "bubble_fraction", "fits"} <= set(result)
+    assert {"params", "grads", "optimizer", "activations", "total"} <= set(result["memory_gib"])
+    assert {"dp_bytes", "tp_bytes", "pp_bytes", "dp_s", "tp_s", "pp_s", "exposed_s"} <= set(result["comm"])
+    assert result["layout"]["dp"] == 8 and result["microbatches"] == 192
+    assert result["bubble_fraction"] == pytest.approx(15 / (192 + 15))
+    # The CLI is the cost model: the same numbers as calling it directly.
+    direct = costs.estimate(costs.Workload(get_preset("gpt3-175b"), 1536),
+                            costs.Layout.named(recompute="selective", tp=8, pp=16, dp=8, zero=1, sequence_parallel=True),
+                            CATALOG["a100-80gb"])
+    assert result["step_time_s"] == pytest.approx(direct["step_time_s"])
+
+
+def test_estimate_model_flags_without_a_preset(capsys):
+    args = ["estimate", "--arch", "gpt", "--layers", "96", "--hidden", "12288", "--heads", "96", "--vocab", "51200",
+            "--seq-len", "2048", "--global-batch", "1536", "--gpu", "a100-80gb", "--tp", "8", "--pp", "16", "--dp", "8",
+            "--zero", "1", "--json"]
+    code, out, _ = run(capsys, *args)
+    _, preset_out, _ = run(capsys, "estimate", *GPT3_LAYOUT, "--json")
+    assert code == 0 and json.loads(out)["step_time_s"] == pytest.approx(json.loads(preset_out)["step_time_s"])
+
+
+def test_estimate_tables(capsys):
+    code, out, _ = run(capsys, "estimate", *GPT3_LAYOUT)
+    assert code == 0
+    for text in ("step time", "Where the step's time goes", "Memory per GPU", "Communication per GPU"):
+        assert text in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-gpus", "1000", "--tp", "8", "--pp", "16", "--dp", "8"], "not --num-gpus 1000"),
+    (["--num-gpus", "1024", "--tp", "7", "--pp", "16"], "--num-gpus: 1024 is not divisible"),
+    (["--tp", "7", "--pp", "16", "--dp", "8"], "--tp: 7 does not divide the 96 heads"),
+    (["--tp", "8", "--pp", "128", "--dp", "1"], "more than the model's 96 layers"),
+    (["--tp", "8", "--pp", "16", "--dp", "8", "--schedule", "interleaved", "--virtual-stages", "7"],
+     "--pp × --virtual-stages = 112 is more than"),
+])
+def test_estimate_bad_layouts_are_one_line_and_exit_2(capsys, args, message):
+    code, out, err = run(capsys, "estimate", *GPT3, *args)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_gpu_and_missing_inputs(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "gpt3-175b", "--global-batch", "8", "--gpu", "v100")
+    assert code == 2 and "--gpu: unknown GPU 'v100'" in err
+    code, _, err = run(capsys, "estimate", "--layers", "4", "--global-batch", "8", "--gpu", "a100-80gb")
+    assert code == 2 and "--hidden: required unless --model" in err
+    code, _, err = run(capsys, "estimate", "--model", "gpt3-175b", "--gpu", "a100-80gb")
+    assert code == 2 and "--global-batch: required" in err
+
+
+def test_local_gpu_needs_a_calibrated_profile(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path))
+    code, _, err = run(capsys, "estimate", "--model", "tiny", "--vocab", "4096", "--global-batch", "8", "--gpu", "local")
+    assert code == 2 and "threefold calibrate" in err and len(err.strip().splitlines()) == 1
+    profile = {"name": "local", "peak_flops_fp32": 1e11, "peak_flops_bf16": 2e11, "hbm_bytes": 24 * 2**30,
+               "hbm_bw": 2e10, "intra_node_bw": 1e9, "inter_node_bw": 1e9, "latency_s": 3e-4, "gpus_per_node": 2,
+               "threads": 1, "measured_at": "2026-01-01T00:00:00+00:00", "torch_version": "2.13.0"}
+    (tmp_path / "local.json").write_text(json.dumps(profile))
+    code, out, _ = run(capsys, "estimate", "--model", "tiny", "--vocab", "4096", "--global-batch", "8", "--gpu", "local",
+                       "--dp", "2", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["fits"] and result["mfu"] > 0
+    # The measured rates are achieved rates: the math takes FLOPs / measured peak exactly.
+    assert result["time_s"]["compute"] > 0 and result["comm"]["dp_s"] > 0
+    code, out, _ = run(capsys, "estimate", "--list-gpus")
+    assert "local" in out and "not measured yet" not in out
+
+
+def test_list_gpus(capsys):
+    code, out, _ = run(capsys, "estimate", "--list-gpus")
+    assert code == 0
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi300x"):
+        assert name in out
+
+
+def test_batch_mode_one_line_per_input_in_order(capsys, tmp_path):
+    good = dict(arch="gpt", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=49152, vocab=51200, seq_len=2048,
+                global_batch=1536, micro_batch=1, gpu="a100-80gb", num_gpus=1024, gpus_per_node=8, tp=8, pp=16, dp=8,
+                cp=1, zero=1, recompute="selective", schedule="1f1b", sequence_parallel=True, attention="flash")
+    lines = [json.dumps(good), json.dumps(dict(good, tp=7)), "not json", json.dumps(dict(good, colour="red")),
+             json.dumps(dict(good, zero=3, micro_batch=2)), json.dumps({"model": "llama3-70b", "gpu": "h100-sxm",
+                                                                         "global_batch": 64, "tp": 8, "pp": 8})]
+    path = tmp_path / "layouts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code, out, _ = run(capsys, "estimate", "--batch", str(path))
+    assert code == 0
+    results = [json.loads(line) for line in out.splitlines()]
+    assert len(results) == 6
+    assert "step_time_s" in results[0] and results[0]["layout"]["zero"] == 1
+    assert "= 896, not --num-gpus 1024" in results[1]["error"]
+    assert "not a JSON object" in results[2]["error"]
+    assert "colour: unknown key" in results[3]["error"]
+    assert results[4]["layout"]["zero"] == 3 and results[4]["layout"]["micro_batch"] == 2
+    assert results[5]["num_gpus"] == 64 and results[5]["layout"]["dp"] == 1
+
+
+def test_plan_prints_the_rate_and_ranked_layouts(capsys):
+    code, out, _ = run(capsys, "plan", *GPT3, "--num-gpus", "1024", "--top", "3")
+    assert code == 0
+    assert "layouts/s" in out and "fastest:" in out
+    code, out, _ = run(capsys, "plan", *GPT3, "--num-gpus", "1024", "--top", "4", "--json")
+    result = json.loads(out)
+    steps = [layout["step_time_s"] for layout in result["layouts"]]
+    assert len(steps) == 4 and steps == sorted(steps) and result["layouts_per_s"] > 0
+    assert all(layout["fits"] and layout["why"] for layout in result["layouts"])
+
+
+def test_plan_when_nothing_fits(capsys):
+    code, _, err = run(capsys, "plan", *GPT3, "--num-gpus", "8")
+    assert code == 2 and "no layout of this model fits on 8 × a100-80gb" in err
