@@ -202,7 +202,8 @@ def test_one_microbatch_walks_the_pipeline_with_per_stage_costs_and_latency():
     # split backward: B travels back, then rank 0's own weight gradient ends the step
     weight = [1.0, 2.0, 1.5]
     zb = simulate(build_schedule("zb-h1", 3, 1), ActionCosts(forward, backward, weight, p2p))
-    assert zb.makespan == pytest.approx(sum(forward) + sum(b - w for b, w in zip(backward, weight)) + weight[0] + 4 * p2p)
+    input_grads = [b - w for b, w in zip(backward, weight)]
+    assert zb.makespan == pytest.approx(sum(forward) + sum(input_grads) + weight[0] + 4 * p2p)
 
 
 def test_simulated_actions_respect_order_and_never_overlap():
@@ -264,7 +265,8 @@ def test_command_json(capsys, tmp_path):
 
 
 def test_command_table(capsys):
-    code, out, _ = _run(capsys, "--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2")
+    code, out, _ = _run(capsys, "--schedule", "interleaved", "--pp", "4", "--microbatches", "8",
+                        "--virtual-stages", "2")
     assert code == 0
     assert f"bubble {3 / 19:.1%}" in out and "5.5" in out
 

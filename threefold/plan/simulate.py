@@ -86,8 +86,8 @@ class SimResult:
 
     def segments(self) -> list[list[Segment]]:
         """The compute actions per rank as (start, end, kind, micro-batch, model chunk), for drawing."""
-        pp = self.schedule.pp
-        return [[(t.start, t.end, t.action.kind, t.action.microbatch, t.action.stage // pp)
+        chunk_of = self.schedule.chunk_of
+        return [[(t.start, t.end, t.action.kind, t.action.microbatch, chunk_of(t.action.stage))
                  for t in rank if t.action.kind.is_compute] for rank in self.timelines]
 
 

@@ -91,6 +91,10 @@ class Schedule:
     def stages_of(self, rank: int) -> range:
         return range(rank, self.num_stages, self.pp)
 
+    def chunk_of(self, stage: int) -> int:
+        """Which of its rank's model chunks a stage is (0 unless interleaved)."""
+        return stage // self.pp
+
     @cached_property
     def split_backward(self) -> bool:
         """True when BACKWARD is the input gradient only and WEIGHT_GRAD follows separately."""
@@ -121,13 +125,13 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     elif virtual_stages != 1:
         raise ConfigError(f"parallel.virtual_stages: {name} has one stage per rank; only interleaved takes "
                           f"virtual_stages > 1, got {virtual_stages}")
-    orders = {
+    compute_order = {
         "gpipe": _gpipe_order,
         "1f1b": _one_f_one_b_order,
         "interleaved": _interleaved_order,
         "zb-h1": _zb_h1_order,
     }[name]
-    compute = [orders(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
+    compute = [compute_order(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
     return Schedule(name, pp, microbatches, virtual_stages, _with_p2p(compute, pp, virtual_stages))
 
 
@@ -173,7 +177,8 @@ def _check_interleaved(pp: int, m: int, v: int) -> None:
     if v < 2:
         raise ConfigError(f"parallel.virtual_stages: interleaved needs at least 2 (with 1 it is 1f1b), got {v}")
     if pp < 2:
-        raise ConfigError("parallel.pp: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), got 1")
+        raise ConfigError("parallel.pp: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), "
+                          "got 1")
 
 
 def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
