@@ -1,0 +1,30 @@
+"""``threefold bench``: run the benchmarks under bench/ of a source checkout."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(name, args):
+    """Run bench/NAME.py (with ARGS); without NAME, list the benchmarks."""
+    names = available()
+    if not names:
+        raise click.UsageError(f"no benchmarks found in {BENCH_DIR} (they ship with the source checkout)")
+    if name is None:
+        click.echo("\n".join(names))
+        return
+    if name not in names:
+        raise click.UsageError(f"unknown benchmark {name!r} (known: {', '.join(names)})")
+    sys.exit(subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *args]))
