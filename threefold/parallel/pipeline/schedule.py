@@ -247,7 +247,7 @@ def _with_p2p(compute: list[list[Action]], pp: int, v: int) -> tuple[tuple[Actio
                 held.add(action)
             else:
                 ordered.append(action)
-            for peer in {(rank - 1) % pp, (rank + 1) % pp}:
+            for peer in sorted({(rank - 1) % pp, (rank + 1) % pp}):
                 queue = receive_order[rank, peer]
                 while queue and queue[0] in held:
                     held.remove(queue[0])
