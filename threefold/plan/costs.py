@@ -6,7 +6,7 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -257,11 +257,18 @@ RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocato
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: the model, the global batch in sequences, and numeric choices."""
+    """What is trained: the model, the global batch in sequences, and numeric choices; with the
+    model's FLOPs per token counted once here, not in every (vectorised) estimate."""
     model: ModelConfig
     global_batch: int
     attention: str = "flash"  # flash: never stores the s×s scores; eager: stores them (Megatron 2021-22)
     grad_bytes: int = 4
+    model_flops_per_token: float = field(init=False)
+    recompute_flops_per_token: tuple[float, float, float] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "model_flops_per_token", model_flops_per_token(self.model))
+        object.__setattr__(self, "recompute_flops_per_token", recompute_flops_per_token(self.model))
 
 
 def activation_coefficients(model: ModelConfig, attention: str) -> dict:
@@ -460,8 +467,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     step_s = pipeline_s + dp_exposed_s + optimizer_s
     step_tokens = work.global_batch * s
-    model_flops = model_flops_per_token(cfg) * step_tokens
-    hardware_flops = model_flops + np.choose(recompute, recompute_flops_per_token(cfg)) * step_tokens
+    model_flops = work.model_flops_per_token * step_tokens
+    hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
     result = dict(
         num_gpus=num_gpus, microbatches=m, step_time_s=step_s, tokens_per_s=step_tokens / step_s,
         tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,

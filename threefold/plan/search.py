@@ -140,16 +140,18 @@ class SearchResult:
         return f"+{gap:.2f} s vs #1; {self._phrase(worst, i)}"
 
     def notes(self) -> list[str]:
-        """One line each: the fastest layout that does not fit, if it beats the winner."""
-        lines = []
+        """One line: the fastest layout that misses the memory by less than a quarter, if it
+        would beat the winner (what a little more memory, or less, would buy)."""
         fits = np.asarray(self.est["fits"])
-        step = np.asarray(self.est["step_time_s"])
-        if (~fits).any():
-            i = int(np.flatnonzero(~fits)[np.argmin(step[~fits])])
-            if not len(self.order) or step[i] < step[self.order[0]]:
-                lines.append(f"Faster but does not fit: {self.layouts.describe(i)} would take {step[i]:.2f} s "
-                             f"but needs {self._get('memory_bytes', i) / 2**30:.0f} GiB per GPU.")
-        return lines
+        step, memory = np.asarray(self.est["step_time_s"]), np.asarray(self.est["memory_bytes"])
+        near = np.flatnonzero(~fits & (memory <= 1.25 * self.gpu.hbm_bytes))
+        if not len(near):
+            return []
+        i = int(near[np.argmin(step[near])])
+        if len(self.order) and step[i] >= step[self.order[0]]:
+            return []
+        return [f"Near miss on memory: {self.layouts.describe(i)} would take {step[i]:.2f} s "
+                f"but needs {memory[i] / 2**30:.1f} GiB per GPU."]
 
     def closest_miss(self) -> str:
         """``: the smallest needs X GiB (layout)`` for the error when nothing fits."""
