@@ -207,6 +207,11 @@ def test_pipeline_and_data_parallel_bytes():
     assert est["pp_bytes"] == pytest.approx(2 * m * v * 2048 * 12288 * 2 / 8)  # each TP rank sends its slice
     params_on_last_stage = (6 * costs.block_param_count(GPT3.model) + 51200 * 12288) / 8 + 2 * 12288
     assert est["dp_bytes"] == pytest.approx(costs.dp_bytes_per_step(params_on_last_stage, 8, 1, m, 4, 2))
+    # ZeRO-2 keeps only a shard of the gradients, so it reduce-scatters every micro-batch's.
+    zero2 = _estimate(tp=8, pp=16, dp=8, zero=2)
+    assert zero2["dp_bytes"] == pytest.approx(m * 7 / 8 * params_on_last_stage * 4 + 7 / 8 * params_on_last_stage * 2)
+    zero3 = _estimate(tp=8, pp=16, dp=8, zero=3)
+    assert zero3["dp_bytes"] == pytest.approx(costs.dp_bytes_per_step(params_on_last_stage, 8, 3, m, 4, 2))
 
 
 def test_step_time_adds_up():

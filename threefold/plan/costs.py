@@ -438,26 +438,33 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pipeline_s = busy_slots * slot_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    dp_bytes = dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
+    # ZeRO-2 as the ZeRO paper and DeepSpeed run it: a rank keeps only its shard of the gradients,
+    # so each micro-batch's gradients are reduce-scattered as they are produced. That is m − 1
+    # more reduce-scatters than dp_bytes_per_step's once-per-step (the same when m = 1).
+    share = (replicas - 1) / replicas
+    dp_bytes = (dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
+                + np.where(zero == 2, (m - 1) * share * last_numel * work.grad_bytes, 0))
+    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * last_numel * PARAM_BYTES)
     dp_bw, dp_lat = link(t * c * d)
-    # Collectives per step: DDP and ZeRO-1/2 reduce (and gather) in buckets; ZeRO-3 gathers and
-    # reduce-scatters block by block (FSDP's unit), three times per micro-batch.
-    buckets = np.maximum(1, np.ceil(last_numel * work.grad_bytes / BUCKET_BYTES))
-    collectives = np.where(zero == 0, buckets, np.where(zero == 3, 3 * m * (stage_layers + 1), 2 * buckets))
-    ring_steps = np.where(zero == 0, 2, 1) * (replicas - 1)
-    dp_s = np.where(replicas > 1, _ring_time(dp_bytes, collectives * ring_steps, dp_bw, dp_lat), 0)
-    grad_share = np.where(zero == 0, 1.0, work.grad_bytes / (work.grad_bytes + PARAM_BYTES))
-    grad_s, gather_s = dp_s * grad_share, dp_s * (1 - grad_share)
-    one_collective_s = dp_s / collectives
+    # Collectives: DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters
+    # block by block (FSDP's unit). A reduction happens once per step, or per micro-batch (ZeRO-2/3).
+    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(last_numel * work.grad_bytes / BUCKET_BYTES)))
+    reductions = np.where(zero >= 2, m, 1) * buckets
+    gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
+    grad_s = _ring_time(dp_bytes - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), dp_bw, dp_lat)
+    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), dp_bw, dp_lat)
+    dp_s = np.where(replicas > 1, grad_s + gather_s, 0)
+    one_collective_s = grad_s / reductions
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
-    # Overlap: gradients reduce during the last micro-batch's backward and parameters gather
-    # during the first one's forward, except one bucket each; ZeRO-3 prefetches the next block
-    # while computing this one, so only what exceeds each micro-batch's compute, and the first
+    # Overlap: a reduction runs during the backward that produces it, parameters gather during
+    # the first micro-batch's forward, except one bucket each. ZeRO-3 prefetches the next block
+    # while computing this one: only what exceeds each micro-batch's compute, and the first
     # gather, are exposed.
-    bucketed = (np.maximum(grad_s - backward_s, one_collective_s)
+    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
+                         np.maximum(grad_s - backward_s, one_collective_s))
                 + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
     block_wise = m * np.maximum(0, dp_s / m - mb_s) + one_collective_s
-    dp_exposed_s = np.where(replicas > 1, np.where(zero == 3, block_wise, bucketed), 0)
+    dp_exposed_s = np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam reads the
     # master weights, both moments and the gradient and writes them back with the 16-bit copy
