@@ -1,0 +1,265 @@
+"""Data parallelism (DDP, ZeRO-1/2/3) against the single-process engine, on gloo worker pools.
+
+The reference is ``Engine`` on one process with the same global batches. Every data-parallel
+run must reproduce its losses and parameters, send exactly the bytes the planner predicts
+(``costs.dp_bytes_per_step``) and hold exactly the model-state bytes it predicts
+(``costs.model_state_bytes``).
+
+Tolerances. Data parallelism sums the same gradients in another order (per rank, then across
+ranks), so fp32 results differ from the reference by rounding. Losses and gradient norms agree
+to ~1e-7 (asserted: 1e-6). Parameters: Adam divides each gradient by its own running RMS, which
+turns rounding noise on near-zero gradients into differences of up to lr per step. The
+reference compared with itself under another micro-batch split shows the size of that floor:
+per-tensor relative L2 error ~6e-7 after 5 steps at lr 1e-3. We assert 1e-5 per tensor, and
+that the error stays under 1e-3 of the distance the parameters travelled (a wrong gradient
+gives errors of the order of that distance). Replicas must be bitwise identical to each other.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import time
+
+import pytest
+import torch
+
+from threefold.config import load_config
+from threefold.models.llama import Llama, count_parameters
+from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
+from threefold.train.engine import Engine
+
+STEPS = 5
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.vocab_size=256",
+        "model.seq_len=32", "train.global_batch=16", "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0",
+        "parallel.bucket_mb=0.1", "parallel.timeout_s=30"]
+
+
+def make_config(dp: int = 1, zero: int = 0, *extra: str):
+    return load_config(None, TINY + [f"parallel.dp={dp}", f"parallel.zero={zero}", *extra])
+
+
+def global_batches(cfg, steps: int) -> list[torch.Tensor]:
+    """Random tokens from a fixed seed: the same global batches for every layout."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
+            for _ in range(steps)]
+
+
+def my_micro_batches(tokens: torch.Tensor, cfg, dp_rank: int, dp_size: int):
+    """Rows [r·B/dp, (r+1)·B/dp) of the global batch, split into micro-batches, as the trainer does."""
+    rows = tokens.shape[0] // dp_size
+    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
+    return list(zip(mine[:, :-1].split(cfg.train.micro_batch), mine[:, 1:].split(cfg.train.micro_batch)))
+
+
+def train_steps(engine, cfg, batches) -> dict:
+    out = {"losses": [], "norms": [], "comm": [], "memory": None}
+    for tokens in batches:
+        out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
+        out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
+        engine.optimizer_step(cfg.train.lr)
+        out["memory"] = engine.memory_bytes()
+        engine.zero_grad()
+        out["comm"].append(engine.comm_bytes())
+    return out
+
+
+def new_engine(cfg):
+    from threefold.parallel import build_engine
+
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(cfg.train.recompute)
+    return build_engine(model, cfg)
+
+
+# --- functions the workers run (module level, so they pickle) ---------------------------------
+def run_case(dp: int, zero: int, *extra: str) -> dict:
+    cfg = make_config(dp, zero, *extra)
+    engine = new_engine(cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["state"] = engine.model_state_dict()
+    engine.shutdown()
+    return out
+
+
+def run_resume(dp: int, zero: int) -> bool:
+    """3 steps, save, 2 more; a fresh engine loaded from the save runs the same 2: identical?"""
+    cfg = make_config(dp, zero)
+    batches = global_batches(cfg, STEPS)
+    first = new_engine(cfg)
+    train_steps(first, cfg, batches[:3])
+    saved_model, saved_optimizer = first.model_state_dict(), copy.deepcopy(first.optimizer_state_dict())
+    train_steps(first, cfg, batches[3:])
+    straight = first.model_state_dict()
+    first.shutdown()
+    second = new_engine(cfg)
+    second.load_model_state_dict(saved_model)
+    second.load_optimizer_state_dict(saved_optimizer)
+    train_steps(second, cfg, batches[3:])
+    resumed = second.model_state_dict()
+    plain = second.plain_model().state_dict()
+    second.shutdown()
+    return (all(torch.equal(straight[k], resumed[k]) for k in straight)
+            and all(torch.equal(plain[k], resumed[k]) for k in resumed))
+
+
+def run_overlap(zero: int) -> dict:
+    """When did gradients arrive, when did reductions start? Many small buckets."""
+    cfg = make_config(2, zero, "parallel.bucket_mb=0.05")
+    engine = new_engine(cfg)
+    arrivals: list[tuple[int, float]] = []
+    micro = [0]
+    engine.model.register_forward_pre_hook(lambda m, a: micro.__setitem__(0, micro[0] + 1))
+    for p in engine.model.parameters():  # registered after the engine's own hooks, so they run after
+        p.register_post_accumulate_grad_hook(lambda p: arrivals.append((micro[0], time.perf_counter())))
+    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, engine.dp_rank, engine.dp_size))
+    launches = [r.started for r in engine.comm.ledger.records if r.key == "dp"]
+    engine.shutdown()
+    last = max(m for m, _ in arrivals)
+    return {"launches": launches, "last_micro": [t for m, t in arrivals if m == last],
+            "earlier_micro": [t for m, t in arrivals if m < last]}
+
+
+def run_eval_and_plain(dp: int, zero: int) -> dict:
+    cfg = make_config(dp, zero)
+    engine = new_engine(cfg)
+    batch = my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2]
+    loss = engine.eval_loss(batch)
+    comm = engine.comm_bytes()
+    plain = engine.plain_model().state_dict()
+    engine.shutdown()
+    return {"loss": loss, "comm": comm, "plain": plain}
+
+
+# --- the single-process reference ---------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def reference(*extra: str) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the pool's workers are up beside us: one thread each avoids spinning
+    try:
+        return train_reference(make_config(1, 0, *extra))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_reference(cfg) -> dict:
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(cfg.train.recompute)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["state"], out["initial"] = engine.model_state_dict(), initial
+    return out
+
+
+_cases: dict = {}
+
+
+def case(distributed, dp: int, zero: int, *extra: str) -> list[dict]:
+    """Each layout runs once; the equivalence, ledger and memory tests read the same run."""
+    key = (dp, zero, extra)
+    if key not in _cases:
+        _cases[key] = distributed.run(dp, run_case, dp, zero, *extra)
+    return _cases[key]
+
+
+def assert_same_training(results: list[dict], ref: dict, loss_rtol: float = 1e-6, param_rtol: float = 1e-5) -> None:
+    for rank_result in results:
+        assert rank_result["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
+        assert rank_result["norms"] == pytest.approx(ref["norms"], rel=10 * loss_rtol)
+    state = results[0]["state"]
+    assert list(state) == list(ref["state"])  # the plain model's keys, in order
+    for key, want in ref["state"].items():
+        got = state[key]
+        error = (got - want).norm().item()
+        assert error <= param_rtol * want.norm().item(), key
+        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
+        for other in results[1:]:
+            assert torch.equal(other["state"][key], got), f"replicas differ in {key}"
+
+
+LAYOUTS = [(dp, zero) for dp in (2, 4) for zero in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("dp,zero", LAYOUTS)
+def test_matches_single_process(distributed, dp, zero):
+    assert_same_training(case(distributed, dp, zero), reference())
+
+
+@pytest.mark.parametrize("dp,zero", LAYOUTS)
+def test_ledger_equals_planner(distributed, dp, zero):
+    numel = count_parameters(make_config().model)
+    microbatches = make_config(dp).microbatches
+    want = dp_bytes_per_step(numel, dp, zero, microbatches)
+    # Bookkeeping scalars apart: the loss (fp64), and for sharded gradients the squared norm (fp32).
+    scalars = 2 * (dp - 1) / dp * (8 + (4 if zero > 0 else 0))
+    for rank_result in case(distributed, dp, zero):
+        for step in rank_result["comm"]:
+            assert step == {"dp": want, "dp.scalar": round(scalars)}
+
+
+@pytest.mark.parametrize("dp,zero", LAYOUTS)
+def test_memory_equals_planner(distributed, dp, zero):
+    numel = count_parameters(make_config().model)
+    want = model_state_bytes(numel, dp, zero)
+    for rank_result in case(distributed, dp, zero):
+        assert rank_result["memory"] == want
+
+
+def test_zero3_holds_a_quarter_at_dp4(distributed):
+    ddp, zero3 = (sum(case(distributed, 4, z)[0]["memory"].values()) for z in (0, 3))
+    assert zero3 * 4 == ddp
+
+
+def test_zero3_sends_one_and_a_half_times_ddp(distributed):
+    """One micro-batch per step: ZeRO-3's two gathers and a reduce-scatter vs DDP's all-reduce."""
+    one_micro = ("train.global_batch=4",)  # 4 rows / (dp 2 × micro 2) = 1 micro-batch
+    ddp, zero3 = (case(distributed, 2, z, *one_micro)[0]["comm"][0]["dp"] for z in (0, 3))
+    assert zero3 == 1.5 * ddp
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_reduction_overlaps_backward(distributed, zero):
+    """Buckets are reduced while backward still computes; nothing is sent before the last micro-batch."""
+    result = distributed.run(2, run_overlap, zero)[0]
+    assert len(result["launches"]) > 1
+    assert min(result["launches"]) < max(result["last_micro"])  # started before backward finished
+    assert max(result["earlier_micro"]) < min(result["launches"])  # accumulation micro-batches are silent
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_resume_from_states_is_exact(distributed, zero):
+    assert all(distributed.run(2, run_resume, 2, zero))
+
+
+def test_zero3_eval_and_plain_model(distributed):
+    results = distributed.run(2, run_eval_and_plain, 2, 3)
+    cfg = make_config()
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    batch = my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2]
+    want = Engine(model, cfg).eval_loss(batch)
+    numel = count_parameters(cfg.model)
+    for r in results:
+        assert r["loss"] == pytest.approx(want, rel=1e-6)
+        assert set(r["comm"]) == {"dp.eval"}  # evaluation traffic stays out of the step's "dp"
+        assert r["comm"]["dp.eval"] == 2 * dp_bytes_per_step(numel, 2, 3, 1) / 3  # one gather per forward
+        assert all(torch.equal(r["plain"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_zero3_with_recomputation(distributed, recompute):
+    extra = (f"train.recompute={recompute}",)
+    assert_same_training(case(distributed, 2, 3, *extra), reference(*extra))
+
+
+def test_bf16_autocast(distributed):
+    """bf16 compute, fp32 master weights and reductions: same losses as one process, to bf16 precision."""
+    extra = ("train.dtype=bfloat16",)
+    ref = reference(*extra)
+    for zero in (0, 3):
+        for r in case(distributed, 2, zero, *extra):
+            assert r["losses"] == pytest.approx(ref["losses"], rel=2e-3)
+            assert r["memory"] == case(distributed, 2, zero)[0]["memory"]  # still fp32 states

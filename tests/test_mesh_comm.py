@@ -1,0 +1,157 @@
+"""The mesh (coordinates and groups), counted communication, failures, and the torchrun relaunch."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+
+from threefold.config import ConfigError, ParallelConfig, load_config
+from threefold.distributed.comm import CommLedger, ring_bytes
+from threefold.distributed.launch import relaunch, torchrun_command, without_nproc
+from threefold.distributed.mesh import AXES, ParallelMesh
+from dist_pool import RankFailure
+
+
+# --- the mesh without processes ------------------------------------------------------------------
+def test_grid_order_puts_tp_innermost_and_pp_outermost():
+    mesh = ParallelMesh({"dp": 2, "tp": 2, "pp": 2}, rank=5)
+    assert mesh.coords == {"pp": 1, "dp": 0, "ep": 0, "cp": 0, "tp": 1}
+    assert mesh.ranks("tp") == [4, 5] and mesh.ranks("dp") == [5, 7] and mesh.ranks("pp") == [1, 5]
+    assert mesh.ranks("dp", "tp") == [4, 5, 6, 7] and mesh.coord("dp", "tp") == 1
+    assert (mesh.size("dp"), mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")) == (2, 0, 1, 1)
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2, "tp": 2, "pp": 2}, {"dp": 3, "cp": 2}, {"tp": 2, "ep": 2, "pp": 3}])
+def test_every_axis_partitions_the_world(sizes):
+    world = 1
+    for n in sizes.values():
+        world *= n
+    for axis in AXES:
+        groups = {tuple(ParallelMesh(sizes, rank=r).ranks(axis)) for r in range(world)}
+        assert sorted(r for g in groups for r in g) == list(range(world))  # disjoint, covering
+        assert all(len(g) == sizes.get(axis, 1) for g in groups)
+        for r in range(world):  # coord is the position inside the group
+            mesh = ParallelMesh(sizes, rank=r)
+            assert mesh.ranks(axis)[mesh.coord(axis)] == r
+
+
+def test_world_of_one_needs_no_process_group():
+    mesh = ParallelMesh.from_config(ParallelConfig())
+    assert mesh.world_size == 1 and mesh.group("dp") is None and mesh.size("dp", "cp") == 1
+    from threefold.models.llama import Llama
+    from threefold.parallel import build_engine
+    from threefold.train.engine import Engine
+
+    cfg = load_config(None, ["model.layers=1", "model.hidden=32", "model.heads=2", "model.vocab_size=64"])
+    assert type(build_engine(Llama(cfg.model), cfg)) is Engine
+
+
+@pytest.mark.parametrize("axis,name", [("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")])
+def test_axes_not_built_yet_are_refused(axis, name):
+    from threefold.models.llama import Llama
+    from threefold.parallel import build_engine
+
+    cfg = load_config(None, ["model.layers=1", "model.hidden=32", "model.heads=2", "model.vocab_size=64",
+                             f"parallel.{axis}=2"])
+    with pytest.raises(ConfigError, match=rf"^parallel\.{axis}: {name} parallelism is not implemented yet$"):
+        build_engine(Llama(cfg.model), cfg)
+
+
+def test_ring_bytes_follow_nccl_tests():
+    assert ring_bytes("all_reduce", 1000, 4) == 1500
+    assert ring_bytes("reduce_scatter", 1000, 4) == 750
+    assert ring_bytes("all_gather", 1000, 4) == 750
+    assert ring_bytes("all_reduce", 1000, 1) == 0
+
+
+# --- on gloo workers ---------------------------------------------------------------------------
+def collectives_dp2_tp2() -> dict:
+    """World 4 as dp=2 × tp=2: every op's result against arithmetic, and what the ledger saw."""
+    from threefold.distributed.comm import Comm
+
+    mesh = ParallelMesh.from_config(ParallelConfig(dp=2, tp=2, timeout_s=30))
+    comm = Comm(mesh)
+    r = mesh.rank
+    x = torch.full((1000,), float(r))
+    comm.all_reduce(x, "tp")
+    tp_sum = sum(mesh.ranks("tp"))
+    full = torch.arange(8.0) * (r + 1)
+    chunk = torch.empty(4)
+    pending = comm.reduce_scatter(chunk, full, "dp", async_op=True)
+    pending.wait()
+    want_sum = torch.arange(8.0) * sum(q + 1 for q in mesh.ranks("dp"))
+    gathered = torch.empty(8)
+    comm.all_gather(gathered, torch.full((4,), float(r)), "dp")
+    want_gather = torch.cat([torch.full((4,), float(q)) for q in mesh.ranks("dp")])
+    comm.all_reduce(torch.ones(1), "dp", tag="scalar")
+    record = pending.record
+    comm.barrier()
+    mesh.shutdown()
+    return {"ok": bool(torch.all(x == tp_sum)) and torch.equal(chunk, want_sum[4 * mesh.coord("dp"):][:4])
+            and torch.equal(gathered, want_gather),
+            "bytes": comm.ledger.take(), "after_take": comm.ledger.take(),
+            "timed": record.seconds is not None and record.seconds >= record.waited >= 0}
+
+
+def test_collectives_are_correct_and_counted(distributed):
+    for result in distributed.run(4, collectives_dp2_tp2):
+        assert result["ok"] and result["timed"]
+        # tp: all-reduce of 4000 B over 2 → 4000; dp: reduce-scatter of 32 B + all-gather of 32 B → 16 + 16.
+        assert result["bytes"] == {"tp": 4000, "dp": 32, "dp.scalar": 4}
+        assert result["after_take"] == {}
+
+
+def wrong_world() -> str:
+    with pytest.raises(ConfigError) as err:
+        ParallelMesh.from_config(ParallelConfig(dp=4))
+    return str(err.value)
+
+
+def test_world_size_must_match_the_layout(distributed):
+    for message in distributed.run(2, wrong_world):
+        assert message == "parallel: the layout dp×tp×pp×cp×ep = 4×1×1×1×1 = 4 ranks, but 2 processes are running"
+
+
+def one_rank_fails() -> None:
+    from threefold.distributed.comm import Comm
+
+    mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=2))
+    if mesh.rank == 1:
+        raise ValueError("rank 1 lost its data")
+    Comm(mesh).all_reduce(torch.ones(10), "dp")  # rank 1 never comes
+
+
+def test_a_failing_rank_does_not_hang_the_others(distributed):
+    began = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        distributed.run(2, one_rank_fails)
+    elapsed = time.monotonic() - began
+    report = str(failure.value)
+    assert "ValueError: rank 1 lost its data" in report
+    assert "CommError: all_reduce of 40 bytes over mesh axis 'dp' failed on rank 0" in report
+    assert elapsed < 30  # bounded by the 2 s timeout, not gloo's default 30 minutes
+    assert distributed.run(2, collectives_noop) == [0, 1]  # the next test gets a working pool
+
+
+def collectives_noop() -> int:
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+    return dist.get_rank()
+
+
+# --- torchrun ------------------------------------------------------------------------------------
+def test_nproc_is_removed_from_the_relaunched_command():
+    argv = ["train", "--config", "c.toml", "--nproc", "2", "--set", "parallel.dp=2", "--nproc=2"]
+    assert without_nproc(argv) == ["train", "--config", "c.toml", "--set", "parallel.dp=2"]
+    assert torchrun_command(2, argv)[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                             "--nproc-per-node", "2", "-m", "threefold.cli"]
+
+
+def test_relaunch_runs_the_command_under_torchrun(capfd):
+    assert relaunch(2, ["--version", "--nproc", "2"]) == 0
+    assert capfd.readouterr().out.count("version") == 2  # each of the two processes printed it
