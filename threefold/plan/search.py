@@ -123,6 +123,8 @@ class SearchResult:
                 return f"PP={lay['pp']} splits {layers} layers unevenly: {seconds:.2f} s of math on the fullest stage"
             return f"{seconds:.2f} s of math on the last stage (its blocks and the logits)"
         if part == "memory_bound":
+            if lay["tp"] == 1:
+                return f"{seconds:.2f} s of memory-bound element-wise work"
             sp = "with" if lay["sequence_parallel"] else "without"
             return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
         return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
