@@ -9,8 +9,11 @@ that average is computed and who keeps which states (``parallel.zero``):
           reduce-scattered (a rank only needs the sum of its 1/n), and after the update each
           rank's 1/n of the parameters is all-gathered. Same bytes as one all-reduce, which is
           exactly a reduce-scatter followed by an all-gather.
-  zero 2  ZeRO-2: as ZeRO-1, and the full gradient is dropped as soon as it is reduced; only
-          this rank's 1/n of the gradient is kept.
+  zero 2  ZeRO-2: as ZeRO-1, and a rank never keeps the full gradient, only its 1/n: each
+          micro-batch's gradients are reduce-scattered as they are produced and summed into
+          the rank's chunk (the ZeRO paper's and DeepSpeed's way). With m micro-batches that
+          is m reduce-scatters per step instead of one: (m−1)·(n−1)/n·numel·4 bytes more
+          than ZeRO-1, the price of not holding the full gradient between micro-batches.
   zero 3  ZeRO-3 (parameters sharded too): threefold/parallel/fsdp.py.
 
 How gradients travel (all stages here). Parameters are laid out in buckets of about
@@ -18,13 +21,14 @@ How gradients travel (all stages here). Parameters are laid out in buckets of ab
 the order backward produces their gradients. A hook runs after autograd has accumulated each
 parameter's gradient; when a bucket's last gradient arrives, its reduction starts
 asynchronously while backward goes on computing the gradients of earlier layers. With
-gradient accumulation nothing is sent until the last micro-batch: the micro-batches before
-it only accumulate locally.
+gradient accumulation, zero 0 and 1 send nothing until the last micro-batch: the micro-batches
+before it only accumulate locally (zero 2 reduces every micro-batch, see above).
 
 Layout. Each bucket is one flat fp32 buffer holding its parameters (the model's parameters
 become views into it) and one holding their gradients (zero 0 and 1: ``p.grad`` are views into
-it, so autograd accumulates straight into the buffer that is reduced; zero 2: gradients are
-copied in on the last micro-batch and the buffer is freed after the reduce-scatter). A bucket
+it, so autograd accumulates straight into the buffer that is reduced; zero 2: each
+micro-batch's gradients are copied into a fresh buffer, which is dropped once its
+reduce-scatter is done, and autograd's own gradient is freed at once). A bucket
 is padded with zeros to a multiple of the dp size, so it splits into n equal chunks, chunk r
 belonging to rank r; the padding is the only difference from the planner's byte counts.
 
@@ -166,7 +170,7 @@ class Bucket:
         self.param_flat = self.layout.pack(self.params, mesh.device)
         for p, view in zip(self.params, self.layout.views(self.param_flat)):
             p.data = view  # the model's parameters now live in the bucket
-        self.grad_flat = None  # zero 2: exists only between the last micro-batch and its reduction
+        self.grad_flat = None  # zero 2: exists only while a micro-batch's gradients are collected
         self.grad_chunk = None  # zero 1, 2: this rank's chunk of the reduced gradient
         if zero < 2:
             self.grad_flat = torch.zeros_like(self.param_flat)
@@ -176,21 +180,18 @@ class Bucket:
                 self.grad_chunk = self.layout.own(self.grad_flat)  # reduced in place
         else:
             self.grad_chunk = torch.zeros(self.layout.chunk, device=mesh.device)
-        self.ready = 0  # gradients of the last micro-batch that have arrived
+        self.ready = 0  # gradients of this backward pass that have arrived
         self.pending = None  # the reduction in flight
+        self.in_flight: tuple[torch.Tensor, torch.Tensor] | None = None  # zero 2: (input, output) of it
         self._slots: dict[int, torch.Tensor] = {}
 
     def collect(self, p: nn.Parameter) -> None:
-        """zero 2: copy ``p``'s accumulated gradient into the bucket and let autograd's copy go."""
+        """zero 2: copy ``p``'s gradient into the bucket and let autograd's copy go."""
         if self.grad_flat is None:
             self.grad_flat = torch.zeros_like(self.param_flat)
             self._slots = {id(q): v for q, v in zip(self.params, self.layout.views(self.grad_flat))}
         self._slots[id(p)].copy_(p.grad)
         p.grad = None
-
-    def release(self) -> None:
-        """zero 2: drop the full gradient once its reduce-scatter is done."""
-        self.grad_flat, self._slots = None, {}
 
 
 def make_buckets(model: nn.Module, mesh: ParallelMesh, bucket_mb: float, zero: int) -> list[Bucket]:
@@ -243,32 +244,45 @@ class DataParallelEngine(DataParallelBase):
             self._forwards += 1
 
     def _gradient_ready(self, bucket: Bucket, p: nn.Parameter) -> None:
-        if self._forwards < self._micro_batches:
-            return  # an earlier micro-batch: keep accumulating locally
+        if self.zero < 2 and self._forwards < self._micro_batches:
+            return  # an earlier micro-batch: keep accumulating the full gradient locally
         if self.zero == 2:
             bucket.collect(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
+            bucket.ready = 0
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         if self.zero == 0:
             bucket.pending = self.comm.all_reduce(bucket.grad_flat, "dp", async_op=True)
-        else:
+        elif self.zero == 1:  # in place: this rank's chunk of the buffer receives the sum
             bucket.pending = self.comm.reduce_scatter(bucket.grad_chunk, bucket.grad_flat, "dp", async_op=True)
+        else:
+            self._finish(bucket)  # the previous micro-batch's reduce-scatter of this bucket
+            partial = torch.empty_like(bucket.grad_chunk)
+            bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, "dp", async_op=True)
+            bucket.in_flight = (bucket.grad_flat, partial)
+            bucket.grad_flat = None  # the next micro-batch collects into a fresh buffer
+
+    def _finish(self, bucket: Bucket) -> None:
+        if bucket.pending is None:
+            return
+        bucket.pending.wait()
+        bucket.pending = None
+        if bucket.in_flight is not None:  # zero 2: add this micro-batch's chunk, drop its full gradient
+            bucket.grad_chunk.add_(bucket.in_flight[1])
+            bucket.in_flight = None
 
     def _finish_reductions(self) -> None:
-        silent = [b for b in self.buckets if b.pending is None]
-        if silent:
-            raise RuntimeError(f"{sum(len(b.params) - b.ready for b in silent)} parameters received no gradient "
-                               f"in the last micro-batch; data parallelism needs every parameter to take part")
+        unreduced = [b for b in self.buckets if b.pending is None or b.ready]
+        if unreduced:
+            raise RuntimeError(f"{len(unreduced)} gradient buckets were not reduced in the last micro-batch: "
+                               f"data parallelism needs every parameter to receive a gradient")
         for bucket in self.buckets:
-            bucket.pending.wait()
-            bucket.pending, bucket.ready = None, 0
+            self._finish(bucket)
             # Sum → mean over the replicas (n is a power of two in practice, so this is exact).
             (bucket.grad_flat if self.zero == 0 else bucket.grad_chunk).div_(self.dp_size)
-            if self.zero == 2:
-                bucket.release()
 
     def reduced_grads(self) -> list[torch.Tensor]:
         return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
