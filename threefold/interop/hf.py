@@ -1,0 +1,256 @@
+"""Hugging Face's Llama format, both ways.
+
+An HF folder holds ``config.json`` (a ``LlamaConfig``), the weights in ``model.safetensors``
+(or in shards listed by ``model.safetensors.index.json``) and the tokenizer in ``tokenizer.json``.
+``LlamaForCausalLM`` is the same network as our plain model under other names, with rotary
+embeddings in the same rotate-half convention, so every tensor maps to one tensor unchanged.
+What our model cannot represent (biases, rope scaling, another architecture or activation) is
+refused with one line, never silently dropped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.data.tokenizer import EOS, Tokenizer, load_tokenizer, save_tokenizer
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+
+# Names inside blocks.{i} (ours) → inside model.layers.{i} (Hugging Face's).
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp.w_gate": "mlp.gate_proj",
+    "mlp.w_up": "mlp.up_proj",
+    "mlp.w_down": "mlp.down_proj",
+}
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our parameter name → Hugging Face's, for every tensor an HF folder stores.
+
+    With tied embeddings HF stores no ``lm_head.weight``: the head is the embedding.
+    """
+    names = {"embed.weight": "model.embed_tokens.weight"}
+    for i in range(cfg.layers):
+        for ours, theirs in BLOCK_NAMES.items():
+            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    names["norm.weight"] = "model.norm.weight"
+    if not cfg.tie_embeddings:
+        names["head.weight"] = "lm_head.weight"
+    return names
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The shape of every tensor of ``Llama(cfg)``, without allocating it."""
+    from threefold.models.llama import Llama
+
+    with torch.device("meta"):
+        return {name: tensor.shape for name, tensor in Llama(cfg).state_dict().items()}
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
+    """config.json of ``LlamaForCausalLM`` for ``cfg``; readable by transformers 4.x and 5.x."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        # Our documents are separated by one EOS token, which therefore also opens each document.
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+    }
+
+
+def model_config_from_hf(config: dict, where: str) -> ModelConfig:
+    """A ``ModelConfig`` from an HF config.json, refusing what our model cannot represent.
+
+    Absent keys take ``LlamaConfig``'s defaults, as transformers would.
+    """
+    architectures = config.get("architectures") or ["LlamaForCausalLM"]
+    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
+        raise ConfigError(f"{where}: not a Llama model (model_type {config.get('model_type')!r}, architectures "
+                          f"{architectures}); only LlamaForCausalLM can be imported")
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if key not in config]
+    if missing:
+        raise ConfigError(f"{where}: config.json lacks {missing[0]!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (the model uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key, False):
+            raise ConfigError(f"{where}: {key} is true; the model has no biases")
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling.
+    rope = config.get("rope_parameters") or dict(config.get("rope_scaling") or {},
+                                                 rope_theta=config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{where}: rope scaling {rope_type!r} is not supported (only plain rotary embeddings)")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, hidden // heads):
+        raise ConfigError(f"{where}: head_dim {config['head_dim']} differs from hidden_size/num_attention_heads "
+                          f"= {hidden // heads}; the model cannot represent that")
+    cfg = ModelConfig(
+        layers=config["num_hidden_layers"],
+        hidden=hidden,
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        ffn=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        seq_len=config.get("max_position_embeddings", 2048),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+    cfg.validate()
+    return cfg
+
+
+# ---------------------------------------------------------------- weights
+
+
+def to_hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Our full state dict → Hugging Face's tensors, checking that every tensor is there in its shape."""
+    shapes = parameter_shapes(cfg)
+    tensors = {}
+    for ours, theirs in hf_names(cfg).items():
+        if ours not in state:
+            raise ConfigError(f"{where}: the state dict lacks {ours!r}")
+        if state[ours].shape != shapes[ours]:
+            raise ConfigError(f"{where}: {ours} has shape {tuple(state[ours].shape)}, the config needs "
+                              f"{tuple(shapes[ours])}")
+        tensors[theirs] = state[ours].detach().contiguous()
+    return tensors
+
+
+def from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Hugging Face's tensors → our full state dict in fp32 (``head.weight`` is ``embed.weight`` when tied)."""
+    biases = sorted(name for name in tensors if name.endswith(".bias"))
+    if biases:
+        raise ConfigError(f"{where}: holds a bias ({biases[0]}); the model has no biases")
+    names = hf_names(cfg)
+    # Older transformers saved the rotary inverse frequencies; with tied embeddings transformers
+    # ignores a stored lm_head and uses the embedding, and so do we.
+    ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        ignored.add("lm_head.weight")
+    unexpected = sorted(set(tensors) - set(names.values()) - ignored)
+    if unexpected:
+        raise ConfigError(f"{where}: holds {unexpected[0]!r}, which a Llama of this config does not have")
+    shapes = parameter_shapes(cfg)
+    state = {}
+    for ours, theirs in names.items():
+        if theirs not in tensors:
+            raise ConfigError(f"{where}: lacks the tensor {theirs!r}")
+        if tensors[theirs].shape != shapes[ours]:
+            raise ConfigError(f"{where}: {theirs} has shape {tuple(tensors[theirs].shape)}, config.json needs "
+                              f"{tuple(shapes[ours])}")
+        state[ours] = tensors[theirs].float()
+    if cfg.tie_embeddings:
+        state["head.weight"] = state["embed.weight"]
+    return state
+
+
+# ---------------------------------------------------------------- folders
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: not readable JSON ({err.__class__.__name__})") from None
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder: ``model.safetensors``, or the shards its index lists."""
+    if (folder / WEIGHTS).is_file():
+        files = [folder / WEIGHTS]
+    elif (folder / WEIGHTS_INDEX).is_file():
+        weight_map = read_json(folder / WEIGHTS_INDEX).get("weight_map") or {}
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise ConfigError(f"{folder}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); only safetensors weights are read")
+    tensors = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except FileNotFoundError:
+            raise ConfigError(f"{file}: missing") from None
+        except Exception as err:  # safetensors reports a bad header or a short file with its own error types
+            reason = str(err).splitlines()[0][:100] if str(err) else err.__class__.__name__
+            raise ConfigError(f"{file}: not a readable safetensors file ({reason})") from None
+    return tensors
+
+
+def load_hf_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and our full fp32 state dict from an HF ``LlamaForCausalLM`` folder.
+
+    ``Llama(cfg).load_state_dict(state)`` accepts the result as it is.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: not a folder (expected a Hugging Face folder with {CONFIG} and {WEIGHTS})")
+    cfg = model_config_from_hf(read_json(folder / CONFIG), str(folder))
+    return cfg, from_hf_tensors(cfg, read_safetensors(folder), str(folder))
+
+
+def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, weights and tokenizer of an HF folder (its tokenizer.json is required)."""
+    cfg, state = load_hf_weights(folder)
+    tokenizer_file = Path(folder) / TOKENIZER
+    if not tokenizer_file.is_file():
+        raise ConfigError(f"{folder}: no {TOKENIZER}; the tokenizer is needed to use the model")
+    try:
+        tokenizer = load_tokenizer(tokenizer_file, str(tokenizer_file))
+    except Exception as err:
+        raise ConfigError(f"{tokenizer_file}: not a readable tokenizers file ({err.__class__.__name__})") from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
+                          f"{cfg.vocab_size}")
+    return cfg, state, tokenizer
+
+
+def write_hf_folder(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``folder``.
+
+    ``tensors`` are Hugging Face's, as ``to_hf_tensors`` returns them.
+    """
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    (folder / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, tokenizer.eos_id), indent=2) + "\n")
+    save_tokenizer(tokenizer, folder / TOKENIZER)
+    # So that transformers' AutoTokenizer finds the tokenizer.json and its end-of-text token.
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
+    if tokenizer.eos_id is not None:
+        tokenizer_config.update(eos_token=EOS, bos_token=EOS)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
