@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import SCHEDULES, ConfigError, ModelConfig
 
 
 def _scalar_or_array(value):
@@ -149,7 +149,6 @@ def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4
 # --------------------------------------------------------------------------------------------
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ATTENTION = ("flash", "eager")
 
 
@@ -175,10 +174,6 @@ class Layout:
     def named(cls, recompute: str = "none", schedule: str = "1f1b", **sizes) -> "Layout":
         return cls(recompute=_index(RECOMPUTE, recompute, "--recompute"),
                    schedule=_index(SCHEDULES, schedule, "--schedule"), **sizes)
-
-    @property
-    def num_gpus(self):
-        return self.tp * self.pp * self.dp * self.cp
 
     def take(self, index) -> "Layout":
         """The layouts at ``index`` of an array-valued Layout."""
@@ -244,10 +239,11 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
 # The cost model of a training step
 # --------------------------------------------------------------------------------------------
 
-PARAM_BYTES = 2  # 16-bit weights used in forward and backward
-OPTIMIZER_BYTES = 12  # fp32 master weights + Adam's two fp32 moments
-# grad_bytes 4 (fp32 gradients, as Megatron's main_grad and FSDP's fp32 reduction keep them):
-# 2 + 4 + 12 = 18 bytes per parameter; grad_bytes 2 (16-bit gradients): the classic 16.
+# Model states per parameter: 16-bit weights, gradients of Workload.grad_bytes (4: fp32, as
+# Megatron's main_grad and FSDP's fp32 reduction keep them, 2 + 4 + 12 = 18 bytes; 2: the classic
+# 16), fp32 master weights and Adam's two fp32 moments.
+PARAM_BYTES = 2
+OPTIMIZER_BYTES = 12
 # HBM bytes moved by the memory-bound (non-matmul) kernels, per byte of activations a layer stores:
 # each is written and read in forward, read again in backward, and its gradient written and read.
 ELEMENTWISE_PASSES = 6
@@ -323,8 +319,7 @@ def _ring_time(bytes_sent, steps, link_bw, latency):
 def estimate(work: Workload, layout: Layout, gpu) -> dict:
     """Memory, communication and time of one training step, for one layout or arrays of them.
 
-    Returns a flat dict of numbers (or arrays): see ``RESULT_KEYS`` in report.py for the JSON
-    shape. The GPU reported is the one on the busiest pipeline stage (the last, which also
+    Returns a flat dict of numbers (or arrays); ``report.result_json`` shapes it as JSON. The GPU reported is the one on the busiest pipeline stage (the last, which also
     computes the logits); memory is that of the fuller of the first and last stages.
     """
     cfg = work.model
@@ -483,15 +478,15 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
         bubble_fraction=idle_slots / (busy_slots + idle_slots),
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activations_bytes=activations,
-        memory_bytes=memory_total, reserved_bytes=memory_total * 0 + RESERVED_BYTES, fits=memory_total <= gpu.hbm_bytes,
+        memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
+        fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
         dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_mb_s,
         cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
         dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
-        tp_crosses_nodes=(t > gpu.gpus_per_node) & (t > 1),
     )
     result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
-    return {key: _scalar_or_array(value) if key not in ("fits", "tp_crosses_nodes") else
-            (bool(value) if np.ndim(value) == 0 else value) for key, value in result.items()}
+    return {key: (bool(value) if np.ndim(value) == 0 else value) if key == "fits" else _scalar_or_array(value)
+            for key, value in result.items()}
