@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from threefold.config import ModelConfig
+from threefold.models.sizes import count_parameters  # noqa: F401  (re-exported: sizes need no torch)
 
 
 class RMSNorm(nn.Module):
@@ -186,13 +187,3 @@ class Llama(nn.Module):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over every token of the batch, computed in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def count_parameters(cfg: ModelConfig) -> int:
-    """Exact number of distinct parameters of ``Llama(cfg)`` (tied embeddings counted once)."""
-    h, f, v, d = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.head_dim
-    attn = h * cfg.heads * d * 2 + h * cfg.n_kv_heads * d * 2  # wq, wo; wk, wv
-    mlp = 3 * h * f
-    block = attn + mlp + 2 * h  # two RMSNorm weights
-    embeddings = v * h * (1 if cfg.tie_embeddings else 2)
-    return cfg.layers * block + embeddings + h

@@ -56,7 +56,7 @@ def param_count(cfg: ModelConfig) -> int:
     """Exact number of distinct parameters (tied embeddings counted once)."""
     if cfg.arch == "llama":
         _require_vocab(cfg)
-        from threefold.models.llama import count_parameters  # the model's own count; imports torch
+        from threefold.models.sizes import count_parameters  # the model's own count, torch-free
 
         return count_parameters(cfg)
     h, v = cfg.hidden, _require_vocab(cfg)
