@@ -1,0 +1,333 @@
+"""Tensor parallelism (with and without sequence parallelism, alone and under DP/ZeRO) against
+the single-process engine, on gloo worker pools.
+
+The reference is ``Engine`` on one process with the same global batches and the same seed.
+
+Tolerances. Tensor parallelism computes the same sums in another order: a row-parallel product
+adds t partial sums, the loss sums exponentials shard by shard, gradients of replicated inputs
+arrive as an all-reduce of partial products. In fp32 that changes results by rounding only:
+losses and gradient norms agree to ~1e-7 (asserted: 1e-6 and 1e-5). Parameters after 5 AdamW
+steps: Adam divides each gradient by its own running RMS, which turns rounding noise on
+near-zero gradients into differences of up to lr per step; the measured per-tensor relative L2
+error is ~1e-7–1e-6, we assert 1e-5 per tensor and under 1e-3 of the distance the parameters
+travelled (a wrong gradient, e.g. a missing all-reduce, gives errors of that distance's order).
+Ranks must agree bitwise on the gathered model.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from threefold.config import ConfigError, load_config
+from threefold.models.llama import Llama
+from threefold.plan import costs
+from threefold.train.engine import Engine
+from threefold.train.metrics import ActivationMeter
+
+STEPS = 5
+# 8 heads and 4 kv heads split over tp 2 and 4; vocabulary 250 is padded to 252 and 252/256.
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=8", "model.kv_heads=4", "model.vocab_size=250",
+        "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0",
+        "parallel.bucket_mb=0.1", "parallel.timeout_s=60"]
+
+
+def make_config(tp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False, *extra: str):
+    return load_config(None, TINY + [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.zero={zero}",
+                                     f"parallel.sequence_parallel={str(sp).lower()}", *extra])
+
+
+def global_batches(cfg, steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
+            for _ in range(steps)]
+
+
+def my_micro_batches(tokens: torch.Tensor, cfg, dp_rank: int, dp_size: int):
+    rows = tokens.shape[0] // dp_size
+    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
+    return list(zip(mine[:, :-1].split(cfg.train.micro_batch), mine[:, 1:].split(cfg.train.micro_batch)))
+
+
+def train_steps(engine, cfg, batches) -> dict:
+    out = {"losses": [], "norms": [], "comm": []}
+    for tokens in batches:
+        out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
+        out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
+        engine.optimizer_step(cfg.train.lr)
+        engine.zero_grad()
+        out["comm"].append(engine.comm_bytes())
+    return out
+
+
+def new_engine(cfg):
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
+
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(cfg.train.recompute)
+    mesh = ParallelMesh.from_config(cfg.parallel)
+    return build_tensor_parallel_engine(model, cfg, mesh, Comm(mesh))
+
+
+# --- functions the workers run ------------------------------------------------------------------
+def run_case(tp: int, dp: int, zero: int, sp: bool, *extra: str) -> dict:
+    cfg = make_config(tp, dp, zero, sp, *extra)
+    engine = new_engine(cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["state"] = engine.model_state_dict()
+    out["memory"] = engine.memory_bytes()
+    out["norm_grad_numel"] = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"] if p.dim() == 1)
+    # Loading the gathered state back reproduces it; the plain model holds the same weights.
+    engine.load_model_state_dict(out["state"])
+    again = engine.model_state_dict()
+    plain = engine.plain_model().state_dict()
+    out["round_trip"] = all(torch.equal(again[k], v) and torch.equal(plain[k], v) for k, v in out["state"].items())
+    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    out["eval_comm"] = engine.comm_bytes()
+    engine.shutdown()
+    return out
+
+
+def run_activations(tp: int, sp: bool, recompute: str, layers: int) -> int:
+    """Bytes saved for backward by one micro-batch's forward on this rank."""
+    cfg = make_config(tp, 1, 0, sp, "model.kv_heads=8", f"model.layers={layers}", f"train.recompute={recompute}")
+    engine = new_engine(cfg)
+    engine.activation_meter = ActivationMeter(engine.model)
+    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
+    engine.shutdown()
+    return engine.activation_meter.peak
+
+
+# --- the single-process reference ---------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def reference(*extra: str) -> dict:
+    cfg = make_config(1, 1, 0, False, *extra)
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(cfg.train.recompute)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["state"], out["initial"] = engine.model_state_dict(), initial
+    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    return out
+
+
+_cases: dict = {}
+
+
+def case(distributed, tp: int, dp: int, zero: int, sp: bool, *extra: str) -> list[dict]:
+    """Each layout runs once; the equivalence and ledger tests read the same run."""
+    key = (tp, dp, zero, sp, extra)
+    if key not in _cases:
+        _cases[key] = distributed.run(tp * dp, run_case, tp, dp, zero, sp, *extra)
+    return _cases[key]
+
+
+def assert_same_training(results: list[dict], ref: dict) -> None:
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+        assert r["round_trip"]
+    state = results[0]["state"]
+    assert list(state) == list(ref["state"])  # the plain model's keys, in order, with its shapes
+    for key, want in ref["state"].items():
+        got = state[key]
+        assert got.shape == want.shape, key
+        error = (got - want).norm().item()
+        assert error <= 1e-5 * want.norm().item(), key
+        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
+        for other in results[1:]:
+            assert torch.equal(other["state"][key], got), f"ranks differ in {key}"
+
+
+LAYOUTS = [  # tp, dp, zero, sequence parallel
+    (2, 1, 0, False), (2, 1, 0, True), (4, 1, 0, False), (4, 1, 0, True),
+    (2, 2, 1, False), (2, 2, 1, True), (2, 2, 3, False), (2, 2, 3, True),
+]
+
+
+@pytest.mark.parametrize("tp,dp,zero,sp", LAYOUTS)
+def test_matches_single_process(distributed, tp, dp, zero, sp):
+    assert_same_training(case(distributed, tp, dp, zero, sp), reference())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_untied_embeddings_and_full_recompute(distributed, sp):
+    extra = ("model.tie_embeddings=false", "train.recompute=full")
+    assert_same_training(case(distributed, 2, 1, 0, sp, *extra), reference(*extra))
+
+
+# --- communication --------------------------------------------------------------------------------
+def tp_bytes_per_step(cfg, tp: int, dp: int, sp: bool, recompute: str, element_bytes: int = 4) -> dict:
+    """Bytes one rank sends on the tp axis per optimizer step, by ledger key (ring convention).
+
+    "tp": per micro-batch, per layer, f and g of each sublayer (4 all-reduces) — with SP, 4
+    reduce-scatter/all-gather pairs of the same volume plus the backward re-gather of the two
+    column-parallel inputs (one more all-reduce's worth) — and the embedding's g and the head's
+    f (+ the head's re-gather with SP). Full recompute runs each block's forward again up to its
+    last saved tensor: the attention's g (SP: its gather and reduce-scatter, and the MLP's gather).
+    "tp.loss": max, sum-exp and target logit per token (fp32). This is the formula costs.py needs.
+    """
+    m = cfg.microbatches
+    L, t = cfg.model.layers, tp
+    message = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * element_bytes
+    all_reduce = 2 * (t - 1) / t
+    per_layer = 5 if sp else 4
+    recompute_per_layer = (1.5 if sp else 1) if recompute == "full" else 0
+    outside = 2.5 if sp else 2
+    tokens = cfg.train.micro_batch * cfg.model.seq_len
+    return {"tp": m * (L * (per_layer + recompute_per_layer) + outside) * all_reduce * message,
+            "tp.loss": m * all_reduce * 3 * tokens * 4}
+
+
+def planner_tp_bytes(cfg, tp: int, dp: int, sp: bool, recompute: str) -> float:
+    """costs.estimate's tp_bytes for this layout, converted from its 16-bit messages to fp32."""
+    from threefold.plan.hardware import CATALOG
+
+    work = costs.Workload(cfg.model, global_batch=cfg.train.global_batch)
+    layout = costs.Layout.named(tp=tp, dp=dp, micro_batch=cfg.train.micro_batch, sequence_parallel=sp,
+                                recompute=recompute)
+    return costs.estimate(work, layout, CATALOG["a100-80gb"])["tp_bytes"] * 4 / costs.PARAM_BYTES
+
+
+@pytest.mark.parametrize("tp,dp,zero,sp", LAYOUTS)
+def test_ledger(distributed, tp, dp, zero, sp):
+    cfg = make_config(tp, dp, zero, sp)
+    want = tp_bytes_per_step(cfg, tp, dp, sp, "none")
+    for r in case(distributed, tp, dp, zero, sp):
+        for step in r["comm"]:
+            assert step["tp"] == round(want["tp"])
+            assert step["tp.loss"] == round(want["tp.loss"])
+            # SP: the norm gains' gradients this rank holds after the dp reduction, summed over tp.
+            assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["norm_grad_numel"]) if sp else 0)
+            assert step["tp.scalar"] == round(2 * (tp - 1) / tp * 4)  # the gradient norm's squares
+            assert set(step) <= {"tp", "tp.loss", "tp.norm_grads", "tp.scalar", "dp", "dp.scalar"}
+        assert set(r["eval_comm"]) == {"tp.eval"}  # evaluation stays out of the step's traffic
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_ledger_with_full_recompute(distributed, sp):
+    extra = ("model.tie_embeddings=false", "train.recompute=full")
+    cfg = make_config(2, 1, 0, sp, *extra)
+    want = tp_bytes_per_step(cfg, 2, 1, sp, "full")
+    for r in case(distributed, 2, 1, 0, sp, *extra):
+        assert all(step["tp"] == round(want["tp"]) for step in r["comm"])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_ledger_against_the_planner(distributed, sp):
+    """costs.estimate counts 4 all-reduces per layer (+1 with SP) and 2 for embedding and head:
+    the engine's exact count without SP; with SP the head's re-gather (half an all-reduce per
+    micro-batch) is the one term it leaves out."""
+    cfg = make_config(2, 1, 0, sp)
+    measured = case(distributed, 2, 1, 0, sp)[0]["comm"][0]["tp"]
+    head_regather = (0.5 * 2 * 1 / 2 * cfg.microbatches * cfg.train.micro_batch * cfg.model.seq_len
+                     * cfg.model.hidden * 4) if sp else 0
+    assert measured == pytest.approx(planner_tp_bytes(cfg, 2, 1, sp, "none") + head_regather, rel=1e-12)
+
+
+def test_sequence_parallel_moves_the_all_reduce_volume(distributed):
+    """Per layer, SP's reduce-scatter/all-gather pairs move what the all-reduces did; the
+    difference is exactly the backward re-gathers (two per layer, one for the head)."""
+    cfg = make_config(2)
+    plain, seq = (case(distributed, 2, 1, 0, sp)[0]["comm"][0]["tp"] for sp in (False, True))
+    gather = 1 / 2 * cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * 4
+    assert seq - plain == pytest.approx(cfg.microbatches * (2 * cfg.model.layers + 1) * gather)
+
+
+# --- activation memory ------------------------------------------------------------------------------
+def block_activation_bytes(cfg, tp: int, sp: bool, recompute: str, element_bytes: int = 4) -> float:
+    """The planner's activation bytes of one block per micro-batch (Korthikanti et al. §4, via
+    costs.activation_coefficients, whose bytes assume 16-bit activations: scaled to ours; the
+    attention core's log-sum-exp is fp32 either way)."""
+    coef = costs.activation_coefficients(cfg.model, "flash")
+    tokens = cfg.train.micro_batch * cfg.model.seq_len
+    scale = element_bytes / costs.PARAM_BYTES
+    seq_split = tp if sp else 1
+    if recompute == "full":
+        return tokens * scale * 2 * cfg.model.hidden / seq_split
+    kept = tokens * scale * (coef["replicated"] / seq_split + coef["sharded"] / tp)
+    return kept if recompute == "selective" else kept + tokens * coef["core"] / tp
+
+
+def rmsnorm_intermediate_bytes(cfg, tp: int, sp: bool, element_bytes: int = 4) -> float:
+    """What our RMSNorm saves beyond its input and output: x·rsqrt (h) and rsqrt (1), twice per block."""
+    tokens = cfg.train.micro_batch * cfg.model.seq_len
+    return 2 * tokens * (cfg.model.hidden + 1) * element_bytes / (tp if sp else 1)
+
+
+ACTIVATION_CASES = [(tp, sp, recompute) for tp, sp in ((1, False), (2, False), (2, True), (4, True))
+                    for recompute in ("none", "selective", "full")]
+
+
+def measured_block_bytes(distributed, tp, sp, recompute) -> float:
+    """One block's saved bytes per rank: the difference between a 3-layer and a 1-layer model."""
+    deep, shallow = (max(distributed.run(max(tp, 2), run_activations, tp, sp, recompute, layers))
+                     if tp > 1 else run_activations_single(recompute, layers) for layers in (3, 1))
+    return (deep - shallow) / 2
+
+
+def run_activations_single(recompute: str, layers: int) -> int:
+    cfg = make_config(1, 1, 0, False, "model.kv_heads=8", f"model.layers={layers}", f"train.recompute={recompute}")
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(recompute)
+    engine = Engine(model, cfg)
+    engine.activation_meter = ActivationMeter(model)
+    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
+    return engine.activation_meter.peak
+
+
+_activations: dict = {}
+
+
+def block_bytes(distributed, tp, sp, recompute) -> float:
+    key = (tp, sp, recompute)
+    if key not in _activations:
+        _activations[key] = measured_block_bytes(distributed, tp, sp, recompute)
+    return _activations[key]
+
+
+@pytest.mark.parametrize("tp,sp,recompute", ACTIVATION_CASES)
+def test_block_activations_equal_the_formula(distributed, tp, sp, recompute):
+    """Exact: the planner's block plus the RMSNorm intermediates it does not count (full
+    recompute keeps only the block's input, which the planner counts exactly)."""
+    cfg = make_config(tp, 1, 0, sp, "model.kv_heads=8")
+    want = block_activation_bytes(cfg, tp, sp, recompute)
+    if recompute != "full":
+        want += rmsnorm_intermediate_bytes(cfg, tp, sp)
+    assert block_bytes(distributed, tp, sp, recompute) == want
+
+
+def test_sequence_parallel_divides_the_norm_region(distributed):
+    cfg = make_config(2, 1, 0, True, "model.kv_heads=8")
+    for recompute in ("none", "selective", "full"):
+        saved = block_bytes(distributed, 2, False, recompute) - block_bytes(distributed, 2, True, recompute)
+        tokens = cfg.train.micro_batch * cfg.model.seq_len
+        # The norm region is what SP splits: 12h + 8 bytes per token (fp32: each norm's input,
+        # x·rsqrt, rsqrt, output), or the block's input (4h) under full recompute.
+        region = tokens * (4 * cfg.model.hidden if recompute == "full" else 2 * (3 * 4 * cfg.model.hidden + 4))
+        assert saved == region / 2
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=3", "model.heads=8", "model.kv_heads=None", "model.hidden=48"], "does not divide model.heads=8"),
+    (["parallel.tp=4", "model.heads=8", "model.kv_heads=2"], "does not divide the 2 key/value heads"),
+    (["parallel.tp=4", "model.ffn=90"], "does not divide the FFN width 90"),
+    (["parallel.tp=4", "model.vocab_size=3"], "vocabulary of 3 tokens"),
+    (["parallel.tp=4", "model.seq_len=30", "parallel.sequence_parallel=true"], "does not divide model.seq_len=30"),
+])
+def test_layouts_tp_cannot_split(overrides, message):
+    from threefold.parallel.tensor_parallel import check_tensor_parallel
+
+    cfg = load_config(None, TINY + overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        check_tensor_parallel(cfg.model, cfg.parallel)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,652 @@
+"""Tensor parallelism (Megatron-LM) with sequence parallelism, composed with data parallelism.
+
+The tp ranks of a group hold different slices of every weight matrix and compute one layer
+together. A transformer sublayer is two matrix products, so (Shoeybi et al. 2019):
+
+    column-parallel  y_r = x · A_rᵀ       A's rows (output features) split: rank r gets its own
+                                           heads of q/k/v, its own columns of SwiGLU's gate and up;
+                                           the input x must be whole on every rank.
+    row-parallel     z   = Σ_r y_r · B_rᵀ  B's columns (input features) split to match: rank r
+                                           multiplies its own y_r; the partial sums are added.
+
+Between the two everything is local (rotary, attention over the rank's heads, silu·up), so a
+sublayer needs one collective forward, ``g`` (all-reduce of the partial sums), and one backward,
+``f`` (all-reduce of dL/dx, to which every rank's slice contributes). ``f`` and ``g`` are
+conjugate: each is the identity in one direction and an all-reduce in the other.
+
+Sequence parallelism (Korthikanti et al. 2022). Outside the column…row pairs, the norms and
+residual adds are replicated work on replicated activations. SP splits them along the sequence
+instead: ``g`` becomes a reduce-scatter (each rank keeps the sum for its s/t positions) and
+``f`` an all-gather (the full sequence, just before the column-parallel linears). A ring
+all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes are the same; what
+SP buys is memory: the norm region's activations shrink by tp. The column-parallel linears
+save only this rank's part of their input and gather it again in backward (Megatron does the
+same), one extra all-gather per sublayer.
+
+Vocabulary. The embedding table and the output head are split by rows of the vocabulary,
+padded with zero rows to a multiple of tp (the padding never enters the loss). A rank looks up
+the tokens it owns and zeros the others, then ``g`` sums. The loss never materialises the full
+logits: each rank holds the logits of its vocabulary slice, and three per-token numbers cross
+the group (the max, the sum of exponentials and the target's logit). With tied embeddings the
+head and the table are the same shard.
+
+The plan, ``TENSOR_PARALLEL_PLAN``, maps module names of the plain model to styles, as
+torchtitan does; ``parallelize`` applies it in place to a full model that every rank built from
+the same seed, so each rank keeps exactly its slice of the single-process model's weights.
+
+Communication per micro-batch on the tp axis (B = micro_batch · seq_len · hidden · 4 bytes,
+``a`` = 2(t−1)/t, the ring factor of an all-reduce), counted by the CommLedger under "tp":
+  without SP  (4·L + 2) · a · B: f and g of both sublayers of each layer, g after the
+              embedding, f before the head;
+  with SP     (5·L + 2.5) · a · B: the same as reduce-scatter/all-gather pairs, plus the
+              backward re-gather of each column-parallel input (two per layer, one for the head);
+  recompute=full adds the block's forward once more, up to its last saved tensor (PyTorch's
+              checkpoint stops recomputing there, so the MLP's g is not repeated): L · a · B
+              without SP, 1.5 · L · a · B with SP.
+Under "tp.loss": per micro-batch, an all-reduce of 3 fp32 numbers per token. Under
+"tp.norm_grads" (SP only): once per step, the norm gains' gradients this rank holds, summed
+over tp (each rank saw only its part of the sequence).
+
+Composition: ``parallelize`` first, then the data-parallel engine (DDP, ZeRO-1/2, or ZeRO-3)
+wraps the tp-sharded model over the dp axis — it shards and reduces whatever local parameters
+it is given. What tp adds to it (the loss, the gradient norm, full checkpoints) is in
+``TensorParallelism`` and ``VocabParallelLoss`` below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig
+from threefold.distributed.comm import Comm
+from threefold.distributed.mesh import ParallelMesh
+from threefold.models.llama import Llama
+from threefold.parallel.data_parallel import DataParallelEngine
+from threefold.parallel.fsdp import FullyShardedEngine
+from threefold.train.engine import Engine, autocast
+
+
+def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ConfigError, one line, for a model that ``parallel.tp`` cannot split."""
+    t = parallel.tp
+    if t == 1:
+        return
+    if model.heads % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} (each rank computes whole heads)")
+    if model.n_kv_heads % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
+                          "tensor parallelism splits them, it does not replicate them")
+    if model.ffn_hidden % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
+    if model.vocab_size is not None and model.vocab_size < t:
+        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens (model.vocab_size)")
+    if parallel.sequence_parallel and model.seq_len % t:
+        raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-parallel group, and moving a sequence between whole and split
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorParallelGroup:
+    """This rank's place in its tp group, and what the layers ask of the group."""
+    comm: Comm
+    rank: int
+    size: int
+    sequence_parallel: bool
+    vocab_size: int  # of the plain model; the shards hold it padded to a multiple of ``size``
+
+
+def traffic_tag() -> str | None:
+    """Evaluation's collectives are counted apart from training's (the planner predicts the latter)."""
+    return None if torch.is_grad_enabled() else "eval"
+
+
+def all_gather_stacked(local: torch.Tensor, tp: TensorParallelGroup, tag: str | None) -> torch.Tensor:
+    """(t, …): every rank's ``local``, in rank order (gathered flat: gloo cannot fill a stacked output)."""
+    flat = local.new_empty((tp.size * local.shape[0], *local.shape[1:]))
+    tp.comm.all_gather(flat, local.contiguous(), "tp", tag=tag)
+    return flat.view(tp.size, *local.shape)
+
+
+def all_gather_sequence(shard: torch.Tensor, tp: TensorParallelGroup, tag: str | None) -> torch.Tensor:
+    """(b, s/t, …) on each rank → (b, s, …): the ranks' parts of the sequence, in rank order."""
+    parts = all_gather_stacked(shard, tp, tag)
+    return parts.movedim(0, 1).reshape(shard.shape[0], -1, *shard.shape[2:])
+
+
+def reduce_scatter_sequence(full: torch.Tensor, tp: TensorParallelGroup, tag: str | None) -> torch.Tensor:
+    """(b, s, …) partial sums on each rank → (b, s/t, …): this rank's positions, summed over ranks."""
+    b, s = full.shape[:2]
+    if s % tp.size:
+        raise ConfigError(f"parallel.sequence_parallel: a sequence of {s} tokens does not split over tp={tp.size}")
+    piece = (s // tp.size, *full.shape[2:])
+    # Rank-major and flat, as gloo wants the input: rank r's part of every sequence is block r.
+    parts = full.reshape(b, tp.size, *piece).movedim(1, 0).reshape(tp.size * b, *piece)
+    out = full.new_empty((b, *piece))
+    tp.comm.reduce_scatter(out, parts, "tp", tag=tag)
+    return out
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy that a collective may overwrite (autograd may share a gradient between nodes)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# The conjugate operators
+# ---------------------------------------------------------------------------------------------
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """f: enter a tensor-parallel region. Forward: identity (every rank holds the whole input).
+    Backward: all-reduce, since every rank's slice of the weights contributes a part of dL/dx."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallelGroup):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _fresh(grad)
+        ctx.tp.comm.all_reduce(grad, "tp")
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """g: leave a tensor-parallel region. Forward: all-reduce the ranks' partial sums.
+    Backward: identity (the sum's gradient reaches every addend unchanged)."""
+
+    @staticmethod
+    def forward(ctx, partial, tp: TensorParallelGroup, tag: str | None):
+        total = _fresh(partial)
+        tp.comm.all_reduce(total, "tp", tag=tag)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """g under SP: forward reduce-scatter the partial sums along the sequence (each rank keeps the
+    sum for its s/t positions). Backward: all-gather the gradient along the sequence."""
+
+    @staticmethod
+    def forward(ctx, partial, tp: TensorParallelGroup, tag: str | None):
+        ctx.tp = tp
+        return reduce_scatter_sequence(partial, tp, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.tp, None), None, None
+
+
+class SequenceGathered:
+    """One forward pass's all-gathered sublayer input, shared by the sublayer's column-parallel
+    linears. During forward they read ``shard`` and save it, not the gathered input; in backward
+    the first of them to need the whole input gathers it again, and the rest reuse it until the
+    gather's own backward (which runs after all of theirs) drops it."""
+
+    def __init__(self, shard: torch.Tensor, tp: TensorParallelGroup):
+        self.shard, self.tp = shard, tp
+        self.full: torch.Tensor | None = None
+
+    def regather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = all_gather_sequence(shard, self.tp, None)
+        return self.full
+
+
+class GatherSequence(torch.autograd.Function):
+    """f under SP: forward all-gather along the sequence. Backward: reduce-scatter the gradient
+    (the sum over ranks of their slices' contributions, each rank keeping its positions)."""
+
+    @staticmethod
+    def forward(ctx, shard, gathered: SequenceGathered, tag: str | None):
+        ctx.gathered = gathered
+        return all_gather_sequence(shard, gathered.tp, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.gathered.full = None
+        return reduce_scatter_sequence(grad, ctx.gathered.tp, None), None, None
+
+
+class ColumnParallelMatmul(torch.autograd.Function):
+    """x·Wᵀ on the gathered input, saving this rank's sequence shard of x instead of x: the
+    weight's gradient gathers x again. dL/dx flows back to ``GatherSequence``."""
+
+    @staticmethod
+    def forward(ctx, full, shard, weight, gathered: SequenceGathered):
+        ctx.save_for_backward(shard, weight)
+        ctx.gathered = gathered
+        return F.linear(full, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        full = ctx.gathered.regather(shard).to(grad.dtype)
+        grad_input = grad @ weight.to(grad.dtype)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        return grad_input, None, grad_weight, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean next-token loss from vocab-sharded logits. Each rank holds the logits of its rows of
+    the (padded) vocabulary; per token, the max, the sum of exp(logit − max) and the target's
+    logit are reduced over tp, so no rank ever holds a whole row of logits. Padding rows are
+    masked out. Backward: softmax − one-hot on this rank's slice, with no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp: TensorParallelGroup, tag: str | None):
+        local_vocab = logits.shape[-1]
+        first = tp.rank * local_vocab
+        logits = logits.float()
+        if first + local_vocab > tp.vocab_size:
+            padding = torch.arange(first, first + local_vocab, device=logits.device) >= tp.vocab_size
+            logits = logits.masked_fill(padding, float("-inf"))
+        row_max = logits.amax(dim=-1)
+        tp.comm.all_reduce(row_max, "tp", op=dist.ReduceOp.MAX, tag=tag)
+        shifted = logits - row_max.unsqueeze(-1)
+        local_target = targets - first
+        mine = (local_target >= 0) & (local_target < local_vocab)
+        local_target = local_target.clamp(0, local_vocab - 1)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = shifted.exp_()
+        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        tp.comm.all_reduce(sums, "tp", tag=tag)
+        sum_exp, target_logit = sums
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, mine)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        scale = grad / local_target.numel()
+        grad_logits = softmax * scale
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), (-scale * mine).unsqueeze(-1).to(grad_logits.dtype))
+        return grad_logits, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """The same number as ``models.llama.cross_entropy`` of the whole logits, from this rank's slice."""
+    return VocabParallelCrossEntropy.apply(logits, targets, tp, traffic_tag())
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel layers
+# ---------------------------------------------------------------------------------------------
+
+class PreparedInput:
+    """The first input of a module whose column-parallel linears all read it (attention: q, k, v;
+    SwiGLU: gate, up; the head). A forward pre-hook makes it whole on every rank: f without SP,
+    an all-gather along the sequence with SP."""
+
+    def __init__(self, tp: TensorParallelGroup):
+        self.tp = tp
+        self.gathered: SequenceGathered | None = None  # SP: this forward's, while it runs
+
+    def before(self, module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        if not self.tp.sequence_parallel:
+            return (CopyToTensorParallel.apply(x, self.tp), *rest)
+        self.gathered = SequenceGathered(x.detach(), self.tp)
+        return (GatherSequence.apply(x, self.gathered, traffic_tag()), *rest)
+
+    def after(self, module: nn.Module, args: tuple, output) -> None:
+        if self.gathered is not None:
+            self.gathered.shard = None  # the linears saved it; do not keep it alive here
+            self.gathered = None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x·W_rᵀ with W_r this rank's rows of the weight (output features). ``input`` is the
+    PreparedInput that makes x whole (set when the plan attaches it)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+        self.input: PreparedInput | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = self.input.gathered
+        if gathered is not None and torch.is_grad_enabled():
+            return ColumnParallelMatmul.apply(x, gathered.shard, self.weight, gathered)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"local out_features={self.weight.shape[0]}, in_features={self.weight.shape[1]}"
+
+
+class RowParallelLinear(nn.Module):
+    """z = Σ_r x_r·W_rᵀ with W_r this rank's columns (input features): a local product, then g
+    (all-reduce; with SP, reduce-scatter along the sequence)."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallelGroup):
+        super().__init__()
+        self.weight, self.tp = weight, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return leave_tensor_parallel(F.linear(x, self.weight), self.tp)
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.weight.shape[0]}, local in_features={self.weight.shape[1]}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the (padded) table: it looks up the tokens it owns, zeros for the
+    others, and g sums the ranks' lookups (with SP: reduce-scatters them along the sequence)."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallelGroup):
+        super().__init__()
+        self.weight, self.tp = weight, tp
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = tokens - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        found = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_tensor_parallel(found, self.tp)
+
+    def extra_repr(self) -> str:
+        return f"local rows={self.weight.shape[0]} (from {self.tp.rank * self.weight.shape[0]}), dim={self.weight.shape[1]}"
+
+
+def leave_tensor_parallel(partial: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """g: sum the ranks' partial results (SP: each rank keeps its part of the sequence)."""
+    if tp.sequence_parallel:
+        return ReduceScatterSequence.apply(partial, tp, traffic_tag())
+    return ReduceFromTensorParallel.apply(partial, tp, traffic_tag())
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: module name → style
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter of the plain model is cut over tp: along ``dim`` (None: replicated);
+    ``size`` is its length along ``dim`` in the plain model (the shards may hold padding)."""
+    dim: int | None
+    size: int = 0
+
+
+class Planner:
+    """Applies styles to one model: cuts parameters (a tied one once) and records each split."""
+
+    def __init__(self, tp: TensorParallelGroup):
+        self.tp = tp
+        self.splits: dict[str, Split] = {}  # state-dict key → split
+        self._shards: dict[int, nn.Parameter] = {}  # id of a plain parameter → its shard
+
+    def shard(self, key: str, param: nn.Parameter, dim: int | None, pad: bool = False) -> nn.Parameter:
+        """This rank's slice of ``param`` along ``dim`` (None: the parameter itself)."""
+        size = param.shape[dim] if dim is not None else 0
+        self.splits[key] = Split(dim, size)
+        if dim is None:
+            return param
+        if id(param) not in self._shards:
+            t = self.tp.size
+            full = param.detach()
+            if pad and size % t:
+                padding = list(full.shape)
+                padding[dim] = t - size % t
+                full = torch.cat([full, full.new_zeros(padding)], dim=dim)
+            elif size % t:
+                raise ConfigError(f"parallel.tp: {t} does not divide {key} along dimension {dim} ({size})")
+            piece = full.shape[dim] // t
+            self._shards[id(param)] = nn.Parameter(full.narrow(dim, self.tp.rank * piece, piece).clone())
+        return self._shards[id(param)]
+
+
+class ColumnParallel:
+    """Split the output features (rows of the weight). ``padded``: the vocabulary (the head),
+    padded to a multiple of tp; everything else must divide."""
+
+    def __init__(self, padded: bool = False):
+        self.padded = padded
+
+    def apply(self, name: str, linear: nn.Linear, planner: Planner) -> nn.Module:
+        return ColumnParallelLinear(planner.shard(f"{name}.weight", linear.weight, 0, pad=self.padded))
+
+
+class RowParallel:
+    """Split the input features (columns of the weight); the partial outputs are summed by g."""
+
+    def apply(self, name: str, linear: nn.Linear, planner: Planner) -> nn.Module:
+        return RowParallelLinear(planner.shard(f"{name}.weight", linear.weight, 1), planner.tp)
+
+
+class VocabParallel:
+    """Split the embedding table's rows (the padded vocabulary)."""
+
+    def apply(self, name: str, embedding: nn.Embedding, planner: Planner) -> nn.Module:
+        return VocabParallelEmbedding(planner.shard(f"{name}.weight", embedding.weight, 0, pad=True), planner.tp)
+
+
+class Replicated:
+    """Every rank holds the whole module (the norms). With SP it runs on this rank's part of the
+    sequence, so its gradient is a partial sum: TensorParallelism sums it over tp."""
+
+    def apply(self, name: str, module: nn.Module, planner: Planner) -> nn.Module:
+        for attr, param in module.named_parameters(recurse=False):
+            planner.shard(f"{name}.{attr}", param, None)
+        return module
+
+
+class PrepareInput:
+    """Make the module's first input whole for the column-parallel linears in it (f, or the SP
+    all-gather), and hook it up to them. Applied after the styles that replace modules."""
+
+    def apply(self, name: str, module: nn.Module, planner: Planner) -> nn.Module:
+        prepared = PreparedInput(planner.tp)
+        module.register_forward_pre_hook(prepared.before)
+        module.register_forward_hook(prepared.after)
+        for sub in module.modules():
+            if isinstance(sub, ColumnParallelLinear):
+                sub.input = prepared
+        return module
+
+
+# Each pattern's "*" is one layer index. Styles apply in list order, and every parameter of the
+# model must be covered by one.
+TENSOR_PARALLEL_PLAN: dict[str, list] = {
+    "embed": [VocabParallel()],
+    "blocks.*.attn_norm": [Replicated()],
+    "blocks.*.attn.wq": [ColumnParallel()],
+    "blocks.*.attn.wk": [ColumnParallel()],
+    "blocks.*.attn.wv": [ColumnParallel()],
+    "blocks.*.attn.wo": [RowParallel()],
+    "blocks.*.attn": [PrepareInput()],
+    "blocks.*.mlp_norm": [Replicated()],
+    "blocks.*.mlp.w_gate": [ColumnParallel()],
+    "blocks.*.mlp.w_up": [ColumnParallel()],
+    "blocks.*.mlp.w_down": [RowParallel()],
+    "blocks.*.mlp": [PrepareInput()],
+    "norm": [Replicated()],
+    "head": [ColumnParallel(padded=True), PrepareInput()],
+}
+
+
+def parallelize(model: Llama, tp: TensorParallelGroup, plan: dict[str, list] = TENSOR_PARALLEL_PLAN) -> dict[str, Split]:
+    """Transform the plain ``model`` in place into this rank's tensor-parallel part of it.
+
+    Returns how each parameter (by state-dict key) was split, for gathering the plain model back.
+    """
+    planner = Planner(tp)
+    for pattern, styles in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        for name, module in list(model.named_modules()):
+            if regex.match(name):
+                for style in styles:
+                    module = style.apply(name, module, planner)
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, module)
+    uncovered = [key for key in model.state_dict() if key not in planner.splits]
+    if uncovered:
+        raise ValueError(f"the tensor-parallel plan covers no style for {', '.join(uncovered)}")
+    for key, split in planner.splits.items():
+        # The engine's gradient norm relies on it: vectors are replicated, matrices are split.
+        param = model.get_parameter(key)
+        if (param.dim() == 1) != (split.dim is None):
+            raise ValueError(f"{key}: the tensor-parallel engine expects vectors replicated and matrices split")
+    return planner.splits
+
+
+# ---------------------------------------------------------------------------------------------
+# The engines: a data-parallel engine over the tp-sharded model, plus what tp adds
+# ---------------------------------------------------------------------------------------------
+
+class VocabParallelLoss(Engine):
+    """The engine's micro-batch loop and evaluation with the vocab-parallel loss.
+
+    It comes after the data-parallel engine in the method order (see the classes at the end), so
+    that engine's ``forward_backward``, which wraps ``super().forward_backward``, runs this loop.
+    """
+
+    tp: TensorParallelGroup
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        total = torch.zeros(())
+        for inputs, targets in micro_batches:
+            with self.forward_context(), autocast(self.cfg.train.dtype):
+                loss = vocab_parallel_cross_entropy(self.model(inputs), targets, self.tp)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().float()
+        return (total / len(micro_batches)).item()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        self.model.eval()
+        losses = []
+        for inputs, targets in batches:
+            with autocast(self.cfg.train.dtype):
+                losses.append(vocab_parallel_cross_entropy(self.model(inputs), targets, self.tp).float())
+        self.model.train()
+        return torch.stack(losses).mean().item()
+
+
+class TensorParallelism:
+    """What tensor parallelism adds to a data-parallel engine; first in the method order."""
+
+    def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
+        check_tensor_parallel(cfg.model, cfg.parallel)
+        self.tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), cfg.parallel.sequence_parallel,
+                                      cfg.model.vocab_size)
+        self.splits = parallelize(model, self.tp)
+        super().__init__(model, cfg, mesh, comm)
+
+    def forward_backward(self, micro_batches) -> float:
+        loss = super().forward_backward(micro_batches)
+        if self.tp.sequence_parallel:
+            self._sum_replicated_grads()
+        return loss
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients as the optimizer sees them: matrices (and ZeRO's 1×k chunks of
+        them) are tp shards; vectors are norm gains, the same parameter on every tp rank."""
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def _sum_replicated_grads(self) -> None:
+        """SP: each rank's norm gains saw only its part of the sequence; sum their gradients."""
+        grads = [g for g in self._optimizer_grads() if g.dim() == 1]
+        if not grads:  # a ZeRO chunk holding matrices only (the same on every rank of the tp group)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.all_reduce(flat, "tp", tag="norm_grads")
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The norm of the whole model's gradient: shards' squares summed over tp, the replicated
+        norm gains counted once, and ZeRO's chunks summed over dp."""
+        grads = self._optimizer_grads()
+        split = torch.zeros((), device=self.mesh.device)
+        replicated = torch.zeros((), device=self.mesh.device)
+        for g in grads:
+            target = split if g.dim() >= 2 else replicated
+            target += g.float().pow(2).sum()
+        self.comm.all_reduce(split, "tp", tag="scalar")
+        squares = split + replicated
+        if self.sharded_grads:
+            self.comm.all_reduce(squares, "dp", tag="scalar")
+        norm = squares.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        return norm.item()
+
+    # --- full states, keyed and shaped like the plain model (collectives: every rank calls them)
+    @torch.no_grad()
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        local = super().model_state_dict()  # this rank's tp shards, whole over dp
+        return {key: self._gather(value, self.splits[key]) for key, value in local.items()}
+
+    def _gather(self, local: torch.Tensor, split: Split) -> torch.Tensor:
+        if split.dim is None:
+            return local
+        parts = all_gather_stacked(local, self.tp, "checkpoint")
+        return torch.cat(parts.unbind(0), dim=split.dim).narrow(split.dim, 0, split.size).clone()
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.splits)
+        if set(state) != expected:
+            raise ValueError(f"state dict keys differ from the model's: missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}")
+        self._load_local_state({key: self._slice(key, value) for key, value in state.items()})
+
+    def _load_local_state(self, local: dict[str, torch.Tensor]) -> None:
+        super().load_model_state_dict(local)
+
+    def _slice(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        split = self.splits[key]
+        if split.dim is None:
+            return full
+        if full.shape[split.dim] != split.size:
+            raise ValueError(f"{key}: {split.size} along dimension {split.dim} expected, got {tuple(full.shape)}")
+        piece = -(-split.size // self.tp.size)  # rows per rank, padding included
+        padded = torch.cat([full, full.new_zeros(list(full.shape[:split.dim]) + [piece * self.tp.size - split.size]
+                                                 + list(full.shape[split.dim + 1:]))], dim=split.dim)
+        return padded.narrow(split.dim, self.tp.rank * piece, piece)
+
+    def plain_model(self) -> nn.Module:
+        plain = Llama(self.cfg.model).to(self.mesh.device)
+        plain.load_state_dict(self.model_state_dict())
+        return plain
+
+
+class TensorParallelEngine(TensorParallelism, DataParallelEngine, VocabParallelLoss):
+    """Tensor parallelism over tp, and DDP / ZeRO-1 / ZeRO-2 of the tp-sharded model over dp."""
+
+
+class FullyShardedTensorParallelEngine(TensorParallelism, FullyShardedEngine, VocabParallelLoss):
+    """Tensor parallelism over tp, and ZeRO-3 of the tp-sharded model over dp."""
+
+    @torch.no_grad()
+    def _load_local_state(self, local: dict[str, torch.Tensor]) -> None:
+        # WORKAROUND until fsdp.py checks a state against the model it wraps: its
+        # load_model_state_dict checks against the plain model's shapes, which tp shards never
+        # have. The same packing, without that check (TensorParallelism checked the full state).
+        for unit in self.units:
+            flat = unit.layout.pack([local[uses[0][2]] for uses in unit.uses], self.mesh.device)
+            unit.chunk.copy_(unit.layout.own(flat))
+
+
+def build_tensor_parallel_engine(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> Engine:
+    """The engine for tp > 1 (any dp, any ZeRO stage). ``model`` is the full plain model."""
+    if mesh.size("dp") == 1 and cfg.parallel.zero:
+        # ZeRO over one replica shards nothing: plain gradients and optimizer, same arithmetic.
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=0))
+    engine_class = FullyShardedTensorParallelEngine if cfg.parallel.zero == 3 else TensorParallelEngine
+    return engine_class(model, cfg, mesh, comm)
