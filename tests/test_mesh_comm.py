@@ -1,7 +1,6 @@
 """The mesh (coordinates and groups), counted communication, failures, and the torchrun relaunch."""
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 from threefold.config import ConfigError, ParallelConfig, load_config
 from threefold.distributed.comm import CommLedger, ring_bytes
-from threefold.distributed.launch import relaunch, torchrun_command, without_nproc
+from threefold.distributed.launch import relaunch, torchrun_args, without_nproc
 from threefold.distributed.mesh import AXES, ParallelMesh
 from dist_pool import RankFailure
 
@@ -148,10 +147,16 @@ def collectives_noop() -> int:
 def test_nproc_is_removed_from_the_relaunched_command():
     argv = ["train", "--config", "c.toml", "--nproc", "2", "--set", "parallel.dp=2", "--nproc=2"]
     assert without_nproc(argv) == ["train", "--config", "c.toml", "--set", "parallel.dp=2"]
-    assert torchrun_command(2, argv)[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                             "--nproc-per-node", "2", "-m", "threefold.cli"]
+    assert torchrun_args(2, argv) == ["--standalone", "--nproc-per-node", "2", "-m", "threefold.cli",
+                                      "train", "--config", "c.toml", "--set", "parallel.dp=2"]
 
 
 def test_relaunch_runs_the_command_under_torchrun(capfd):
     assert relaunch(2, ["--version", "--nproc", "2"]) == 0
     assert capfd.readouterr().out.count("version") == 2  # each of the two processes printed it
+
+
+def test_a_user_error_in_the_ranks_is_one_line_and_exit_code_2(capfd):
+    assert relaunch(2, ["train", "--config", "missing.toml", "--nproc", "2"]) == 2
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["error: --config: file 'missing.toml' does not exist"] * 2  # no torchrun traceback

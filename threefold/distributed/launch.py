@@ -1,7 +1,8 @@
 """Running N processes on this machine: ``threefold train --nproc N`` re-executes itself under torchrun.
 
     threefold train --config c.toml --nproc 4
-      → python -m torch.distributed.run --standalone --nproc-per-node 4 -m threefold.cli train --config c.toml
+      runs what  python -m torch.distributed.run --standalone --nproc-per-node 4 -m threefold.cli train --config c.toml
+      would run (torchrun's own ``run()``, called in this process).
 
 torchrun starts the processes, sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, and the
 mesh (``ParallelMesh.from_config``) joins the process group: NCCL on CUDA, gloo on CPU.
@@ -9,9 +10,8 @@ For several machines, run torchrun yourself with a c10d rendezvous (docs/launch.
 """
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
-import sys
 
 
 def under_torchrun() -> bool:
@@ -32,15 +32,28 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "threefold.cli", *without_nproc(argv)]
+def torchrun_args(nproc: int, argv: list[str]) -> list[str]:
+    """The arguments of ``python -m torch.distributed.run`` that run ``threefold argv`` in ``nproc`` processes."""
+    return ["--standalone", "--nproc-per-node", str(nproc), "-m", "threefold.cli", *without_nproc(argv)]
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run the ``threefold`` command line ``argv`` (without the program name) in ``nproc``
-    processes under torchrun on this machine; return its exit code."""
-    env = dict(os.environ)
+    processes under torchrun on this machine; return the exit code of the first rank that failed.
+
+    torchrun runs in this process (its ``run()``, exactly what the command line calls), so that a
+    rank's one-line error stays the only message: torchrun's own report of a failed child, a
+    traceback, is silenced, and the rank's exit code (2 for a user error) is returned.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     # torchrun would otherwise set 1 thread per process and warn; each rank refines this itself.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.run(torchrun_command(nproc, argv), env=env).returncode
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv)))
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1  # < 0: killed by a signal
+    return 0
