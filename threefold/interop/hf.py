@@ -99,10 +99,11 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
         raise ConfigError(f"{where}: not a Llama model (model_type {config.get('model_type')!r}, architectures "
                           f"{architectures}); only LlamaForCausalLM can be imported")
-    missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "vocab_size") if key not in config]
-    if missing:
-        raise ConfigError(f"{where}: config.json lacks {missing[0]!r}")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in config:
+            raise ConfigError(f"{where}: config.json lacks {key!r}")
+        if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
+            raise ConfigError(f"{where}: config.json has {key}={config[key]!r}; expected a positive integer")
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (the model uses silu)")
     for key in ("attention_bias", "mlp_bias"):
@@ -184,11 +185,14 @@ def from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: s
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: not readable JSON ({err.__class__.__name__})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
