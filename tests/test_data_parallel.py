@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from threefold.config import load_config
-from threefold.models.llama import Llama, count_parameters
+from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
 from threefold.train.engine import Engine
 
@@ -131,6 +131,31 @@ def run_eval_and_plain(dp: int, zero: int) -> dict:
     plain = engine.plain_model().state_dict()
     engine.shutdown()
     return {"loss": loss, "comm": comm, "plain": plain}
+
+
+def saved_activation_bytes(engine, parameter_storages) -> int:
+    """Bytes of distinct storages autograd saves in one forward, leaving out parameters."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameter_storages():
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    cfg = engine.cfg
+    inputs, targets = my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy(engine.model(inputs), targets)
+    loss.backward()
+    return sum(seen.values())
+
+
+def run_activation_bytes() -> int:
+    engine = new_engine(make_config(2, 3))
+    measured = saved_activation_bytes(engine, engine.parameter_storages)
+    engine.shutdown()
+    return measured
 
 
 # --- the single-process reference ---------------------------------------------------------------
@@ -278,3 +303,12 @@ def test_bf16_autocast(distributed):
         for r in case(distributed, 2, zero, *extra):
             assert r["losses"] == pytest.approx(ref["losses"], rel=2e-3)
             assert r["memory"] == case(distributed, 2, zero)[0]["memory"]  # still fp32 states
+
+
+def test_zero3_names_its_gathered_weights_for_the_activation_meter(distributed):
+    cfg = make_config()
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    plain = Engine(model, cfg)
+    want = saved_activation_bytes(plain, lambda: {p.untyped_storage().data_ptr() for p in model.parameters()})
+    assert distributed.run(2, run_activation_bytes) == [want, want]

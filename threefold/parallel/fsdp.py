@@ -181,6 +181,11 @@ class FullyShardedEngine(DataParallelBase):
         for unit in self.units:
             unit.grad_chunk.zero_()
 
+    def parameter_storages(self) -> set[int]:
+        """Storages that hold gathered parameters right now: the activation meter must not
+        count the weights autograd saves as activations (they move with every gather)."""
+        return {u.full.untyped_storage().data_ptr() for u in self.units if u.full.untyped_storage().nbytes()}
+
     def memory_bytes(self) -> dict[str, int]:
         return {"params": tensor_bytes(u.chunk for u in self.units),
                 "grads": tensor_bytes(u.grad_chunk for u in self.units),
