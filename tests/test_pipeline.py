@@ -1,0 +1,293 @@
+"""Pipeline parallelism: the partition, the runtime executing every schedule, pp × dp × tp, the
+ledger against the planner, the measured bubble against the simulator, and bad input.
+
+The reference is ``Engine`` on one process with the same seed and the same global batches.
+
+Tolerances. A pipeline runs the same kernels on the same tensors as one process, micro-batch
+by micro-batch, and accumulates each parameter's gradient in the same order, so without tied
+embeddings the losses and parameters would be bitwise equal. Two sums change order: a tied
+weight's gradient is the first stage's embedding part plus the last stage's head part, each
+accumulated over the micro-batches (one process adds the two per micro-batch), and the gradient
+norm is summed per stage. Rounding then differs at ~1e-7; Adam divides each gradient by its
+running RMS, which turns that noise on near-zero gradients into parameter differences. Measured
+after 5 AdamW steps: losses agree to ~1e-7 relative, parameters to ~1e-7 relative L2 per
+tensor. We assert 1e-6 on losses and gradient norms, 1e-5 per tensor and 1e-3 of the distance
+each tensor travelled (a wrong gradient, a lost micro-batch or a stale tied copy gives errors
+of that distance's order). With tensor parallelism the tp test's tolerances apply (same bounds).
+"""
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from threefold.config import ConfigError, load_config
+from threefold.models.llama import Llama
+from threefold.parallel.pipeline.partition import check_pipeline, partition
+from threefold.parallel.pipeline.runtime import send_release_points
+from threefold.parallel.pipeline.schedule import build_schedule
+from threefold.plan import costs
+from threefold.train.engine import Engine
+
+STEPS = 5
+TINY = ["model.layers=8", "model.hidden=32", "model.heads=4", "model.vocab_size=64", "model.seq_len=16",
+        "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0", "train.warmup_steps=0",
+        "parallel.bucket_mb=0.01", "parallel.timeout_s=60"]
+
+
+def make_config(pp=1, m=4, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra):
+    return load_config(None, TINY + [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                                     f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
+                                     f"parallel.sequence_parallel={str(sp).lower()}",
+                                     f"train.global_batch={2 * m * dp}", *extra])
+
+
+def global_batches(cfg, steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
+            for _ in range(steps)]
+
+
+def my_micro_batches(tokens: torch.Tensor, cfg, dp_rank: int, dp_size: int):
+    rows = tokens.shape[0] // dp_size
+    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
+    return list(zip(mine[:, :-1].split(cfg.train.micro_batch), mine[:, 1:].split(cfg.train.micro_batch)))
+
+
+def train_steps(engine, cfg, batches) -> dict:
+    out = {"losses": [], "norms": [], "comm": []}
+    for tokens in batches:
+        out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
+        out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
+        engine.optimizer_step(cfg.train.lr)
+        engine.zero_grad()
+        out["comm"].append(engine.comm_bytes())
+    return out
+
+
+# --- what the workers run ----------------------------------------------------------------------
+def new_engine(cfg):
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.pipeline.engine import PipelineEngine
+
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    mesh = ParallelMesh.from_config(cfg.parallel)
+    return PipelineEngine(model, cfg, mesh, Comm(mesh))
+
+
+def run_case(*layout, steps: int = STEPS) -> dict:
+    cfg = make_config(*layout)
+    engine = new_engine(cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, steps))
+    out["timeline"] = engine.step_timeline()
+    out["state"] = engine.model_state_dict()
+    out["pp_rank"], out["numel"] = engine.pp_rank, sum(b.layout.numel for b in engine.buckets)
+    engine.load_model_state_dict(out["state"])
+    out["round_trip"] = all(torch.equal(engine.model_state_dict()[k], v) for k, v in out["state"].items())
+    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    out["eval_comm"] = engine.comm_bytes()
+    engine.shutdown()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference(m: int, *extra: str) -> dict:
+    cfg = make_config(1, m, "1f1b", 1, 1, 1, 0, False, *extra)
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["state"], out["initial"] = engine.model_state_dict(), initial
+    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    return out
+
+
+_cases: dict = {}
+
+
+def case(distributed, pp, m, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra) -> list[dict]:
+    """Each layout runs once; equivalence and ledger tests read the same run."""
+    key = (pp, m, schedule, v, dp, tp, zero, sp, *extra)
+    if key not in _cases:
+        _cases[key] = distributed.run(pp * dp * tp, run_case, *key)
+    return _cases[key]
+
+
+def assert_same_training(results: list[dict], ref: dict) -> None:
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-6)
+        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+        assert r["round_trip"]
+    state = results[0]["state"]
+    assert list(state) == list(ref["state"])
+    for key, want in ref["state"].items():
+        error = (state[key] - want).norm().item()
+        assert error <= 1e-5 * want.norm().item(), key
+        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
+        for other in results[1:]:
+            assert torch.equal(other["state"][key], state[key]), f"ranks differ in {key}"
+
+
+# --- equivalence with one process ----------------------------------------------------------------
+SCHEDULE_CASES = [(name, pp, m, 2 if name == "interleaved" else 1)
+                  for name in ("gpipe", "1f1b", "interleaved", "zb-h1")
+                  for pp in (2, 4) for m in (pp, 2 * pp, 3 if pp == 2 else 6)]
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", SCHEDULE_CASES)
+def test_schedule_matches_single_process(distributed, schedule, pp, m, v):
+    assert_same_training(case(distributed, pp, m, schedule, v), reference(m))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_untied_embeddings_and_fewer_microbatches_than_stages(distributed, schedule):
+    extra = ("model.tie_embeddings=false",)
+    assert_same_training(case(distributed, 4, 2, schedule, 1, 1, 1, 0, False, *extra), reference(2, *extra))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_and_pipeline_parallel(distributed, zero):
+    assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 2, 1, zero), reference(4))
+
+
+def test_3d_with_sequence_parallel_and_zero1(distributed):
+    """dp 2 × tp 2 × pp 2 = 8 ranks, interleaved, SP, ZeRO-1 over dp."""
+    assert_same_training(case(distributed, 2, 2, "interleaved", 2, 2, 2, 1, True), reference(4))
+
+
+# --- communication ----------------------------------------------------------------------------------
+def planner_pp_bytes(cfg, pp: int, v: int, tp: int = 1, sp: bool = False) -> float:
+    """costs.estimate's pp_bytes, 2·m·v·(micro_batch·seq_len·hidden/tp)·bytes, converted from its
+    16-bit activations to our fp32 ones."""
+    from threefold.plan.hardware import CATALOG
+
+    work = costs.Workload(cfg.model, global_batch=cfg.train.global_batch)
+    layout = costs.Layout.named(pp=pp, dp=cfg.parallel.dp, tp=tp, sequence_parallel=sp, virtual_stages=v,
+                                micro_batch=cfg.train.micro_batch, schedule=cfg.parallel.schedule)
+    return costs.estimate(work, layout, CATALOG["a100-80gb"])["pp_bytes"] * 4 / costs.PARAM_BYTES
+
+
+@pytest.mark.parametrize("schedule,pp,m,v,dp,tp,sp", [("1f1b", 4, 8, 1, 1, 1, False), ("zb-h1", 4, 6, 1, 1, 1, False),
+                                                     ("interleaved", 2, 4, 2, 1, 1, False),
+                                                     ("interleaved", 2, 2, 2, 2, 2, True)])
+def test_pp_bytes_equal_the_planner(distributed, schedule, pp, m, v, dp, tp, sp):
+    """Each stage boundary carries one activation forward and one gradient back per micro-batch:
+    rank r sends m·(2v − [r first] − [r last]) messages. The planner's 2·m·v is exact for the
+    inner ranks; the first and last ranks send m messages fewer (no gradient before stage 0, no
+    activation after the last)."""
+    zero = 1 if dp > 1 else 0
+    cfg = make_config(pp, m, schedule, v, dp, tp, zero, sp)
+    message = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * 4 / tp
+    planner = planner_pp_bytes(cfg, pp, v, tp, sp)
+    assert planner == 2 * m * v * message
+    tied = cfg.model.vocab_size * cfg.model.hidden * 4 / tp
+    for r in case(distributed, pp, m, schedule, v, dp, tp, zero, sp):
+        ends = (r["pp_rank"] == 0) + (r["pp_rank"] == pp - 1)
+        for step in r["comm"]:
+            assert step["pp"] == planner - ends * m * message
+            assert step.get("pp.tied", 0) == (tied if ends else 0)  # the tied weight's gradient
+            assert step["pp.scalar"] == 2 * (pp - 1) / pp * 4 * 2  # the loss and the gradient norm
+            dp_bytes = costs.dp_bytes_per_step(r["numel"], dp, zero, m)
+            assert step.get("dp", 0) == round(dp_bytes)
+        assert set(r["eval_comm"]) <= {"pp.eval", "tp.eval"}
+
+
+def test_sends_are_released_as_soon_as_the_schedule_proves_them_done():
+    """1F1B holds at most pp − rank outputs in flight: the output of a stage is freed once the
+    gradient that follows its receipt arrives, not at the end of the step."""
+    plan = build_schedule("1f1b", 4, 16)
+    for rank in range(4):
+        releases = send_release_points(plan, rank)
+        held, peak = set(), 0
+        for index, action in enumerate(plan.actions[rank]):
+            if action.kind.is_send:
+                held.add(index)
+            held -= set(releases.get(index, ()))
+            peak = max(peak, len(held))
+        assert peak <= 4 - rank + 1
+
+
+# --- measured timeline and bubble ----------------------------------------------------------------
+def run_timed(schedule: str, m: int, hidden: int, steps: int) -> dict:
+    """A pipeline of uniform stages large enough that compute dominates p2p; the last step's timeline."""
+    cfg = make_config(2, m, schedule, 1, 1, 1, 0, False, f"model.hidden={hidden}", "model.heads=8", "model.layers=4",
+                      "model.seq_len=128", "model.vocab_size=32", "model.tie_embeddings=false")
+    torch.set_num_threads(1)
+    engine = new_engine(cfg)
+    train_steps(engine, cfg, global_batches(cfg, steps))
+    timeline = engine.step_timeline()
+    engine.shutdown()
+    return timeline
+
+
+@pytest.mark.slow
+def test_measured_bubble_follows_the_simulator(distributed):
+    from threefold.parallel.pipeline.runtime import idle_fractions, simulate_measured
+
+    bubbles = {}
+    for schedule in ("1f1b", "zb-h1"):
+        timeline = distributed.run(2, run_timed, schedule, 8, 256, 3)[0]
+        measured = idle_fractions(timeline)
+        simulated = simulate_measured(timeline)
+        for rank, (got, want) in enumerate(zip(measured, simulated.idle)):
+            assert abs(got - want) < 0.05, (schedule, rank, measured, simulated.idle)
+        bubbles[schedule] = sum(measured) / len(measured)
+    assert bubbles["zb-h1"] < bubbles["1f1b"]
+
+
+# --- partition and bad input -------------------------------------------------------------------------
+def test_partition_balances_blocks_against_the_head():
+    cfg = make_config().model
+    assert [len(s.blocks) for s in partition(cfg, 4)] == [2, 2, 2, 2]  # a small head: even split
+    big_head = load_config(None, TINY + ["model.vocab_size=4096"]).model
+    spans = partition(big_head, 4)
+    assert [len(s.blocks) for s in spans] == [3, 2, 2, 1]  # the head costs about a block and a half
+    assert spans[0].first and spans[-1].last and [b for s in spans for b in s.blocks] == list(range(8))
+    assert [len(s.blocks) for s in partition(big_head, 2, 2)] == [2, 2, 2, 2]  # interleaved: equal chunks
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pp=4", "parallel.virtual_stages=3", "parallel.schedule=interleaved"],
+     "parallel.pp: pp × virtual_stages = 4 × 3 = 12 stages, more than the model's 8 layers"),
+    (["parallel.pp=2", "parallel.virtual_stages=3", "parallel.schedule=interleaved", "model.layers=10"],
+     "parallel.virtual_stages: interleaved splits each rank's layers into equal chunks"),
+    (["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "train.global_batch=4"],
+     "parallel.microbatches: interleaved needs at least pp=4 micro-batches per step"),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "train.global_batch=8"],
+     "parallel.zero: ZeRO-2 with pp > 1 is not supported"),
+])
+def test_layouts_the_pipeline_refuses(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_pipeline(load_config(None, TINY + ["train.global_batch=16"] + overrides))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_bad_layout_is_one_line_and_exit_code_2(tmp_path):
+    """Through the command line, before any process starts (needs config.py to call check_pipeline)."""
+    args = [sys.executable, "-m", "threefold.cli", "train", "--nproc", "4", "--no-progress"]
+    args += [f"--set={o}" for o in TINY + ["train.global_batch=16", "parallel.pp=4", "model.layers=3"]]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "more than the model's 3 layers" in done.stderr
+
+
+def test_fewer_microbatches_than_stages_warns_with_the_bubble(distributed):
+    warning = distributed.run(4, run_warning)[0]
+    assert "2 micro-batches for 4 pipeline ranks; 1f1b is predicted to idle 60% of the time" in warning
+
+
+def run_warning() -> str:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = new_engine(make_config(4, 2))
+    engine.shutdown()
+    return " ".join(str(w.message) for w in caught)

@@ -1,0 +1,340 @@
+"""Run one pipeline rank's actions, as the schedule lists them (schedule.py), and time each one.
+
+The runtime interprets the schedule; it never decides an order itself. For each action:
+
+  RECV_ACT   wait for the stage's input activation; it becomes a leaf that requires grad, so
+             the backward ends with its gradient.
+  FORWARD    run the stage on that input (on the first stage: on the embedded tokens); the last
+             stage also computes the loss, divided by the number of micro-batches so that the
+             accumulated gradients are those of the mean loss over the whole batch.
+  SEND_ACT   post the output to the next stage's rank and drop it: only the autograd graph is
+             kept, through the output's ``GradientEdge``, so no tensor of the output's size stays
+             alive once the send has completed (Megatron's ``deallocate_output_tensor``, without
+             having to fake the tensor's data).
+  RECV_GRAD  wait for the gradient of the stage's output.
+  BACKWARD   full backward (parameters' gradients accumulate in ``.grad``), or, in a schedule
+             that splits the backward (ZB-H1), the input gradient only (see below).
+  WEIGHT_GRAD the deferred weight gradients of a split backward.
+  SEND_GRAD  post the input's gradient to the previous stage's rank.
+
+Point-to-point traffic goes through ``Comm.send``/``Comm.recv`` on the mesh's pp axis. Sends
+are asynchronous, as the schedule's contract requires. A send is waited for (which releases
+its tensor) as soon as the schedule proves it complete: gloo and NCCL complete a send only
+once the receiver has taken it, and when a message from that peer arrives which the peer sent
+after receiving ours, ours is done. Receives are posted one ahead on each channel, so a
+transfer overlaps the compute before it; the RECV action waits for it.
+
+Splitting the backward (Qi et al. 2023). B must produce the input gradient now and leave the
+weight gradients for W. B runs ``torch.autograd.grad`` with respect to the stage's input only,
+keeping the graph: autograd then skips every weight-gradient product. On the way it captures
+the gradient arriving at each graph node where a weight joins the input's path (the matmul of
+each linear layer, the product of each norm): W restarts autograd from those nodes with the
+captured gradients, towards the weights only, so it computes exactly the weight-gradient
+products B skipped and nothing twice. (``torch.distributed.pipelining`` does the same.) On the
+first stage the input is the embedding's output, so the embedding's gradient waits for W too.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from threefold.distributed.comm import Comm, Pending
+from threefold.parallel.pipeline.schedule import Action, Kind, Schedule
+
+
+@dataclass(frozen=True)
+class MeasuredAction:
+    """One executed action: ``time.perf_counter()`` seconds at its start and end."""
+    start: float
+    end: float
+    kind: Kind
+    microbatch: int
+    stage: int
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting the backward into input gradient (B) and weight gradient (W)
+
+@dataclass
+class WeightGradGroup:
+    """Parameters whose gradients W computes together from the same graph nodes."""
+    params: list[nn.Parameter]
+    nodes: list[Node]  # where their weights join the input's path
+    grads: dict[Node, tuple] = field(default_factory=dict)  # gradients B saw arriving at those nodes
+
+
+def weight_grad_groups(output: GradientEdge, input_node: Node, params: list[nn.Parameter]) -> list[WeightGradGroup]:
+    """Group ``params`` by the nodes where their gradient path joins the path from ``output``
+    back to ``input_node``; parameters that share such a node (or are linked through one) share
+    a group, since W must run them in one autograd call."""
+    consumers: dict[Node, list[Node]] = defaultdict(list)  # node → the nodes whose backward feeds it
+    queue, seen = deque([output.node]), {output.node}
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is not None:
+                consumers[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+    input_path = _upstream({input_node}, consumers, stop=set())
+    group_of: dict[Node, WeightGradGroup] = {}
+    groups: list[WeightGradGroup] = []
+    for param in params:
+        if not param.requires_grad:
+            continue
+        accumulator = get_gradient_edge(param).node
+        if accumulator not in seen:
+            continue  # this micro-batch did not use the parameter
+        joins = _upstream({accumulator}, consumers, stop=input_path) & input_path
+        merged = {id(group_of[n]): group_of[n] for n in joins if n in group_of}
+        group = WeightGradGroup([param], sorted(joins, key=id))
+        for other in merged.values():
+            group.params += other.params
+            group.nodes = sorted(set(group.nodes) | set(other.nodes), key=id)
+            groups.remove(other)
+        groups.append(group)
+        for node in group.nodes:
+            group_of[node] = group
+    return groups
+
+
+def _upstream(start: set[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:
+    """``start`` and every node whose backward feeds into it, not going past ``stop`` nodes
+    (which are included when reached)."""
+    found, queue = set(start), deque(start)
+    while queue:
+        for consumer in consumers[queue.popleft()]:
+            if consumer not in found:
+                found.add(consumer)
+                if consumer not in stop:
+                    queue.append(consumer)
+    return found
+
+
+def backward_input(output: GradientEdge, grad: torch.Tensor, inputs: torch.Tensor,
+                   params: list[nn.Parameter]) -> tuple[torch.Tensor, list[WeightGradGroup]]:
+    """B: the gradient of ``inputs``, keeping the graph, and what W needs for the weights."""
+    input_edge = get_gradient_edge(inputs)
+    groups = weight_grad_groups(output, input_edge.node, params)
+    captured: dict[Node, tuple] = {}
+    hooks = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads))
+             for group in groups for node in group.nodes if node is not input_edge.node]
+    try:
+        (input_grad,) = torch.autograd.grad(output, inputs, grad, retain_graph=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # The input's own node is not run by B (autograd stops at the input); its gradient is B's result.
+    captured[input_edge.node] = tuple(input_grad if i == input_edge.output_nr else None
+                                      for i in range(len(input_edge.node._input_metadata)))
+    for group in groups:
+        group.grads = {node: captured[node] for node in group.nodes}
+    return input_grad, groups
+
+
+def backward_weight(groups: list[WeightGradGroup]) -> None:
+    """W: accumulate into ``.grad`` the weight gradients of the groups B prepared."""
+    for group in groups:
+        edges, grads = [], []
+        for node in group.nodes:
+            for i, grad in enumerate(group.grads[node]):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(grad)
+        # With several nodes in a group, one can lie upstream of another; pin every node's
+        # incoming gradient to what B saw, so nothing flows in twice.
+        pins = [node.register_prehook(lambda _, saved=group.grads[node]: saved)
+                for node in group.nodes] if len(group.nodes) > 1 else []
+        try:
+            torch.autograd.backward(edges, grads, inputs=group.params)
+        finally:
+            for pin in pins:
+                pin.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime
+
+@dataclass
+class Forwarded:
+    """What a stage's backward needs of one micro-batch's forward."""
+    input: torch.Tensor  # the received activation (a leaf), or on the first stage the embedding's output
+    output: GradientEdge  # where the backward starts: the stage's output, or the scaled loss
+
+
+class PipelineRuntime:
+    """Executes rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index → module).
+
+    A stage module has ``first`` and ``last`` flags, ``embed(tokens)`` on the first stage, and
+    ``forward(hidden, seq_len)`` returning the next hidden state, or the logits on the last
+    stage (``seq_len``: the micro-batch's token positions, for the rotary tables).
+    ``loss_fn(logits, targets)`` is the mean loss of a micro-batch; ``compute_context()`` wraps
+    each forward (the activation meter and autocast); ``axis`` is the mesh axis of the pipeline.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 axis: str = "pp"):
+        if set(stages) != set(schedule.stages_of(rank)):
+            raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, got modules for {sorted(stages)}")
+        self.schedule, self.rank, self.stages, self.comm, self.axis = schedule, rank, stages, comm, axis
+        self.actions = schedule.actions[rank]
+        self.loss_fn, self.compute_context = loss_fn, compute_context
+        self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in stages.items()}
+        self.releases = send_release_points(schedule, rank)
+        self.receives_from = {peer: sum(1 for a in self.actions if a.kind.is_recv and a.peer == peer)
+                              for peer in {a.peer for a in self.actions if a.kind.is_recv}}
+
+    # --- one step -----------------------------------------------------------------------------
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
+            activation_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[MeasuredAction]]:
+        """Execute the schedule on this step's micro-batches (inputs, targets). Returns the sum
+        of the micro-batches' losses (non-zero on the last stage's rank only) and the timeline."""
+        if len(micro_batches) != self.schedule.microbatches:
+            raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
+                             f"the step brought {len(micro_batches)}")
+        self.micro_batches = micro_batches
+        self.new_buffer = lambda: torch.empty(activation_shape, dtype=activation_dtype)
+        # Keyed by (micro-batch, stage), each set by one action and taken by a later one.
+        self.received: dict[tuple[int, int], torch.Tensor] = {}  # RECV_ACT → FORWARD
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # FORWARD → SEND_ACT
+        self.forwarded: dict[tuple[int, int], Forwarded] = {}  # FORWARD → BACKWARD
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # RECV_GRAD → BACKWARD
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}  # BACKWARD → SEND_GRAD
+        self.weight_grads: dict[tuple[int, int], list[WeightGradGroup]] = {}  # BACKWARD → WEIGHT_GRAD
+        self.sends: dict[int, Pending] = {}  # action index → send in flight
+        self.posted = {peer: deque() for peer in self.receives_from}
+        self.left_to_post = dict(self.receives_from)
+        self.loss_sum = torch.zeros(())
+        for peer in self.posted:
+            self._post_receive(peer)
+        timeline = []
+        for index, action in enumerate(self.actions):
+            start = time.perf_counter()
+            self._execute(index, action)
+            timeline.append(MeasuredAction(start, time.perf_counter(), action.kind, action.microbatch, action.stage))
+        for pending in self.sends.values():
+            pending.wait()
+        left = [name for name in ("received", "outputs", "forwarded", "output_grads", "input_grads", "weight_grads")
+                if getattr(self, name)]
+        if left:
+            raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {', '.join(left)} unused")
+        loss_sum = self.loss_sum
+        del self.micro_batches, self.sends, self.posted
+        return loss_sum, timeline
+
+    def _execute(self, index: int, action: Action) -> None:
+        key = (action.microbatch, action.stage)
+        kind = action.kind
+        if kind is Kind.FORWARD:
+            self._forward(*key)
+        elif kind is Kind.BACKWARD:
+            self._backward(*key)
+        elif kind is Kind.WEIGHT_GRAD:
+            backward_weight(self.weight_grads.pop(key))
+        elif kind is Kind.SEND_ACT:
+            # Dropping our reference leaves the send's the only one: the tensor goes when it completes.
+            self.sends[index] = self.comm.send(self.outputs.pop(key), self.axis, action.peer)
+        elif kind is Kind.SEND_GRAD:
+            self.sends[index] = self.comm.send(self.input_grads.pop(key), self.axis, action.peer)
+        else:
+            (self.received if kind is Kind.RECV_ACT else self.output_grads)[key] = self._receive(action.peer)
+            for done in self.releases.get(index, ()):
+                self.sends.pop(done).wait()  # already complete: this frees its tensor
+
+    def _forward(self, microbatch: int, stage: int) -> None:
+        module = self.stages[stage]
+        tokens, targets = self.micro_batches[microbatch]
+        with self.compute_context():
+            if module.first:
+                inputs = module.embed(tokens)
+            else:
+                inputs = self.received.pop((microbatch, stage)).requires_grad_()
+            output = module(inputs, tokens.shape[1])
+            if module.last:
+                loss = self.loss_fn(output, targets)
+        if module.last:
+            self.loss_sum += loss.detach().float()
+            output = loss / self.schedule.microbatches  # the gradient of the mean over micro-batches
+        else:
+            self.outputs[(microbatch, stage)] = output.detach()
+        self.forwarded[(microbatch, stage)] = Forwarded(inputs, get_gradient_edge(output))
+
+    def _backward(self, microbatch: int, stage: int) -> None:
+        key = (microbatch, stage)
+        forwarded, module = self.forwarded.pop(key), self.stages[stage]
+        grad = torch.ones(()) if module.last else self.output_grads.pop(key)
+        if self.schedule.split_backward:
+            input_grad, self.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
+                                                                self.params[stage])
+        else:
+            torch.autograd.backward(forwarded.output, grad)
+            input_grad = None if module.first else forwarded.input.grad  # the received input is a leaf
+        if not module.first:
+            self.input_grads[key] = input_grad
+
+    def _receive(self, peer: int) -> torch.Tensor:
+        pending, tensor = self.posted[peer].popleft()
+        pending.wait()
+        self._post_receive(peer)
+        return tensor
+
+    def _post_receive(self, peer: int) -> None:
+        """Keep the next receive from ``peer`` posted, so its transfer overlaps our compute."""
+        if self.left_to_post[peer]:
+            self.left_to_post[peer] -= 1
+            tensor = self.new_buffer()
+            self.posted[peer].append((self.comm.recv(tensor, self.axis, peer), tensor))
+
+    # --- forward only (evaluation) --------------------------------------------------------------
+    @torch.no_grad()
+    def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
+                     activation_dtype: torch.dtype = torch.float32, tag: str = "eval") -> torch.Tensor:
+        """Losses of ``batches`` (on the last stage's rank; zeros elsewhere), each batch passing
+        through this rank's stages in order; p2p tagged ``tag``. Returns a (len(batches),) tensor."""
+        losses = torch.zeros(len(batches), dtype=torch.float64)
+        sends = []
+        for i, (tokens, targets) in enumerate(batches):
+            for stage, module in sorted(self.stages.items()):
+                with self.compute_context():
+                    if module.first:
+                        hidden = module.embed(tokens)
+                    else:
+                        hidden = torch.empty(activation_shape, dtype=activation_dtype)
+                        self.comm.recv(hidden, self.axis, self.schedule.rank_of(stage - 1), tag=tag).wait()
+                    output = module(hidden, tokens.shape[1])
+                if module.last:
+                    losses[i] = self.loss_fn(output, targets).double()
+                else:
+                    sends.append(self.comm.send(output, self.axis, self.schedule.rank_of(stage + 1), tag=tag))
+        for pending in sends:
+            pending.wait()
+        return losses
+
+
+def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:
+    """For each receive of ``rank`` (index into its actions), its sends (indices) that have
+    certainly completed once that receive has: the peer sent what we receive after it had
+    received those sends, and a receive returns only once its data has arrived."""
+    actions = schedule.actions
+    release: dict[int, list[int]] = defaultdict(list)
+    for peer in {a.peer for a in actions[rank] if a.peer is not None}:
+        our_sends = [i for i, a in enumerate(actions[rank]) if a.kind.is_send and a.peer == peer]
+        our_receives = [i for i, a in enumerate(actions[rank]) if a.kind.is_recv and a.peer == peer]
+        their_receives = [i for i, a in enumerate(actions[peer]) if a.kind.is_recv and a.peer == rank]
+        their_sends = [i for i, a in enumerate(actions[peer]) if a.kind.is_send and a.peer == rank]
+        done = 0  # our sends to this peer proven complete so far (messages match in order)
+        for ours, theirs in zip(our_receives, their_sends):
+            while done < len(our_sends) and their_receives[done] < theirs:
+                release[ours].append(our_sends[done])
+                done += 1
+    return dict(release)
