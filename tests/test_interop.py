@@ -4,6 +4,7 @@ transformers is the reference: an exported checkpoint must give transformers the
 compute, an HF folder transformers wrote must give us the logits transformers computes, and
 transformers' own GGUF reader must agree with ours on every dequantised tensor.
 """
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from threefold.cli import COMMANDS, main
-from threefold.config import Config, ModelConfig
+from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, train_bpe
-from threefold.interop import hf, load_hf_weights
+from threefold.interop import hf, init_from_state, load_hf_weights
 from threefold.interop.commands import export_checkpoint, import_model
 from threefold.interop.gguf import read_gguf
 from threefold.models.llama import Llama, cross_entropy
@@ -116,6 +117,17 @@ def test_a_folder_transformers_wrote_gives_us_its_logits(tmp_path, transformers,
     ours.load_state_dict(state)
     difference = max_logit_difference(ours, theirs, tokens_for(120))
     assert difference <= TOLERANCE, difference
+
+
+def test_init_from_checks_the_run_has_the_same_model(tmp_path, tokenizer):
+    cfg = tiny_config(tokenizer, tie=True)
+    model, _ = save_checkpoint(tmp_path / "run", cfg, tokenizer)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    run = dataclasses.replace(cfg, seq_len=16, init_from=str(tmp_path / "hf"))  # a shorter context is fine
+    state = init_from_state(run)
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"has n_kv_heads=2, the run's model has 4"):
+        init_from_state(dataclasses.replace(run, kv_heads=4))
 
 
 def test_sharded_folders_are_read_whole(tmp_path, transformers):

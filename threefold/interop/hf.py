@@ -228,6 +228,21 @@ def load_hf_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
     return cfg, from_hf_tensors(cfg, read_safetensors(folder), str(folder))
 
 
+# What must agree between a run's [model] and the folder it starts from; seq_len may differ.
+SHAPE_KEYS = ("layers", "hidden", "heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings", "norm_eps",
+              "rope_theta")
+
+
+def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The weights for ``[model] init_from``, refusing a folder whose model is not the run's model."""
+    pretrained, state = load_hf_weights(cfg.init_from)
+    for key in SHAPE_KEYS:
+        if getattr(pretrained, key) != getattr(cfg, key):
+            raise ConfigError(f"model.init_from: {cfg.init_from} has {key}={getattr(pretrained, key)}, "
+                              f"the run's model has {getattr(cfg, key)}")
+    return state
+
+
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Config, weights and tokenizer of an HF folder (its tokenizer.json is required)."""
     cfg, state = load_hf_weights(folder)
