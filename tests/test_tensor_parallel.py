@@ -29,7 +29,7 @@ from threefold.train.metrics import ActivationMeter
 STEPS = 5
 # 8 heads and 4 kv heads split over tp 2 and 4; vocabulary 250 is padded to 252 and 252/256.
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=8", "model.kv_heads=4", "model.vocab_size=250",
-        "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0",
+        "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=0.5",
         "parallel.bucket_mb=0.1", "parallel.timeout_s=60"]
 
 
@@ -86,6 +86,7 @@ def run_case(tp: int, dp: int, zero: int, sp: bool, *extra: str) -> dict:
     again = engine.model_state_dict()
     plain = engine.plain_model().state_dict()
     out["round_trip"] = all(torch.equal(again[k], v) and torch.equal(plain[k], v) for k, v in out["state"].items())
+    engine.comm_bytes()  # forget the gathers above
     out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
     out["eval_comm"] = engine.comm_bytes()
     engine.shutdown()
@@ -113,6 +114,7 @@ def reference(*extra: str) -> dict:
     engine = Engine(model, cfg)
     out = train_steps(engine, cfg, global_batches(cfg, STEPS))
     out["state"], out["initial"] = engine.model_state_dict(), initial
+    engine.comm_bytes()  # forget the gathers above
     out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
     return out
 
@@ -208,7 +210,7 @@ def test_ledger(distributed, tp, dp, zero, sp):
             assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["norm_grad_numel"]) if sp else 0)
             assert step["tp.scalar"] == round(2 * (tp - 1) / tp * 4)  # the gradient norm's squares
             assert set(step) <= {"tp", "tp.loss", "tp.norm_grads", "tp.scalar", "dp", "dp.scalar"}
-        assert set(r["eval_comm"]) == {"tp.eval"}  # evaluation stays out of the step's traffic
+        assert "tp.eval" in r["eval_comm"] and set(r["eval_comm"]) <= {"tp.eval", "dp.eval"}  # not the step's
 
 
 @pytest.mark.parametrize("sp", [False, True])

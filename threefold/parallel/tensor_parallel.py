@@ -104,9 +104,10 @@ class TensorParallelGroup:
     vocab_size: int  # of the plain model; the shards hold it padded to a multiple of ``size``
 
 
-def traffic_tag() -> str | None:
-    """Evaluation's collectives are counted apart from training's (the planner predicts the latter)."""
-    return None if torch.is_grad_enabled() else "eval"
+def traffic_tag(training: str | None = None) -> str | None:
+    """The ledger tag of a forward collective: evaluation's are counted apart from training's
+    (the planner predicts the latter), under "eval"."""
+    return training if torch.is_grad_enabled() else "eval"
 
 
 def all_gather_stacked(local: torch.Tensor, tp: TensorParallelGroup, tag: str | None) -> torch.Tensor:
@@ -279,7 +280,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     """The same number as ``models.llama.cross_entropy`` of the whole logits, from this rank's slice."""
-    return VocabParallelCrossEntropy.apply(logits, targets, tp, traffic_tag())
+    return VocabParallelCrossEntropy.apply(logits, targets, tp, traffic_tag("loss"))
 
 
 # ---------------------------------------------------------------------------------------------
