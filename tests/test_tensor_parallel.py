@@ -333,3 +333,12 @@ def test_layouts_tp_cannot_split(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         check_tensor_parallel(cfg.model, cfg.parallel)
     assert "\n" not in str(err.value)
+
+
+def test_bf16_autocast(distributed):
+    """bf16 compute over fp32 weights, sequence parallel, under ZeRO-3: the same losses as one
+    process to bf16 precision (both round the same products to bf16, in other orders)."""
+    extra = ("train.dtype=bfloat16",)
+    ref = reference(*extra)
+    for r in case(distributed, 2, 2, 3, True, *extra):
+        assert r["losses"] == pytest.approx(ref["losses"], rel=2e-3)
