@@ -74,17 +74,24 @@ def build_engine(cfg: Config, compile_model: bool) -> Engine:
 
 
 def time_training(cfg: Config, warmup: int, steps: int, compile_model: bool) -> dict:
-    """Step times (s) of ``steps`` timed steps after ``warmup`` untimed ones."""
+    """Step times (s) of ``steps`` timed steps after ``warmup`` untimed ones.
+
+    ``cpu_share`` is the CPU time this process got over the timed steps ÷ (wall time × threads):
+    near 1 on an idle machine, lower when other processes took the cores (the times are then
+    slower than this machine can do).
+    """
     engine = build_engine(cfg, compile_model)
     batches = random_batches(cfg, warmup + steps, cfg.train.seed)
     for micro_batches in batches[:warmup]:
         train_step(engine, micro_batches, cfg)
     times, losses = [], []
+    cpu_start = time.process_time()
     for micro_batches in batches[warmup:]:
         start = time.perf_counter()
         losses.append(train_step(engine, micro_batches, cfg))
         times.append(time.perf_counter() - start)
-    return {"step_times_s": times, "final_loss": losses[-1]}
+    cpu_share = (time.process_time() - cpu_start) / (sum(times) * torch.get_num_threads())
+    return {"step_times_s": times, "final_loss": losses[-1], "cpu_share": cpu_share}
 
 
 def profile_training(cfg: Config, steps: int, compile_model: bool, console: Console) -> None:
@@ -103,12 +110,12 @@ def profile_training(cfg: Config, steps: int, compile_model: bool, console: Cons
 def results_table(results: dict) -> Table:
     table = Table(title=f"small preset, one process, {results['threads']} threads, "
                         f"{results['tokens_per_step']} tokens per step")
-    for column in ("dtype", "step time (s)", "tokens/s", "model TFLOP/s", "matmul peak TFLOP/s", "MFU"):
+    for column in ("dtype", "step s", "tokens/s", "model GFLOP/s", "peak GFLOP/s", "MFU", "CPU share"):
         table.add_column(column, justify="left" if column == "dtype" else "right")
     for dtype, run in results["runs"].items():
-        table.add_row(dtype, f"{run['step_time_s']:.3f} ({min(run['step_times_s']):.3f}–{max(run['step_times_s']):.3f})",
-                      f"{run['tokens_per_s']:,.0f}", f"{run['model_flops_per_s'] / 1e12:.3f}",
-                      f"{run['matmul_peak_flops'] / 1e12:.3f}", f"{run['mfu']:.1%}")
+        table.add_row(dtype, f"{run['step_time_s']:.3f}", f"{run['tokens_per_s']:,.0f}",
+                      f"{run['model_flops_per_s'] / 1e9:,.1f}", f"{run['matmul_peak_flops'] / 1e9:,.1f}",
+                      f"{run['mfu']:.1%}", f"{run['cpu_share']:.0%}")
     return table
 
 
