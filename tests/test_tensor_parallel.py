@@ -150,7 +150,7 @@ def assert_same_training(results: list[dict], ref: dict) -> None:
 
 LAYOUTS = [  # tp, dp, zero, sequence parallel
     (2, 1, 0, False), (2, 1, 0, True), (4, 1, 0, False), (4, 1, 0, True),
-    (2, 2, 1, False), (2, 2, 1, True), (2, 2, 3, False), (2, 2, 3, True),
+    (2, 2, 1, False), (2, 2, 1, True), (2, 2, 2, True), (2, 2, 3, False), (2, 2, 3, True),
 ]
 
 

@@ -381,7 +381,7 @@ class Split:
     size: int = 0
 
 
-class Planner:
+class Slicer:
     """Applies styles to one model: cuts parameters (a tied one once) and records each split."""
 
     def __init__(self, tp: TensorParallelGroup):
@@ -389,24 +389,28 @@ class Planner:
         self.splits: dict[str, Split] = {}  # state-dict key → split
         self._shards: dict[int, nn.Parameter] = {}  # id of a plain parameter → its shard
 
-    def shard(self, key: str, param: nn.Parameter, dim: int | None, pad: bool = False) -> nn.Parameter:
+    def slice(self, key: str, param: nn.Parameter, dim: int | None, pad: bool = False) -> nn.Parameter:
         """This rank's slice of ``param`` along ``dim`` (None: the parameter itself)."""
         size = param.shape[dim] if dim is not None else 0
         self.splits[key] = Split(dim, size)
         if dim is None:
             return param
         if id(param) not in self._shards:
-            t = self.tp.size
-            full = param.detach()
-            if pad and size % t:
-                padding = list(full.shape)
-                padding[dim] = t - size % t
-                full = torch.cat([full, full.new_zeros(padding)], dim=dim)
-            elif size % t:
-                raise ConfigError(f"parallel.tp: {t} does not divide {key} along dimension {dim} ({size})")
-            piece = full.shape[dim] // t
-            self._shards[id(param)] = nn.Parameter(full.narrow(dim, self.tp.rank * piece, piece).clone())
+            if size % self.tp.size and not pad:
+                raise ConfigError(f"parallel.tp: {self.tp.size} does not divide {key} along dimension {dim} ({size})")
+            self._shards[id(param)] = nn.Parameter(rank_slice(param.detach(), dim, self.tp).clone())
         return self._shards[id(param)]
+
+
+def rank_slice(full: torch.Tensor, dim: int, tp: TensorParallelGroup) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``, zero-padded first to a multiple of tp."""
+    size = full.shape[dim]
+    piece = -(-size // tp.size)
+    if piece * tp.size != size:
+        padding = list(full.shape)
+        padding[dim] = piece * tp.size - size
+        full = torch.cat([full, full.new_zeros(padding)], dim=dim)
+    return full.narrow(dim, tp.rank * piece, piece)
 
 
 class ColumnParallel:
@@ -416,31 +420,31 @@ class ColumnParallel:
     def __init__(self, padded: bool = False):
         self.padded = padded
 
-    def apply(self, name: str, linear: nn.Linear, planner: Planner) -> nn.Module:
-        return ColumnParallelLinear(planner.shard(f"{name}.weight", linear.weight, 0, pad=self.padded))
+    def apply(self, name: str, linear: nn.Linear, slicer: Slicer) -> nn.Module:
+        return ColumnParallelLinear(slicer.slice(f"{name}.weight", linear.weight, 0, pad=self.padded))
 
 
 class RowParallel:
     """Split the input features (columns of the weight); the partial outputs are summed by g."""
 
-    def apply(self, name: str, linear: nn.Linear, planner: Planner) -> nn.Module:
-        return RowParallelLinear(planner.shard(f"{name}.weight", linear.weight, 1), planner.tp)
+    def apply(self, name: str, linear: nn.Linear, slicer: Slicer) -> nn.Module:
+        return RowParallelLinear(slicer.slice(f"{name}.weight", linear.weight, 1), slicer.tp)
 
 
 class VocabParallel:
     """Split the embedding table's rows (the padded vocabulary)."""
 
-    def apply(self, name: str, embedding: nn.Embedding, planner: Planner) -> nn.Module:
-        return VocabParallelEmbedding(planner.shard(f"{name}.weight", embedding.weight, 0, pad=True), planner.tp)
+    def apply(self, name: str, embedding: nn.Embedding, slicer: Slicer) -> nn.Module:
+        return VocabParallelEmbedding(slicer.slice(f"{name}.weight", embedding.weight, 0, pad=True), slicer.tp)
 
 
 class Replicated:
     """Every rank holds the whole module (the norms). With SP it runs on this rank's part of the
     sequence, so its gradient is a partial sum: TensorParallelism sums it over tp."""
 
-    def apply(self, name: str, module: nn.Module, planner: Planner) -> nn.Module:
+    def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
         for attr, param in module.named_parameters(recurse=False):
-            planner.shard(f"{name}.{attr}", param, None)
+            slicer.slice(f"{name}.{attr}", param, None)
         return module
 
 
@@ -448,8 +452,8 @@ class PrepareInput:
     """Make the module's first input whole for the column-parallel linears in it (f, or the SP
     all-gather), and hook it up to them. Applied after the styles that replace modules."""
 
-    def apply(self, name: str, module: nn.Module, planner: Planner) -> nn.Module:
-        prepared = PreparedInput(planner.tp)
+    def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
+        prepared = PreparedInput(slicer.tp)
         module.register_forward_pre_hook(prepared.before)
         module.register_forward_hook(prepared.after)
         for sub in module.modules():
@@ -483,24 +487,24 @@ def parallelize(model: Llama, tp: TensorParallelGroup, plan: dict[str, list] = T
 
     Returns how each parameter (by state-dict key) was split, for gathering the plain model back.
     """
-    planner = Planner(tp)
+    slicer = Slicer(tp)
     for pattern, styles in plan.items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
         for name, module in list(model.named_modules()):
             if regex.match(name):
                 for style in styles:
-                    module = style.apply(name, module, planner)
+                    module = style.apply(name, module, slicer)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, module)
-    uncovered = [key for key in model.state_dict() if key not in planner.splits]
+    uncovered = [key for key in model.state_dict() if key not in slicer.splits]
     if uncovered:
         raise ValueError(f"the tensor-parallel plan covers no style for {', '.join(uncovered)}")
-    for key, split in planner.splits.items():
+    for key, split in slicer.splits.items():
         # The engine's gradient norm relies on it: vectors are replicated, matrices are split.
         param = model.get_parameter(key)
         if (param.dim() == 1) != (split.dim is None):
             raise ValueError(f"{key}: the tensor-parallel engine expects vectors replicated and matrices split")
-    return planner.splits
+    return slicer.splits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,10 +620,7 @@ class TensorParallelism:
             return full
         if full.shape[split.dim] != split.size:
             raise ValueError(f"{key}: {split.size} along dimension {split.dim} expected, got {tuple(full.shape)}")
-        piece = -(-split.size // self.tp.size)  # rows per rank, padding included
-        padded = torch.cat([full, full.new_zeros(list(full.shape[:split.dim]) + [piece * self.tp.size - split.size]
-                                                 + list(full.shape[split.dim + 1:]))], dim=split.dim)
-        return padded.narrow(split.dim, self.tp.rank * piece, piece)
+        return rank_slice(full, split.dim, self.tp)
 
     def plain_model(self) -> nn.Module:
         plain = Llama(self.cfg.model).to(self.mesh.device)
