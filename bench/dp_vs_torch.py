@@ -11,7 +11,9 @@ runs the same micro-batches on each rank with no communication at all: the floor
 overlap would reach. Both sides do the same work per step: forward/backward over the rank's
 micro-batches, the loss averaged for the log, clipping by the global norm, AdamW, zero grads.
 
-Reported per layout: median step times, the ratio threefold / torch (target ≤ 1.0), the largest
+Reported per layout: median step times, the ratio threefold / torch (target ≤ 1.0: the median
+over steps of the two step times measured back to back, which cancels load that drifts between
+steps; the ratio of the medians is kept too), the largest
 relative difference between the two sides' losses, and from threefold's ledger the bytes sent
 per step, the total time its collectives were in flight and the part of it that was exposed
 (the time compute waited on them).
@@ -159,9 +161,11 @@ def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
         return {}
     mine, theirs = losses["threefold"], losses["torch"]
     median = {name: statistics.median(t) for name, t in times.items()}
+    paired = statistics.median(a / b for a, b in zip(times["threefold"], times["torch"]))
     return {"layout": f"{kind} dp={world}", "world": world, "threads_per_rank": torch.get_num_threads(),
             "steps": steps, "step_time_s": median, "step_times_s": times,
-            "ratio_threefold_over_torch": median["threefold"] / median["torch"],
+            "ratio_threefold_over_torch": paired, "ratio_of_medians": median["threefold"] / median["torch"],
+            "load_average_after": os.getloadavg()[0],
             "losses": {"threefold": mine, "torch": theirs},
             "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(mine, theirs)),
             "comm_bytes_per_step": comm_bytes,
