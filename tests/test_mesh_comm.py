@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from threefold.config import ConfigError, ParallelConfig, load_config
-from threefold.distributed.comm import CommLedger, ring_bytes
+from threefold.distributed.comm import ring_bytes
 from threefold.distributed.launch import relaunch, torchrun_args, without_nproc
 from threefold.distributed.mesh import AXES, ParallelMesh
 from dist_pool import RankFailure

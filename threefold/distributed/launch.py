@@ -14,11 +14,6 @@ import logging
 import os
 
 
-def under_torchrun() -> bool:
-    """True inside a process that torchrun (torch.distributed.run) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
 def without_nproc(argv: list[str]) -> list[str]:
     """``argv`` with ``--nproc N`` / ``--nproc=N`` removed, so the children do not relaunch."""
     out, skip = [], False
