@@ -85,6 +85,8 @@ class ShardedUnit:
 
 
 class FullyShardedEngine(DataParallelBase):
+    """zero 3: every state sharded, parameters gathered unit by unit (see the module docstring)."""
+
     sharded_grads = True
 
     def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
