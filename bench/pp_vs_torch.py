@@ -1,0 +1,241 @@
+"""Our pipeline parallelism against ``torch.distributed.pipelining``, at pp=4, in one run.
+
+Four gloo processes (one thread each) build the same model from the same seed twice: once as
+our ``PipelineEngine`` (schedule.py's actions run by runtime.py), once as PyTorch's
+``PipelineStage``s, cut into the same stages (our ``partition``), driven by PyTorch's schedule.
+Three pairs, each on the same micro-batches:
+
+  1f1b         ours  vs  Schedule1F1B
+  interleaved  ours (v=2)  vs  ScheduleInterleaved1F1B (v=2)
+  zero bubble  ours zb-h1 (v=1)  vs  ScheduleInterleavedZeroBubble (v=2, its only single-
+               pipeline zero-bubble schedule with the split backward on a ring of ranks)
+
+A step is the same on both sides: the schedule over all micro-batches, the global gradient
+norm (summed over stages) and clipping, AdamW. The steps alternate between the two sides;
+a step lasts until its slowest rank is done. Reported: both sides' losses (they must agree),
+the median step time of each, and ours / PyTorch's (below 1: ours is faster). Embeddings are
+untied: PyTorch's stages would not keep the two copies of a tied weight in step.
+
+    .venv/bin/python bench/pp_vs_torch.py                 # writes bench/results/pp.json
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from queue import Empty
+
+import click
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from threefold.config import Config
+from threefold.models.llama import Llama, cross_entropy
+from threefold.parallel.pipeline.partition import partition
+from threefold.train.engine import build_adamw
+
+RESULTS = Path(__file__).parent / "results" / "pp.json"
+PP = 4
+PAIRS = {  # ours (schedule, virtual stages) → PyTorch's schedule class and virtual stages
+    "1f1b": (("1f1b", 1), ("Schedule1F1B", 1)),
+    "interleaved": (("interleaved", 2), ("ScheduleInterleaved1F1B", 2)),
+    "zero-bubble": (("zb-h1", 1), ("ScheduleInterleavedZeroBubble", 2)),
+}
+
+
+def bench_config(schedule: str, virtual_stages: int, layers: int, hidden: int, micro_batch: int,
+                 microbatches: int) -> Config:
+    cfg = Config()
+    cfg.model.layers, cfg.model.hidden, cfg.model.heads = layers, hidden, 8
+    cfg.model.vocab_size, cfg.model.seq_len, cfg.model.tie_embeddings = 4096, 128, False
+    cfg.train.micro_batch, cfg.train.global_batch = micro_batch, micro_batch * microbatches
+    cfg.train.grad_clip, cfg.train.lr = 1.0, 1e-3
+    cfg.parallel.pp, cfg.parallel.schedule, cfg.parallel.virtual_stages = PP, schedule, virtual_stages
+    return cfg.validate()
+
+
+class TorchStage(nn.Module):
+    """One stage for PyTorch's runtime: the plain model's modules it runs, as a forward of one tensor."""
+
+    def __init__(self, model: Llama, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleList(model.blocks[i] for i in blocks)
+        self.norm, self.head = (model.norm, model.head) if last else (None, None)
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        cos, sin = self.rope_cos[:x.shape[1]], self.rope_sin[:x.shape[1]]
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+class TorchPipeline:
+    """PyTorch's stages and schedule, and an optimizer step like our engine's."""
+
+    def __init__(self, plain: Llama, cfg: Config, schedule_name: str, virtual_stages: int):
+        import torch.distributed.pipelining as pipelining
+
+        rank = dist.get_rank()
+        spans = partition(cfg.model, PP, virtual_stages)
+        self.modules = [TorchStage(copy.deepcopy(plain), spans[s].blocks, spans[s].first, spans[s].last)
+                        for s in range(rank, PP * virtual_stages, PP)]
+        stages = [pipelining.PipelineStage(module, s, PP * virtual_stages, torch.device("cpu"))
+                  for module, s in zip(self.modules, range(rank, PP * virtual_stages, PP))]
+        schedule_class = getattr(pipelining, schedule_name)
+        self.schedule = schedule_class(stages[0] if virtual_stages == 1 else stages, cfg.microbatches,
+                                       loss_fn=cross_entropy)
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = build_adamw([(str(i), p) for i, p in enumerate(self.params)], cfg)
+        self.cfg, self.holds_loss = cfg, any(spans[s].last for s in range(rank, PP * virtual_stages, PP))
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        losses = []
+        if dist.get_rank() == 0:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        else:
+            self.schedule.step(target=targets, losses=losses)
+        squares = torch.stack([p.grad.pow(2).sum() for p in self.params]).sum()
+        dist.all_reduce(squares)
+        coef = torch.clamp(self.cfg.train.grad_clip / (squares.sqrt() + 1e-6), max=1.0)
+        for p in self.params:
+            p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack(losses).mean().reshape(1) if self.holds_loss else torch.zeros(1)
+        dist.all_reduce(loss)
+        return loss.item()
+
+
+def our_pipeline(plain: Llama, cfg: Config):
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.pipeline.engine import PipelineEngine
+
+    mesh = ParallelMesh.from_config(cfg.parallel)
+    engine = PipelineEngine(plain, cfg, mesh, Comm(mesh))
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = engine.forward_backward(list(zip(inputs.split(cfg.train.micro_batch), targets.split(cfg.train.micro_batch))))
+        engine.clip_grad_norm(cfg.train.grad_clip)
+        engine.optimizer_step(cfg.train.lr)
+        engine.zero_grad()
+        return loss
+
+    return engine, step
+
+
+def run_pair(pair: str, layers: int, hidden: int, micro_batch: int, microbatches: int, warmup: int, steps: int) -> dict:
+    (ours_schedule, ours_v), (torch_schedule, torch_v) = PAIRS[pair]
+    cfg = bench_config(ours_schedule, ours_v, layers, hidden, micro_batch, microbatches)
+    plain = Llama(cfg.model)
+    plain.init_weights(cfg.train.seed)
+    theirs = TorchPipeline(plain, cfg, torch_schedule, torch_v)
+    engine, ours = our_pipeline(plain, cfg)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    out = {"ours": {"schedule": ours_schedule, "virtual_stages": ours_v, "losses": [], "times": []},
+           "torch": {"schedule": torch_schedule, "virtual_stages": torch_v, "losses": [], "times": []}}
+    for step in range(warmup + steps):
+        tokens = torch.randint(cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        # Alternate which goes first, so neither always runs on a cache the other warmed.
+        order = [("ours", lambda: ours(inputs, targets)), ("torch", lambda: theirs(inputs, targets))]
+        for name, run in order if step % 2 == 0 else reversed(order):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = run()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
+            out[name]["losses"].append(loss)
+            if step >= warmup:
+                out[name]["times"].append(elapsed.item())
+    out["ours"]["measured_timeline"] = engine.step_timeline()
+    engine.shutdown()
+    for side in ("ours", "torch"):
+        out[side]["step_time_s"] = statistics.median(out[side]["times"])
+    out["ratio"] = out["ours"]["step_time_s"] / out["torch"]["step_time_s"]
+    out["max_loss_difference"] = max(abs(a - b) for a, b in zip(out["ours"]["losses"], out["torch"]["losses"]))
+    return out
+
+
+def worker(rank: int, port: int, options: dict, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=600))
+    pairs = options.pop("pairs")
+    results = {pair: run_pair(pair, **options) for pair in pairs}
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def results_table(results: dict) -> Table:
+    table = Table(title=f"pp={PP}, {results['layers']} layers, hidden {results['hidden']}, {results['microbatches']} "
+                        f"micro-batches of {results['micro_batch']} × {results['seq_len']} tokens, 1 thread per rank")
+    for column in ("ours", "PyTorch", "ours (s)", "PyTorch (s)", "ratio", "max |Δloss|"):
+        table.add_column(column, justify="left" if column in ("ours", "PyTorch") else "right")
+    for run in results["pairs"].values():
+        ours, theirs = run["ours"], run["torch"]
+        table.add_row(ours["schedule"] + (f" v={ours['virtual_stages']}" if ours["virtual_stages"] > 1 else ""),
+                      theirs["schedule"].removeprefix("Schedule"), f"{ours['step_time_s']:.3f}",
+                      f"{theirs['step_time_s']:.3f}", f"{run['ratio']:.3f}", f"{run['max_loss_difference']:.1e}")
+    return table
+
+
+@click.command()
+@click.option("--layers", default=8, show_default=True, help="Blocks (interleaved needs a multiple of 8).")
+@click.option("--hidden", default=256, show_default=True)
+@click.option("--micro-batch", default=2, show_default=True, help="Sequences per micro-batch.")
+@click.option("--microbatches", default=8, show_default=True, help="Micro-batches per step.")
+@click.option("--warmup", default=2, show_default=True, help="Untimed steps of each first.")
+@click.option("--steps", default=6, show_default=True, help="Timed steps of each.")
+@click.option("--pair", "pairs", type=click.Choice(list(PAIRS)), multiple=True, help="Repeatable; default: all.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True)
+def main(layers, hidden, micro_batch, microbatches, warmup, steps, pairs, out) -> None:
+    """Step time and losses of our pipeline schedules vs torch.distributed.pipelining at pp=4."""
+    console = Console()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = dict(layers=layers, hidden=hidden, micro_batch=micro_batch, microbatches=microbatches, warmup=warmup,
+                   steps=steps, pairs=list(pairs or PAIRS))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with console.status(f"pp={PP}: {warmup} + {steps} alternating steps per pair"):
+        procs = [ctx.Process(target=worker, args=(rank, port, dict(options), queue)) for rank in range(PP)]
+        for proc in procs:
+            proc.start()
+        runs = None
+        while runs is None and all(proc.exitcode in (None, 0) for proc in procs):
+            try:
+                runs = queue.get(timeout=1.0)
+            except Empty:
+                pass
+        for proc in procs:
+            proc.join()
+    if runs is None:
+        raise click.ClickException("a rank failed (its traceback is above)")
+    results = {"pp": PP, "layers": layers, "hidden": hidden, "vocab_size": 4096, "seq_len": 128,
+               "micro_batch": micro_batch, "microbatches": microbatches, "threads_per_rank": 1,
+               "warmup_steps": warmup, "timed_steps": steps, "torch_version": torch.__version__, "pairs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(results_table(results))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
