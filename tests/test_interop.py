@@ -365,5 +365,5 @@ def test_smollm2_writes_english(smollm2):
         loss, shuffled_loss = (cross_entropy(model(torch.tensor([ids[:-1]])), torch.tensor([ids[1:]])).item()
                                for ids in (text, shuffled))
     assert loss < 3.0 and shuffled_loss > loss + 3.0, (loss, shuffled_loss)  # measured: 2.38 and 7.52 nats
-    sample = sample_text(model, tokenizer, "Once upon a time", 24, seed=0)
-    assert sample.startswith("Once upon a time") and len(sample.split()) > 12
+    sample = sample_text(model, tokenizer, "Once upon a time", 16, seed=0)
+    assert sample.startswith("Once upon a time") and len(sample.split()) > 8
