@@ -175,7 +175,8 @@ def worker(rank: int, port: int, micro_batch: int, warmup: int, steps: int, mode
 
 
 def results_table(results: dict) -> Table:
-    table = Table(title=f"tp={TP}, small preset (untied), {results['tokens_per_step']} tokens per step, 1 thread per rank")
+    table = Table(title=f"tp={TP}, small preset (untied), {results['tokens_per_step']} tokens per step, "
+                        "1 thread per rank")
     for column in ("mode", "ours (s)", "PyTorch DTensor (s)", "ours / PyTorch", "max |Δloss|", "final loss"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for mode, run in results["modes"].items():

@@ -78,14 +78,16 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     if t == 1:
         return
     if model.heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} (each rank computes whole heads)")
+        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} "
+                          "(each rank computes whole heads)")
     if model.n_kv_heads % t:
         raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
                           "tensor parallelism splits them, it does not replicate them")
     if model.ffn_hidden % t:
         raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
     if model.vocab_size is not None and model.vocab_size < t:
-        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens (model.vocab_size)")
+        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens "
+                          "(model.vocab_size)")
     if parallel.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
 
@@ -278,7 +280,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 tp: TensorParallelGroup) -> torch.Tensor:
     """The same number as ``models.llama.cross_entropy`` of the whole logits, from this rank's slice."""
     return VocabParallelCrossEntropy.apply(logits, targets, tp, traffic_tag("loss"))
 
@@ -359,7 +362,8 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tensor_parallel(found, self.tp)
 
     def extra_repr(self) -> str:
-        return f"local rows={self.weight.shape[0]} (from {self.tp.rank * self.weight.shape[0]}), dim={self.weight.shape[1]}"
+        rows, dim = self.weight.shape
+        return f"local rows={rows} (from {self.tp.rank * rows}), dim={dim}"
 
 
 def leave_tensor_parallel(partial: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
@@ -482,7 +486,8 @@ TENSOR_PARALLEL_PLAN: dict[str, list] = {
 }
 
 
-def parallelize(model: Llama, tp: TensorParallelGroup, plan: dict[str, list] = TENSOR_PARALLEL_PLAN) -> dict[str, Split]:
+def parallelize(model: Llama, tp: TensorParallelGroup,
+                plan: dict[str, list] = TENSOR_PARALLEL_PLAN) -> dict[str, Split]:
     """Transform the plain ``model`` in place into this rank's tensor-parallel part of it.
 
     Returns how each parameter (by state-dict key) was split, for gathering the plain model back.
