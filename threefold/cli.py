@@ -22,6 +22,8 @@ COMMANDS = {
     "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),
     "schedule": ("threefold.plan.schedule_command", "schedule", "Draw a pipeline schedule and print its bubble."),
     "calibrate": ("threefold.plan.calibrate", "calibrate", "Measure this machine for the planner."),
+    "export": ("threefold.interop.commands", "export_cmd", "Write a checkpoint as a Hugging Face LlamaForCausalLM folder."),
+    "import": ("threefold.interop.commands", "import_cmd", "Read an HF Llama folder or a GGUF file (or smollm2) into a checkpoint."),
     "bench": ("threefold.bench_commands", "bench", "Run the benchmarks under bench/."),
 }
 

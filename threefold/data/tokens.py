@@ -16,6 +16,7 @@ the proportion training does, and the two never overlap.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -91,12 +92,19 @@ def unigram_entropy(counts: np.ndarray) -> float:
 
 
 def _tokenizer_key(data_cfg: DataConfig) -> str:
-    return f"bpe{data_cfg.vocab_size}" if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
+    if data_cfg.tokenizer == "bpe":
+        return f"bpe{data_cfg.vocab_size}"
+    if data_cfg.tokenizer == "gpt2":
+        return "gpt2"
+    # A tokenizer.json file (a pretrained model's own): keyed by its content.
+    return "file-" + hashlib.sha256(Path(data_cfg.tokenizer).read_bytes()).hexdigest()[:16]
 
 
 def _tokenizer(data_cfg: DataConfig, corpus: Corpus, path: Path, progress: bool) -> Tokenizer:
     if data_cfg.tokenizer == "gpt2":
         return gpt2_tokenizer()
+    if data_cfg.tokenizer != "bpe":
+        return load_tokenizer(Path(data_cfg.tokenizer), Path(data_cfg.tokenizer).stem)
     if path.exists():
         return load_tokenizer(path, path.stem.removeprefix("tokenizer-"))
     with _progress(progress) as bar:

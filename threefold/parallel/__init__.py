@@ -11,7 +11,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.train.engine import Engine
 
-NOT_YET = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism",
+NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism",
            "ep": "expert parallelism"}
 
 
@@ -26,6 +26,10 @@ def build_engine(model: Llama, cfg: Config) -> Engine:
         return Engine(model, cfg)
     model.to(mesh.device)
     comm = Comm(mesh)
+    if cfg.parallel.tp > 1:
+        from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
+
+        return build_tensor_parallel_engine(model, cfg, mesh, comm)
     if cfg.parallel.zero == 3:
         from threefold.parallel.fsdp import FullyShardedEngine
 

@@ -63,33 +63,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig
+from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig, check_tensor_parallel
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.parallel.data_parallel import DataParallelEngine
 from threefold.parallel.fsdp import FullyShardedEngine
 from threefold.train.engine import Engine, autocast
-
-
-def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise ConfigError, one line, for a model that ``parallel.tp`` cannot split."""
-    t = parallel.tp
-    if t == 1:
-        return
-    if model.heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} "
-                          "(each rank computes whole heads)")
-    if model.n_kv_heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
-                          "tensor parallelism splits them, it does not replicate them")
-    if model.ffn_hidden % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
-    if model.vocab_size is not None and model.vocab_size < t:
-        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens "
-                          "(model.vocab_size)")
-    if parallel.sequence_parallel and model.seq_len % t:
-        raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,8 +75,14 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     t = cfg.train
 
     model = Llama(cfg.model)
-    model.init_weights(t.seed)
+    if cfg.model.init_from:  # pretrained weights from a Hugging Face folder
+        from threefold.interop import init_from_state
+
+        model.load_state_dict(init_from_state(cfg.model))
+    else:
+        model.init_weights(t.seed)
     model.set_recompute(t.recompute)
+    n_params = sum(p.numel() for p in model.parameters())  # before a strategy keeps its part
     engine = build_engine(model, cfg)
     engine.activation_meter = ActivationMeter(engine.model)
     main = engine.is_main
@@ -96,7 +102,6 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, append=start > 0)
     if main:
-        n_params = sum(p.numel() for p in model.parameters())
         console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
                       f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
                       f"unigram entropy {result.unigram_entropy:.3f} nats/token")
