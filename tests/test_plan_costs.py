@@ -1,4 +1,5 @@
 """The planner's cost model against independent counts: real modules, FLOP counters, published figures."""
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -85,6 +86,36 @@ def test_missing_vocab_is_a_config_error():
         costs.param_count(ModelConfig(arch="gpt"))
 
 
+def _saved_bytes_per_block(cfg: ModelConfig, recompute: str, dtype: torch.dtype) -> float:
+    """Bytes autograd saves for one block of a plain ``dtype`` Llama: a 3-layer minus a 1-layer model."""
+    from threefold.models.llama import cross_entropy
+    from threefold.train.metrics import ActivationMeter
+
+    saved = []
+    for layers in (3, 1):
+        model = Llama(dataclasses.replace(cfg, layers=layers)).to(dtype)
+        model.set_recompute(recompute)
+        meter = ActivationMeter(model)
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        with meter.forward_pass():
+            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        saved.append(meter.peak)
+    return (saved[0] - saved[1]) / 2
+
+
+@pytest.mark.parametrize("recompute", costs.RECOMPUTE)
+def test_llama_block_activations_in_16_bit(recompute):
+    """The planner's 16-bit coefficients are what a bf16 Llama block saves: its RMSNorms keep
+    fp32 internals, grouped-query attention keeps the repeated k and v. One term is per block,
+    not per token: each norm's fp32 copy of its gain (h·4 bytes), which the planner leaves out.
+    (tests/test_tensor_parallel.py checks the fp32 case, with TP and SP, in the engine.)"""
+    cfg = ModelConfig(layers=1, hidden=64, heads=8, kv_heads=4, ffn=96, vocab_size=100, seq_len=32)
+    gains = 0 if recompute == "full" else 2 * cfg.hidden * 4
+    predicted = costs.block_activation_bytes(cfg, 2 * cfg.seq_len, 1, False, recompute, dtype_bytes=2)
+    assert _saved_bytes_per_block(cfg, recompute, torch.bfloat16) == predicted + gains
+
+
 # ---- exact data-parallel bytes and model states for the engine ----------------------------
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
@@ -130,7 +161,10 @@ def _estimate(work=GPT3, gpu=A100, **layout):
 
 @pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 16, 1),
                                            ("interleaved", 4, 8, 2), ("interleaved", 4, 12, 3), ("zb-h1", 4, 8, 1),
-                                           ("zb-h1", 8, 16, 1)])
+                                           ("zb-h1", 8, 16, 1),
+                                           # m not a multiple of p: groups of 5, of 7 (prime m), of 6
+                                           ("interleaved", 4, 10, 2), ("interleaved", 4, 7, 2), ("interleaved", 4, 6, 3),
+                                           ("interleaved", 4, 4, 2)])  # m = p: every forward before a backward
 def test_closed_form_bubble_and_memory_agree_with_the_simulator(name, p, m, v):
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import ActionCosts, simulate
@@ -183,12 +217,48 @@ def test_zero_stages_shard_model_states_over_data_parallel_ranks():
 
 def test_tensor_parallel_bytes_follow_the_ring_convention():
     t, layers, m, tokens, h = 8, 96 // 16, 1536 // 8, 2048, 12288
-    est = _estimate(tp=t, pp=16, dp=8)
+    ring = 2 * (t - 1) / t
     message = tokens * h * 2  # one micro-batch's activations in 16-bit
-    collectives = layers * 4 + 1  # 2 all-reduces forward and 2 backward per layer, + the head
-    assert est["tp_bytes"] == pytest.approx(m * collectives * 2 * (t - 1) / t * message)
+    loss = m * ring * 3 * tokens * 4  # max, sum of exponentials and target logit per token, fp32
+    # The last stage: 2 all-reduces forward and 2 backward per layer, and the head's backward f.
+    est = _estimate(tp=t, pp=16, dp=8)
+    assert est["tp_bytes"] == pytest.approx(m * (layers * 4 + 1) * ring * message + loss, rel=1e-12)
+    # GPT's dropout after the MLP is saved last, so full recomputation reruns both forward all-reduces.
     full = _estimate(tp=t, pp=16, dp=8, recompute="full")
-    assert full["tp_bytes"] / est["tp_bytes"] == pytest.approx((layers * 6 + 1) / collectives)
+    assert full["tp_bytes"] == pytest.approx(m * (layers * 6 + 1) * ring * message + loss, rel=1e-12)
+    # SP: the same volume as pairs, plus re-gathers in backward: half an all-reduce per sublayer and for the head.
+    sp = _estimate(tp=t, pp=16, dp=8, sequence_parallel=True)
+    assert sp["tp_bytes"] == pytest.approx(m * (layers * 5 + 1.5) * ring * message + loss, rel=1e-12)
+
+
+LLAMA = costs.Workload(ModelConfig(layers=8, hidden=1024, heads=16, kv_heads=4, vocab_size=32000, seq_len=2048),
+                       global_batch=64)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", costs.RECOMPUTE)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_estimate_counts_the_engines_tensor_parallel_bytes(sp, recompute, pp):
+    """estimate's TP traffic is tp_bytes_per_step (which tests/test_tensor_parallel.py checks
+    against the engine's ledger) in 16-bit, plus the loss; a later stage has no embedding."""
+    t, d, b = 4, 2, 2
+    m, s = LLAMA.global_batch // (d * b), LLAMA.model.seq_len
+    est = _estimate(LLAMA, tp=t, pp=pp, dp=d, micro_batch=b, sequence_parallel=sp, recompute=recompute)
+    bulk = costs.tp_bytes_per_step(8 // pp, m, b, s, 1024, t, sp, recompute, dtype_bytes=2, embedding=pp == 1)
+    assert est["tp_bytes"] == pytest.approx(bulk + costs.tp_loss_bytes_per_step(m, b, s, t), rel=1e-12)
+    # Per micro-batch and layer, in all-reduce equivalents: the Llama block's recompute pass stops
+    # at its last saved tensor, before the MLP's g.
+    per_layer = {(False, "none"): 4, (True, "none"): 5, (False, "full"): 5, (True, "full"): 6.5}
+    layers = costs.tp_collectives_per_microbatch(8, sp, recompute) - costs.tp_collectives_per_microbatch(0, sp, recompute)
+    assert layers == 8 * per_layer[sp, "full" if recompute == "full" else "none"]
+
+
+def test_interleaved_needs_as_many_microbatches_as_stages():
+    cfg = ModelConfig(layers=16, hidden=64, heads=4, vocab_size=100, seq_len=32)
+    layout = costs.Layout.named(schedule="interleaved", pp=4, virtual_stages=2)
+    costs.check_layout(cfg, layout, global_batch=10, num_gpus=4)  # groups of 5
+    with pytest.raises(ConfigError, match="3 micro-batches per step is fewer than --pp 4"):
+        costs.check_layout(cfg, layout, global_batch=3, num_gpus=4)
 
 
 def test_tensor_parallel_across_nodes_uses_the_network():

@@ -6,6 +6,7 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -107,7 +108,7 @@ def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Model states and data-parallel traffic, exact, for the engine's own fp32 runs
+# Model states, data- and tensor-parallel traffic, exact, for the engine's own runs
 # --------------------------------------------------------------------------------------------
 
 def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4):
@@ -127,6 +128,59 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
     sharded_optimizer = share * numel * (grad_bytes + param_bytes)
     fully_sharded = microbatches * share * numel * (2 * param_bytes + grad_bytes)
     return _scalar_or_array(np.where(zero == 0, all_reduce, np.where(zero == 3, fully_sharded, sharded_optimizer)))
+
+
+def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
+                      dtype_bytes: int = 4, arch: str = "llama", embedding=True):
+    """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
+    embedding and the head (the CommLedger's key ``tp``; ring convention).
+
+    With B = micro_batch · seq_len · hidden · dtype_bytes (one micro-batch's activations) and
+    a = 2(t−1)/t (an all-reduce of B sends a·B; an all-gather or reduce-scatter a/2·B), each
+    micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
+    ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
+    Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
+    """
+    ring = 2 * (np.asarray(tp) - 1) / tp
+    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding)
+    return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
+
+
+def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True):
+    """The tensor-parallel collectives of one micro-batch, in all-reduces of its activations
+    (an all-gather or a reduce-scatter of the same tensor counts ½), as the engine
+    (threefold/parallel/tensor_parallel.py) runs them.
+
+    Per block, without SP: 4. Forward, g after each sublayer's row-parallel linear (all-reduce of
+      the partial sums); backward, f before each sublayer's column-parallel linears (all-reduce
+      of dL/dx, to which every rank's slice contributes).
+    Per block, with SP: 5. Each f and g becomes an all-gather + reduce-scatter pair along the
+      sequence (½ + ½: the same bytes); and the column-parallel linears save only this rank's
+      part of their input, so backward gathers it again for the weight gradient: ½ per sublayer.
+    Full recomputation repeats the block's forward collectives, but only up to its last saved
+      tensor: PyTorch's non-reentrant checkpoint (torch.utils.checkpoint, early stop on) stops
+      recomputing there. In our Llama block that is the MLP's down-projection input, so the MLP's
+      g is not repeated: 1 (SP: the attention's gather and reduce-scatter and the MLP's gather,
+      1½). GPT's dropout after the MLP saves a mask after its g, so the whole forward reruns: 2
+      (SP: 2), as Megatron-LM's own checkpointing also does.
+    Embedding (vocab-parallel lookup): g forward, 1 (SP: reduce-scatter forward, all-gather of
+      its gradient backward, 1). Head (column-parallel over the vocabulary): f backward, 1 (SP:
+      gather forward, reduce-scatter backward, re-gather for the weight gradient, 1½).
+    Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
+    the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
+    """
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    full = _recompute_index(recompute) == RECOMPUTE.index("full")
+    recomputed = np.where(sp, 1.5, 1.0) if arch == "llama" else 2.0
+    per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, 0.0)
+    return _scalar_or_array(layers * per_block + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0))
+
+
+def tp_loss_bytes_per_step(microbatches, micro_batch, seq_len, tp):
+    """Bytes each rank sends on the tensor-parallel axis per step for the vocab-parallel loss
+    (ledger key ``tp.loss``): per token, an all-reduce of the max logit and one of the sum of
+    exponentials and the target's logit, three fp32 numbers whatever the activations' type."""
+    return _scalar_or_array(microbatches * 2 * (np.asarray(tp) - 1) / tp * 3 * micro_batch * seq_len * 4)
 
 
 def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict:
@@ -202,6 +256,11 @@ def _index(names: tuple[str, ...], name: str, flag: str) -> int:
     return names.index(name)
 
 
+def _recompute_index(recompute):
+    """An index into RECOMPUTE (or an array of them) from a name or from indices."""
+    return _index(RECOMPUTE, recompute, "--recompute") if isinstance(recompute, str) else np.asarray(recompute)
+
+
 def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus: int) -> None:
     """Raise ConfigError, one line, for a scalar layout that cannot run this model on these GPUs."""
     t, p, d, c, b, v = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
@@ -231,8 +290,10 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--virtual-stages: {v} with --schedule {schedule}; interleaved needs 2 or more, "
                           "other schedules 1")
     microbatches = global_batch // (d * b)
-    if schedule == "interleaved" and microbatches % p:
-        raise ConfigError(f"--schedule interleaved: {microbatches} micro-batches is not a multiple of --pp {p}")
+    if schedule == "interleaved" and microbatches < p:
+        raise ConfigError(f"--schedule interleaved: {microbatches} micro-batches per step is fewer than --pp {p}; "
+                          "each rank would stall while a micro-batch goes round the ring (use 1f1b, or more "
+                          "micro-batches)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +304,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
 # Megatron's main_grad and FSDP's fp32 reduction keep them, 2 + 4 + 12 = 18 bytes; 2: the classic
 # 16), fp32 master weights and Adam's two fp32 moments.
 PARAM_BYTES = 2
+ACTIVATION_BYTES = 2  # 16-bit activations, and the TP, CP and PP messages that carry them
 OPTIMIZER_BYTES = 12
 # HBM bytes moved by the memory-bound (non-matmul) kernels, per byte of activations a layer stores:
 # each is written and read in forward, read again in backward, and its gradient written and read.
@@ -267,28 +329,64 @@ class Workload:
         object.__setattr__(self, "recompute_flops_per_token", recompute_flops_per_token(self.model))
 
 
-def activation_coefficients(model: ModelConfig, attention: str) -> dict:
+def activation_coefficients(model: ModelConfig, attention: str, dtype_bytes: int = ACTIVATION_BYTES) -> dict:
     """Bytes stored per token per layer for the backward pass, by how TP shards them.
 
+    ``dtype_bytes`` is the size of one activation element: 2 for 16-bit training (what the
+    planner assumes), 4 for the engine's fp32 runs. Tensors that are fp32 whatever the
+    activations are (log-sum-exp, our RMSNorm's internals) count 4 bytes per element.
+    norm:       what one norm saves, its output included (the next linear's input);
     replicated: held whole on every TP rank unless sequence parallelism splits them;
     sharded:    split over TP ranks (heads, FFN columns);
-    core:       the attention core's internals: the s×s scores in eager mode, flash's fp32
-                log-sum-exp per head otherwise; dropped by selective recomputation;
-    embedding:  stored by the embedding layer per token (GPT's dropout mask).
-    GPT (Korthikanti et al. 2022, 16-bit activations, 1-byte dropout masks): LayerNorm inputs 4h,
-    QKV and MLP inputs 4h, two dropout masks 2h replicated; Q, K, V and the attention output
-    4q + 4k, GELU input and output 4f sharded; eager scores: softmax 2as, dropout mask as, dropout
-    output 2as. Our Llama block (no dropout): RMSNorm inputs and outputs 8h replicated;
-    Q, K, V and output 4q + 4k; SwiGLU's gate, up, silu(gate) and product 8f; eager: softmax 2as.
+    core:       the attention core's internals, dropped by selective recomputation;
+    embedding:  stored by the embedding layer per token (GPT's dropout mask);
+    checkpoint: what full recomputation keeps of a block: its input.
+
+    GPT (Korthikanti et al. 2022, 1-byte dropout masks): two LayerNorms' inputs and outputs
+    (the outputs are the QKV and MLP inputs) and two dropout masks, replicated; Q, K, V, the
+    attention output, GELU's input and output, sharded; eager scores: softmax, its dropout mask
+    and the dropout output. At 16 bits, with q = kv = h and f = 4h: sbh(34 + 5as/h) per layer.
+
+    Our Llama block (threefold/models/llama.py, no dropout), counted as PyTorch's autograd saves
+    it: each RMSNorm computes in fp32 and keeps its input as fp32 (a copy when the activations are
+    16-bit), x·rsqrt and rsqrt, besides its output; Q and K after rotary, V and the attention
+    output; SwiGLU's gate, up, silu(gate) and product. Grouped-query attention repeats k and v to
+    every query head before scaled_dot_product_attention, which saves the repeats: 2(q − kv) more
+    elements in the core, since selective recomputation keeps only the unrepeated k and v.
     """
     h, f, a, s = model.hidden, model.ffn_hidden, model.heads, model.seq_len
     q, kv = attention_width(model)
+    d = dtype_bytes
     if attention not in ATTENTION:
         raise ConfigError(f"--attention: must be flash or eager, got {attention!r}")
     eager = attention == "eager"
     if model.arch == "llama":
-        return dict(replicated=8 * h, sharded=4 * q + 4 * kv + 8 * f, core=2 * a * s if eager else 4 * a, embedding=0)
-    return dict(replicated=10 * h, sharded=4 * q + 4 * kv + 4 * f, core=5 * a * s if eager else 4 * a, embedding=h)
+        norm = 4 * h + 4 * h + 4 + d * h  # fp32 input, fp32 x·rsqrt, fp32 rsqrt; output
+        scores = d * a * s if eager else 4 * a  # softmax, or flash's fp32 log-sum-exp per head
+        return dict(norm=norm, replicated=2 * norm, sharded=d * (2 * q + 2 * kv) + 4 * d * f,
+                    core=scores + d * 2 * (q - kv), embedding=0, checkpoint=d * h)
+    norm = 2 * d * h
+    return dict(norm=norm, replicated=2 * norm + 2 * h, sharded=d * (2 * q + 2 * kv) + 2 * d * f,
+                core=(2 * d + 1) * a * s if eager else 4 * a, embedding=h, checkpoint=d * h)
+
+
+def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, attention: str = "flash",
+                           dtype_bytes: int = ACTIVATION_BYTES):
+    """Bytes one block saves for backward on one TP rank, for a micro-batch of ``tokens`` tokens.
+
+    Without recomputation everything in ``activation_coefficients``; selective drops the
+    attention core; full keeps only the block's input. Sequence parallelism splits the
+    replicated part (and the block input) over the TP ranks. ``recompute`` is a name or an index
+    into RECOMPUTE; the sizes may be numpy arrays.
+    """
+    coef = activation_coefficients(model, attention, dtype_bytes)
+    recompute = _recompute_index(recompute)
+    tp = np.asarray(tp)
+    seq_split = np.where(np.asarray(sequence_parallel, dtype=bool), tp, 1)
+    kept = tokens * (coef["replicated"] / seq_split + coef["sharded"] / tp)
+    return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), tokens * coef["checkpoint"] / seq_split,
+                                     np.where(recompute == RECOMPUTE.index("selective"), kept,
+                                              kept + tokens * coef["core"] / tp)))
 
 
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
@@ -303,6 +401,17 @@ def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
     slots, work = _bubble_slots(np.asarray(schedule), np.asarray(pp), np.asarray(microbatches),
                                 np.asarray(virtual_stages))
     return _scalar_or_array(slots / (work + slots))
+
+
+def interleaved_group(pp, microbatches):
+    """Micro-batches per group of the interleaved schedule, as schedule._interleaved_order picks
+    them: the smallest divisor of m that is at least p (p itself when p divides m)."""
+    return _scalar_or_array(np.vectorize(_interleaved_group, otypes=[float])(pp, np.rint(microbatches)))
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_group(pp: int, m: int) -> int:
+    return next(g for g in range(min(int(pp), int(m)), int(m) + 1) if m % g == 0)
 
 
 def _bubble_slots(schedule, p, m, v):
@@ -341,20 +450,23 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
     coef = activation_coefficients(cfg, work.attention)
-    layer_kept = tokens * (coef["replicated"] / seq_split + coef["sharded"] / t)
-    layer_all = layer_kept + tokens * coef["core"] / t
-    per_layer = np.where(full, tokens * 2 * h / seq_split, np.where(selective, layer_kept, layer_all))
+    layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention)
+    per_layer = block_activation_bytes(cfg, tokens, t, sp, recompute, work.attention)
     # Micro-batches whose activations a stage holds at its peak (first stage; last stage).
-    in_flight_first = np.where(gpipe, m, np.minimum(p, m) * np.where(interleaved, 1 + (p - 1) / (p * v), 1))
+    # Interleaved, in groups of g micro-batches: rank 0 runs (v−1)·g + 2(p−1) forward chunks
+    # before its first backward (all v·m if there are fewer), the last rank (v−1)·g.
+    group = interleaved_group(p, m)
+    in_flight_first = np.where(gpipe, m, np.where(interleaved, np.minimum((v - 1) * group + 2 * p - 1, v * m) / v,
+                                                  np.minimum(p, m)))
     # ZB-H1 defers weight gradients, so every stage keeps 1F1B's first-stage count (Qi et al. 2023).
-    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * p + 1) / v,
+    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * group + 1) / v,
                                                  np.where(schedule == SCHEDULES.index("zb-h1"), np.minimum(p, m), 1)))
     in_flight_first, in_flight_last = np.where(single_stage, 1, in_flight_first), np.where(single_stage, 1, in_flight_last)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
     block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
     block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
-    logits_act = tokens * (4 * h / seq_split + 4 * V / t)  # final-norm and head inputs, fp32 log-probs
+    logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
     act_first = block_act_first + embedding_act + np.where(single_stage, logits_act, 0)
     act_last = np.where(single_stage, act_first, block_act_last + logits_act)
 
@@ -402,19 +514,20 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, gpu.inter_node_bw * gpu.inter_link_efficiency),
                 np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
 
-    # ---- tensor parallel, per layer in all-reduce equivalents: 2 forward, 2 backward, 2 more to
-    # recompute. Sequence parallelism turns each into a reduce-scatter + all-gather pair (same bytes)
-    # and all-gathers the two column-parallel inputs again in backward: one more (Korthikanti §4.2.2).
-    tp_message = tokens * h * PARAM_BYTES
-    tp_collectives = stage_layers * (4 + 2 * full + sp) + np.where(single_stage, 2, 1)  # + embedding or head
+    # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
+    # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
+    # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
+    tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage)
+    tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, ACTIVATION_BYTES, cfg.arch,
+                                    embedding=single_stage)
+                  + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t)
-    tp_sent_mb = tp_collectives * 2 * (t - 1) / t * tp_message
-    tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, tp_collectives * 2 * (t - 1), tp_bw, tp_lat), 0)
+    tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
     tp_bytes = m * tp_sent_mb
 
     # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
     cp_collectives = stage_layers * (3 + full)
-    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * PARAM_BYTES / t)
+    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * ACTIVATION_BYTES / t)
     cp_bw, cp_lat = link(t * c)
     cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
     attention_s = tokens / t * stage_layers * 3 * attention_executed / rate
@@ -422,7 +535,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     cp_bytes = m * cp_sent_mb
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
-    pp_message = tokens * h * PARAM_BYTES / t  # Megatron's scatter/gather: each TP rank sends its slice
+    pp_message = tokens * h * ACTIVATION_BYTES / t  # Megatron's scatter/gather: each TP rank sends its slice
     pp_bw, pp_lat = link(num_gpus)
     p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
