@@ -98,14 +98,20 @@ def run_case(*layout, steps: int = STEPS) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def reference(m: int, *extra: str) -> dict:
+    """One process, one thread like each worker (the same kernels), m micro-batches per step."""
     cfg = make_config(1, m, "1f1b", 1, 1, 1, 0, False, *extra)
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = Engine(model, cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["state"], out["initial"] = engine.model_state_dict(), initial
-    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = Llama(cfg.model)
+        model.init_weights(cfg.train.seed)
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        engine = Engine(model, cfg)
+        out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+        out["state"], out["initial"] = engine.model_state_dict(), initial
+        out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -151,6 +157,12 @@ def test_schedule_matches_single_process(distributed, schedule, pp, m, v):
 def test_untied_embeddings_and_fewer_microbatches_than_stages(distributed, schedule):
     extra = ("model.tie_embeddings=false",)
     assert_same_training(case(distributed, 4, 2, schedule, 1, 1, 1, 0, False, *extra), reference(2, *extra))
+
+
+def test_bfloat16_autocast(distributed):
+    """Stages compute under autocast, the residual stream (what crosses stages) stays fp32."""
+    extra = ("train.dtype=bfloat16",)
+    assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 1, 1, 0, False, *extra), reference(2, *extra))
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -236,7 +248,7 @@ def test_measured_bubble_follows_the_simulator(distributed):
 
     bubbles = {}
     for schedule in ("1f1b", "zb-h1"):
-        timeline = distributed.run(2, run_timed, schedule, 8, 256, 3)[0]
+        timeline = distributed.run(2, run_timed, schedule, 8, 512, 3)[0]
         measured = idle_fractions(measured_segments(timeline))
         simulated = idle_fractions(simulate_measured(timeline).segments())
         for got, want in zip(measured, simulated):

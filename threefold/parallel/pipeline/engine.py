@@ -79,9 +79,8 @@ class PipelineEngine(DataParallelBase):
         self.tp = None
         self.tp_splits = {}
         if mesh.size("tp") > 1:
-            from threefold.parallel.tensor_parallel import TensorParallelGroup, check_tensor_parallel, parallelize
+            from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
 
-            check_tensor_parallel(cfg.model, p)
             self.tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel,
                                           cfg.model.vocab_size)
             self.tp_splits = parallelize(model, self.tp)
@@ -288,10 +287,10 @@ class PipelineEngine(DataParallelBase):
         split = self.tp_splits.get(key)
         if split is None or split.dim is None:
             return local
-        parts = local.new_empty(self.tp.size * local.numel())  # gloo gathers flat tensors only
-        self.comm.all_gather(parts, local.reshape(-1), "tp", tag="checkpoint")
-        whole = torch.cat(parts.view(self.tp.size, *local.shape).unbind(0), dim=split.dim)
-        return whole.narrow(split.dim, 0, split.size)
+        from threefold.parallel.tensor_parallel import all_gather_stacked
+
+        parts = all_gather_stacked(local, self.tp, "checkpoint")
+        return torch.cat(parts.unbind(0), dim=split.dim).narrow(split.dim, 0, split.size)
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -304,10 +303,9 @@ class PipelineEngine(DataParallelBase):
         split = self.tp_splits.get(key)
         if split is None or split.dim is None:
             return full
-        piece = -(-split.size // self.tp.size)  # per rank, padding included
-        pad = list(full.shape)
-        pad[split.dim] = piece * self.tp.size - split.size
-        return torch.cat([full, full.new_zeros(pad)], dim=split.dim).narrow(split.dim, self.tp.rank * piece, piece)
+        from threefold.parallel.tensor_parallel import rank_slice
+
+        return rank_slice(full, split.dim, self.tp)
 
     def plain_model(self) -> nn.Module:
         plain = Llama(self.cfg.model).to(self.mesh.device)

@@ -77,16 +77,18 @@ class WeightGradGroup:
 def weight_grad_groups(output: GradientEdge, input_node: Node, params: list[nn.Parameter]) -> list[WeightGradGroup]:
     """Group ``params`` by the nodes where their gradient path joins the path from ``output``
     back to ``input_node``; parameters that share such a node (or are linked through one) share
-    a group, since W must run them in one autograd call."""
+    a group, since W must run them in one autograd call. Nodes keep the order of a breadth-first
+    walk from the output, the same on every rank, so tensor-parallel ranks run W's collectives
+    (if a node has any) in the same order."""
     consumers: dict[Node, list[Node]] = defaultdict(list)  # node → the nodes whose backward feeds it
-    queue, seen = deque([output.node]), {output.node}
+    queue, seen = deque([output.node]), {output.node: 0}  # node → its position in the walk
     while queue:
         node = queue.popleft()
         for child, _ in node.next_functions:
             if child is not None:
                 consumers[child].append(node)
                 if child not in seen:
-                    seen.add(child)
+                    seen[child] = len(seen)
                     queue.append(child)
     input_path = _upstream({input_node}, consumers, stop=set())
     group_of: dict[Node, WeightGradGroup] = {}
@@ -99,10 +101,10 @@ def weight_grad_groups(output: GradientEdge, input_node: Node, params: list[nn.P
             continue  # this micro-batch did not use the parameter
         joins = _upstream({accumulator}, consumers, stop=input_path) & input_path
         merged = {id(group_of[n]): group_of[n] for n in joins if n in group_of}
-        group = WeightGradGroup([param], sorted(joins, key=id))
+        group = WeightGradGroup([param], sorted(joins, key=seen.get))
         for other in merged.values():
             group.params += other.params
-            group.nodes = sorted(set(group.nodes) | set(other.nodes), key=id)
+            group.nodes = sorted(set(group.nodes) | set(other.nodes), key=seen.get)
             groups.remove(other)
         groups.append(group)
         for node in group.nodes:
@@ -174,6 +176,28 @@ class Forwarded:
     output: GradientEdge  # where the backward starts: the stage's output, or the scaled loss
 
 
+@dataclass
+class StepState:
+    """What one step's actions hand to each other. Keyed by (micro-batch, stage), each entry is
+    set by one action and taken by a later one; all are empty again when the step ends."""
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    new_buffer: Callable[[], torch.Tensor]  # a tensor to receive an activation or gradient into
+    received: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # RECV_ACT → FORWARD
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # FORWARD → SEND_ACT
+    forwarded: dict[tuple[int, int], Forwarded] = field(default_factory=dict)  # FORWARD → BACKWARD
+    output_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # RECV_GRAD → BACKWARD
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # BACKWARD → SEND_GRAD
+    weight_grads: dict[tuple[int, int], list[WeightGradGroup]] = field(default_factory=dict)  # B → W
+    sends: dict[int, Pending] = field(default_factory=dict)  # action index → send in flight
+    posted: dict[int, deque] = field(default_factory=dict)  # peer → receives posted ahead, in order
+    left_to_post: dict[int, int] = field(default_factory=dict)  # peer → receives not posted yet
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+
+    def unfinished(self) -> list[str]:
+        names = ("received", "outputs", "forwarded", "output_grads", "input_grads", "weight_grads", "sends")
+        return [name for name in names if getattr(self, name)]
+
+
 class PipelineRuntime:
     """Executes rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index → module).
 
@@ -195,8 +219,11 @@ class PipelineRuntime:
         self.loss_fn, self.compute_context = loss_fn, compute_context
         self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in stages.items()}
         self.releases = send_release_points(schedule, rank)
-        self.receives_from = {peer: sum(1 for a in self.actions if a.kind.is_recv and a.peer == peer)
-                              for peer in {a.peer for a in self.actions if a.kind.is_recv}}
+        self.receives_from: dict[int, int] = defaultdict(int)  # peer → how many receives from it
+        for action in self.actions:
+            if action.kind.is_recv:
+                self.receives_from[action.peer] += 1
+        self.step: StepState | None = None
 
     # --- one step -----------------------------------------------------------------------------
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
@@ -206,98 +233,85 @@ class PipelineRuntime:
         if len(micro_batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step brought {len(micro_batches)}")
-        self.micro_batches = micro_batches
-        self.new_buffer = lambda: torch.empty(activation_shape, dtype=activation_dtype)
-        # Keyed by (micro-batch, stage), each set by one action and taken by a later one.
-        self.received: dict[tuple[int, int], torch.Tensor] = {}  # RECV_ACT → FORWARD
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # FORWARD → SEND_ACT
-        self.forwarded: dict[tuple[int, int], Forwarded] = {}  # FORWARD → BACKWARD
-        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}  # RECV_GRAD → BACKWARD
-        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}  # BACKWARD → SEND_GRAD
-        self.weight_grads: dict[tuple[int, int], list[WeightGradGroup]] = {}  # BACKWARD → WEIGHT_GRAD
-        self.sends: dict[int, Pending] = {}  # action index → send in flight
-        self.posted = {peer: deque() for peer in self.receives_from}
-        self.left_to_post = dict(self.receives_from)
-        self.loss_sum = torch.zeros(())
-        for peer in self.posted:
+        self.step = StepState(micro_batches, lambda: torch.empty(activation_shape, dtype=activation_dtype))
+        self.step.left_to_post = dict(self.receives_from)
+        for peer in self.receives_from:
+            self.step.posted[peer] = deque()
             self._post_receive(peer)
         timeline = []
         for index, action in enumerate(self.actions):
             start = time.perf_counter()
             self._execute(index, action)
             timeline.append(MeasuredAction(start, time.perf_counter(), action.kind, action.microbatch, action.stage))
-        for pending in self.sends.values():
+        for pending in self.step.sends.values():
             pending.wait()
-        left = [name for name in ("received", "outputs", "forwarded", "output_grads", "input_grads", "weight_grads")
-                if getattr(self, name)]
-        if left:
-            raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {', '.join(left)} unused")
-        loss_sum = self.loss_sum
-        del self.micro_batches, self.sends, self.posted
-        return loss_sum, timeline
+        self.step.sends.clear()
+        step, self.step = self.step, None
+        if step.unfinished():
+            raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {', '.join(step.unfinished())} unused")
+        return step.loss_sum, timeline
 
     def _execute(self, index: int, action: Action) -> None:
-        key = (action.microbatch, action.stage)
-        kind = action.kind
+        step, key, kind = self.step, (action.microbatch, action.stage), action.kind
         if kind is Kind.FORWARD:
             self._forward(*key)
         elif kind is Kind.BACKWARD:
             self._backward(*key)
         elif kind is Kind.WEIGHT_GRAD:
-            backward_weight(self.weight_grads.pop(key))
+            backward_weight(step.weight_grads.pop(key))
         elif kind is Kind.SEND_ACT:
             # Dropping our reference leaves the send's the only one: the tensor goes when it completes.
-            self.sends[index] = self.comm.send(self.outputs.pop(key), self.axis, action.peer)
+            step.sends[index] = self.comm.send(step.outputs.pop(key), self.axis, action.peer)
         elif kind is Kind.SEND_GRAD:
-            self.sends[index] = self.comm.send(self.input_grads.pop(key), self.axis, action.peer)
+            step.sends[index] = self.comm.send(step.input_grads.pop(key), self.axis, action.peer)
         else:
-            (self.received if kind is Kind.RECV_ACT else self.output_grads)[key] = self._receive(action.peer)
+            (step.received if kind is Kind.RECV_ACT else step.output_grads)[key] = self._receive(action.peer)
             for done in self.releases.get(index, ()):
-                self.sends.pop(done).wait()  # already complete: this frees its tensor
+                step.sends.pop(done).wait()  # already complete: this frees its tensor
 
     def _forward(self, microbatch: int, stage: int) -> None:
-        module = self.stages[stage]
-        tokens, targets = self.micro_batches[microbatch]
+        step, module = self.step, self.stages[stage]
+        tokens, targets = step.micro_batches[microbatch]
         with self.compute_context():
             if module.first:
                 inputs = module.embed(tokens)
             else:
-                inputs = self.received.pop((microbatch, stage)).requires_grad_()
+                inputs = step.received.pop((microbatch, stage)).requires_grad_()
             output = module(inputs, tokens.shape[1])
             if module.last:
                 loss = self.loss_fn(output, targets)
         if module.last:
-            self.loss_sum += loss.detach().float()
+            step.loss_sum += loss.detach().float()
             output = loss / self.schedule.microbatches  # the gradient of the mean over micro-batches
         else:
-            self.outputs[(microbatch, stage)] = output.detach()
-        self.forwarded[(microbatch, stage)] = Forwarded(inputs, get_gradient_edge(output))
+            step.outputs[(microbatch, stage)] = output.detach()
+        step.forwarded[(microbatch, stage)] = Forwarded(inputs, get_gradient_edge(output))
 
     def _backward(self, microbatch: int, stage: int) -> None:
-        key = (microbatch, stage)
-        forwarded, module = self.forwarded.pop(key), self.stages[stage]
-        grad = torch.ones(()) if module.last else self.output_grads.pop(key)
+        step, key = self.step, (microbatch, stage)
+        forwarded, module = step.forwarded.pop(key), self.stages[stage]
+        grad = torch.ones(()) if module.last else step.output_grads.pop(key)
         if self.schedule.split_backward:
-            input_grad, self.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
+            input_grad, step.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
                                                                 self.params[stage])
         else:
             torch.autograd.backward(forwarded.output, grad)
             input_grad = None if module.first else forwarded.input.grad  # the received input is a leaf
         if not module.first:
-            self.input_grads[key] = input_grad
+            step.input_grads[key] = input_grad
 
     def _receive(self, peer: int) -> torch.Tensor:
-        pending, tensor = self.posted[peer].popleft()
+        pending, tensor = self.step.posted[peer].popleft()
         pending.wait()
         self._post_receive(peer)
         return tensor
 
     def _post_receive(self, peer: int) -> None:
         """Keep the next receive from ``peer`` posted, so its transfer overlaps our compute."""
-        if self.left_to_post[peer]:
-            self.left_to_post[peer] -= 1
-            tensor = self.new_buffer()
-            self.posted[peer].append((self.comm.recv(tensor, self.axis, peer), tensor))
+        if self.step.left_to_post[peer]:
+            self.step.left_to_post[peer] -= 1
+            tensor = self.step.new_buffer()
+            self.step.posted[peer].append((self.comm.recv(tensor, self.axis, peer), tensor))
 
     # --- forward only (evaluation) --------------------------------------------------------------
     @torch.no_grad()
