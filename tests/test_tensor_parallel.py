@@ -93,14 +93,25 @@ def run_case(tp: int, dp: int, zero: int, sp: bool, *extra: str) -> dict:
     return out
 
 
-def run_activations(tp: int, sp: bool, recompute: str, layers: int) -> int:
-    """Bytes saved for backward by one micro-batch's forward on this rank."""
-    cfg = make_config(tp, 1, 0, sp, "model.kv_heads=8", f"model.layers={layers}", f"train.recompute={recompute}")
-    engine = new_engine(cfg)
-    engine.activation_meter = ActivationMeter(engine.model)
-    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
-    engine.shutdown()
-    return engine.activation_meter.peak
+def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
+    """One block's bytes saved for backward on this rank, by one micro-batch's forward: the
+    difference between a 3-layer and a 1-layer model, halved."""
+    peaks = []
+    for layers in (3, 1):
+        cfg = make_config(tp, 1, 0, sp, f"model.kv_heads={kv_heads}", f"model.layers={layers}",
+                          f"train.recompute={recompute}")
+        if tp > 1:
+            engine = new_engine(cfg)
+        else:
+            model = Llama(cfg.model)
+            model.init_weights(cfg.train.seed)
+            model.set_recompute(recompute)
+            engine = Engine(model, cfg)
+        engine.activation_meter = ActivationMeter(engine.model)
+        engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
+        engine.shutdown()
+        peaks.append(engine.activation_meter.peak)
+    return (peaks[0] - peaks[1]) / 2
 
 
 # --- the single-process reference ---------------------------------------------------------------
@@ -166,46 +177,25 @@ def test_untied_embeddings_and_full_recompute(distributed, sp):
 
 
 # --- communication --------------------------------------------------------------------------------
-def tp_bytes_per_step(cfg, tp: int, dp: int, sp: bool, recompute: str, element_bytes: int = 4) -> dict:
-    """Bytes one rank sends on the tp axis per optimizer step, by ledger key (ring convention).
-
-    "tp": per micro-batch, per layer, f and g of each sublayer (4 all-reduces) — with SP, 4
-    reduce-scatter/all-gather pairs of the same volume plus the backward re-gather of the two
-    column-parallel inputs (one more all-reduce's worth) — and the embedding's g and the head's
-    f (+ the head's re-gather with SP). Full recompute runs each block's forward again up to its
-    last saved tensor: the attention's g (SP: its gather and reduce-scatter, and the MLP's gather).
-    "tp.loss": max, sum-exp and target logit per token (fp32). This is the formula costs.py needs.
-    """
-    m = cfg.microbatches
-    L, t = cfg.model.layers, tp
-    message = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.hidden * element_bytes
-    all_reduce = 2 * (t - 1) / t
-    per_layer = 5 if sp else 4
-    recompute_per_layer = (1.5 if sp else 1) if recompute == "full" else 0
-    outside = 2.5 if sp else 2
-    tokens = cfg.train.micro_batch * cfg.model.seq_len
-    return {"tp": m * (L * (per_layer + recompute_per_layer) + outside) * all_reduce * message,
-            "tp.loss": m * all_reduce * 3 * tokens * 4}
+def planned_tp_bytes(cfg, tp: int, sp: bool, recompute: str) -> dict:
+    """The planner's bytes per optimizer step on the tp axis for this run (fp32), by ledger key."""
+    b, s = cfg.train.micro_batch, cfg.model.seq_len
+    return {"tp": costs.tp_bytes_per_step(cfg.model.layers, cfg.microbatches, b, s, cfg.model.hidden, tp, sp, recompute),
+            "tp.loss": costs.tp_loss_bytes_per_step(cfg.microbatches, b, s, tp)}
 
 
-def planner_tp_bytes(cfg, tp: int, dp: int, sp: bool, recompute: str) -> float:
-    """costs.estimate's tp_bytes for this layout, converted from its 16-bit messages to fp32."""
-    from threefold.plan.hardware import CATALOG
-
-    work = costs.Workload(cfg.model, global_batch=cfg.train.global_batch)
-    layout = costs.Layout.named(tp=tp, dp=dp, micro_batch=cfg.train.micro_batch, sequence_parallel=sp,
-                                recompute=recompute)
-    return costs.estimate(work, layout, CATALOG["a100-80gb"])["tp_bytes"] * 4 / costs.PARAM_BYTES
+def assert_ledger(step: dict, want: dict) -> None:
+    assert step["tp"] == round(want["tp"])
+    assert step["tp.loss"] == round(want["tp.loss"])
 
 
 @pytest.mark.parametrize("tp,dp,zero,sp", LAYOUTS)
 def test_ledger(distributed, tp, dp, zero, sp):
     cfg = make_config(tp, dp, zero, sp)
-    want = tp_bytes_per_step(cfg, tp, dp, sp, "none")
+    want = planned_tp_bytes(cfg, tp, sp, "none")
     for r in case(distributed, tp, dp, zero, sp):
         for step in r["comm"]:
-            assert step["tp"] == round(want["tp"])
-            assert step["tp.loss"] == round(want["tp.loss"])
+            assert_ledger(step, want)
             # SP: the norm gains' gradients this rank holds after the dp reduction, summed over tp.
             assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["norm_grad_numel"]) if sp else 0)
             assert step["tp.scalar"] == round(2 * (tp - 1) / tp * 4)  # the gradient norm's squares
@@ -213,25 +203,25 @@ def test_ledger(distributed, tp, dp, zero, sp):
         assert "tp.eval" in r["eval_comm"] and set(r["eval_comm"]) <= {"tp.eval", "dp.eval"}  # not the step's
 
 
+@pytest.mark.parametrize("tp,sp,recompute", [(tp, sp, recompute) for tp in (2, 4) for sp in (False, True)
+                                             for recompute in ("selective", "full")])
+def test_ledger_with_recompute(distributed, tp, sp, recompute):
+    """Selective recomputation reruns the attention core, which has no collective; full
+    recomputation reruns each block's forward up to its last saved tensor (costs.py explains)."""
+    extra = (f"train.recompute={recompute}",)
+    want = planned_tp_bytes(make_config(tp, 1, 0, sp, *extra), tp, sp, recompute)
+    for r in case(distributed, tp, 1, 0, sp, *extra):
+        for step in r["comm"]:
+            assert_ledger(step, want)
+
+
 @pytest.mark.parametrize("sp", [False, True])
-def test_ledger_with_full_recompute(distributed, sp):
+def test_ledger_with_untied_embeddings(distributed, sp):
     extra = ("model.tie_embeddings=false", "train.recompute=full")
-    cfg = make_config(2, 1, 0, sp, *extra)
-    want = tp_bytes_per_step(cfg, 2, 1, sp, "full")
+    want = planned_tp_bytes(make_config(2, 1, 0, sp, *extra), 2, sp, "full")
     for r in case(distributed, 2, 1, 0, sp, *extra):
-        assert all(step["tp"] == round(want["tp"]) for step in r["comm"])
-
-
-@pytest.mark.parametrize("sp", [False, True])
-def test_ledger_against_the_planner(distributed, sp):
-    """costs.estimate counts 4 all-reduces per layer (+1 with SP) and 2 for embedding and head:
-    the engine's exact count without SP; with SP the head's re-gather (half an all-reduce per
-    micro-batch) is the one term it leaves out."""
-    cfg = make_config(2, 1, 0, sp)
-    measured = case(distributed, 2, 1, 0, sp)[0]["comm"][0]["tp"]
-    head_regather = (0.5 * 2 * 1 / 2 * cfg.microbatches * cfg.train.micro_batch * cfg.model.seq_len
-                     * cfg.model.hidden * 4) if sp else 0
-    assert measured == pytest.approx(planner_tp_bytes(cfg, 2, 1, sp, "none") + head_regather, rel=1e-12)
+        for step in r["comm"]:
+            assert_ledger(step, want)
 
 
 def test_sequence_parallel_moves_the_all_reduce_volume(distributed):
@@ -244,75 +234,40 @@ def test_sequence_parallel_moves_the_all_reduce_volume(distributed):
 
 
 # --- activation memory ------------------------------------------------------------------------------
-def block_activation_bytes(cfg, tp: int, sp: bool, recompute: str, element_bytes: int = 4) -> float:
-    """The planner's activation bytes of one block per micro-batch (Korthikanti et al. §4, via
-    costs.activation_coefficients, whose bytes assume 16-bit activations: scaled to ours; the
-    attention core's log-sum-exp is fp32 either way)."""
-    coef = costs.activation_coefficients(cfg.model, "flash")
-    tokens = cfg.train.micro_batch * cfg.model.seq_len
-    scale = element_bytes / costs.PARAM_BYTES
-    seq_split = tp if sp else 1
-    if recompute == "full":
-        return tokens * scale * 2 * cfg.model.hidden / seq_split
-    kept = tokens * scale * (coef["replicated"] / seq_split + coef["sharded"] / tp)
-    return kept if recompute == "selective" else kept + tokens * coef["core"] / tp
-
-
-def rmsnorm_intermediate_bytes(cfg, tp: int, sp: bool, element_bytes: int = 4) -> float:
-    """What our RMSNorm saves beyond its input and output: x·rsqrt (h) and rsqrt (1), twice per block."""
-    tokens = cfg.train.micro_batch * cfg.model.seq_len
-    return 2 * tokens * (cfg.model.hidden + 1) * element_bytes / (tp if sp else 1)
-
-
-ACTIVATION_CASES = [(tp, sp, recompute) for tp, sp in ((1, False), (2, False), (2, True), (4, True))
-                    for recompute in ("none", "selective", "full")]
-
-
-def measured_block_bytes(distributed, tp, sp, recompute) -> float:
-    """One block's saved bytes per rank: the difference between a 3-layer and a 1-layer model."""
-    deep, shallow = (max(distributed.run(max(tp, 2), run_activations, tp, sp, recompute, layers))
-                     if tp > 1 else run_activations_single(recompute, layers) for layers in (3, 1))
-    return (deep - shallow) / 2
-
-
-def run_activations_single(recompute: str, layers: int) -> int:
-    cfg = make_config(1, 1, 0, False, "model.kv_heads=8", f"model.layers={layers}", f"train.recompute={recompute}")
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    model.set_recompute(recompute)
-    engine = Engine(model, cfg)
-    engine.activation_meter = ActivationMeter(model)
-    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
-    return engine.activation_meter.peak
-
-
 _activations: dict = {}
 
 
-def block_bytes(distributed, tp, sp, recompute) -> float:
-    key = (tp, sp, recompute)
+def block_bytes(distributed, tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
+    """Measured once per case; every tp rank must save the same."""
+    key = (tp, sp, recompute, kv_heads)
     if key not in _activations:
-        _activations[key] = measured_block_bytes(distributed, tp, sp, recompute)
+        ranks = (distributed.run(tp, run_activations, tp, sp, recompute, kv_heads) if tp > 1
+                 else [run_activations(tp, sp, recompute, kv_heads)])
+        assert len(set(ranks)) == 1, ranks
+        _activations[key] = ranks[0]
     return _activations[key]
 
 
-@pytest.mark.parametrize("tp,sp,recompute", ACTIVATION_CASES)
-def test_block_activations_equal_the_formula(distributed, tp, sp, recompute):
-    """Exact: the planner's block plus the RMSNorm intermediates it does not count (full
-    recompute keeps only the block's input, which the planner counts exactly)."""
-    cfg = make_config(tp, 1, 0, sp, "model.kv_heads=8")
-    want = block_activation_bytes(cfg, tp, sp, recompute)
-    if recompute != "full":
-        want += rmsnorm_intermediate_bytes(cfg, tp, sp)
-    assert block_bytes(distributed, tp, sp, recompute) == want
+ACTIVATION_CASES = [(tp, sp, recompute, kv_heads) for tp, sp in ((1, False), (2, False), (2, True), (4, False), (4, True))
+                    for recompute in ("none", "selective", "full") for kv_heads in (8, 4)]
+
+
+@pytest.mark.parametrize("tp,sp,recompute,kv_heads", ACTIVATION_CASES)
+def test_block_activations_equal_the_planner(distributed, tp, sp, recompute, kv_heads):
+    """To the byte: costs.block_activation_bytes in fp32 is what one block saves on a rank,
+    with 8 heads and 8 kv heads or 4 (grouped-query: the core saves k and v repeated)."""
+    cfg = make_config(tp, 1, 0, sp, f"model.kv_heads={kv_heads}")
+    tokens = cfg.train.micro_batch * cfg.model.seq_len
+    want = costs.block_activation_bytes(cfg.model, tokens, tp, sp, recompute, dtype_bytes=4)
+    assert block_bytes(distributed, tp, sp, recompute, kv_heads) == want
 
 
 def test_sequence_parallel_divides_the_norm_region(distributed):
     cfg = make_config(2, 1, 0, True, "model.kv_heads=8")
     for recompute in ("none", "selective", "full"):
-        saved = block_bytes(distributed, 2, False, recompute) - block_bytes(distributed, 2, True, recompute)
+        saved = block_bytes(distributed, 2, False, recompute, 8) - block_bytes(distributed, 2, True, recompute, 8)
         tokens = cfg.train.micro_batch * cfg.model.seq_len
-        # The norm region is what SP splits: 12h + 8 bytes per token (fp32: each norm's input,
+        # The norm region is what SP splits: 2·(12h + 4) bytes per token (fp32: each norm's input,
         # x·rsqrt, rsqrt, output), or the block's input (4h) under full recompute.
         region = tokens * (4 * cfg.model.hidden if recompute == "full" else 2 * (3 * 4 * cfg.model.hidden + 4))
         assert saved == region / 2
