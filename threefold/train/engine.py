@@ -74,6 +74,15 @@ class Engine:
         self.optimizer = build_adamw(model.named_parameters(), cfg)
         self.activation_meter = None  # set by the trainer: counts bytes saved for backward
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: batches are moved here."""
+        return next(self.model.parameters()).device
+
+    def parameter_storages(self) -> set[int]:
+        """Storages holding parameters now; the activation meter leaves them out."""
+        return {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+
     def forward_context(self):
         """Wrap each micro-batch's forward in this, so the activation meter sees it."""
         if self.activation_meter is None:

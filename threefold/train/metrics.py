@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
-from torch import nn
 
 
 class ActivationMeter:
@@ -18,16 +18,21 @@ class ActivationMeter:
     activations are never alive together).
     """
 
-    def __init__(self, model: nn.Module):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def __init__(self, parameter_storages: Callable[[], set[int]]):
+        self.parameter_storages = parameter_storages  # asked per forward: ZeRO-3 gathers move them
+        self._params: set[int] = set()
         self.peak = 0
         self._seen: set[int] = set()
         self._current = 0
 
+    @classmethod
+    def for_module(cls, module: torch.nn.Module) -> "ActivationMeter":
+        return cls(lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._seen and key not in self.param_storages and storage.nbytes() > 0:
+        if key not in self._seen and key not in self._params and storage.nbytes() > 0:
             self._seen.add(key)
             self._current += storage.nbytes()
             self.peak = max(self.peak, self._current)
@@ -37,6 +42,7 @@ class ActivationMeter:
         """Context for one micro-batch's forward pass."""
         self._seen.clear()
         self._current = 0
+        self._params = self.parameter_storages()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 

@@ -84,7 +84,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     model.set_recompute(t.recompute)
     n_params = sum(p.numel() for p in model.parameters())  # before a strategy keeps its part
     engine = build_engine(model, cfg)
-    engine.activation_meter = ActivationMeter(engine.model)
+    engine.activation_meter = ActivationMeter(engine.parameter_storages)
     main = engine.is_main
     sampler = BatchSampler(dataset.train_tokens, cfg.model.seq_len, t.global_batch, t.seed)
     eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch, t.eval_batches)
@@ -114,7 +114,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
         task = bar.add_task("train", total=t.steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, t.steps):
             step_began = time.perf_counter()
-            inputs, targets = sampler.next_batch(engine.dp_rank, engine.dp_size)
+            inputs, targets = (x.to(engine.device) for x in sampler.next_batch(engine.dp_rank, engine.dp_size))
             engine.activation_meter.peak = 0
             loss = engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
             if not math.isfinite(loss):
