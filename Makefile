@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/threefold train --config configs/demo.toml
+	$(VENV)/bin/threefold train --config configs/demo.toml --nproc 2 --metrics-file runs/demo/metrics.jsonl
 
 test: $(STAMP)
 	$(PY) -m pytest -q

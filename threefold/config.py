@@ -185,6 +185,9 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
+        for axis, name in (("cp", "context"), ("ep", "expert")):
+            if getattr(p, axis) > 1:
+                raise ConfigError(f"parallel.{axis}: {name} parallelism is not in the engine yet (the planner models it)")
         check_tensor_parallel(self.model, p)
         if t.global_batch % (p.dp * t.micro_batch):
             raise ConfigError(

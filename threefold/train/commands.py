@@ -13,7 +13,8 @@ from threefold.config import ConfigError, load_config
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML file with [model] [parallel] [train] [data].")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override one config key (repeatable).")
 @click.option("--metrics-file", type=click.Path(dir_okay=False), help="Write one JSON object per step here.")
-@click.option("--nproc", type=int, default=None, help="Processes on this machine; runs under torchrun when > 1.")
+@click.option("--nproc", type=int, default=None,
+              help="Processes on this machine (default: the layout's dp×tp×pp×cp×ep); runs under torchrun when > 1.")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
 def train(config_path, overrides, metrics_file, nproc, progress):
     """Train a model from a TOML config."""
@@ -26,13 +27,10 @@ def train(config_path, overrides, metrics_file, nproc, progress):
             p = cfg.parallel
             raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
                               f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
-    under_torchrun = "LOCAL_RANK" in os.environ
-    if world > 1 and not under_torchrun:
-        if nproc is None:
-            raise ConfigError(f"parallel: the layout needs {world} processes; add --nproc {world}")
+    if world > 1 and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks here
         from threefold.distributed.launch import relaunch
 
-        sys.exit(relaunch(nproc, sys.argv[1:]))
+        sys.exit(relaunch(world, sys.argv[1:]))
 
     from threefold.train.trainer import TrainingError, train as run_training
 
