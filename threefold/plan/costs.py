@@ -404,14 +404,19 @@ def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
 
 
 def interleaved_group(pp, microbatches):
-    """Micro-batches per group of the interleaved schedule, as schedule._interleaved_order picks
-    them: the smallest divisor of m that is at least p (p itself when p divides m)."""
-    return _scalar_or_array(np.vectorize(_interleaved_group, otypes=[float])(pp, np.rint(microbatches)))
+    """Micro-batches per group of the interleaved schedule, as _interleaved_order in
+    threefold/parallel/pipeline/schedule.py picks them: the smallest divisor of m that is at
+    least p (p when p divides m; m when m < p)."""
+    p, m = (np.array(x, dtype=float) for x in np.broadcast_arrays(pp, np.rint(microbatches)))
+    group = np.array(np.minimum(p, m))
+    search = m % group != 0  # only these need a divisor search; the common case is p | m
+    group[search] = [_interleaved_group(int(a), int(b)) for a, b in zip(p[search], m[search])]
+    return _scalar_or_array(group)
 
 
 @functools.lru_cache(maxsize=None)
 def _interleaved_group(pp: int, m: int) -> int:
-    return next(g for g in range(min(int(pp), int(m)), int(m) + 1) if m % g == 0)
+    return next(g for g in range(pp, m + 1) if m % g == 0)
 
 
 def _bubble_slots(schedule, p, m, v):
