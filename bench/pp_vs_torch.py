@@ -186,7 +186,7 @@ def results_table(results: dict) -> Table:
     table = Table(title=f"pp={PP}, {results['layers']} layers, hidden {results['hidden']}, {results['microbatches']} "
                         f"micro-batches of {results['micro_batch']} × {results['seq_len']} tokens, 1 thread per rank")
     for column in ("ours", "PyTorch", "ours (s)", "PyTorch (s)", "ratio", "max |Δloss|"):
-        table.add_column(column, justify="left" if column in ("ours", "PyTorch") else "right")
+        table.add_column(column, justify="left" if column in ("ours", "PyTorch") else "right", no_wrap=True)
     for run in results["pairs"].values():
         ours, theirs = run["ours"], run["torch"]
         table.add_row(ours["schedule"] + (f" v={ours['virtual_stages']}" if ours["virtual_stages"] > 1 else ""),
@@ -206,7 +206,7 @@ def results_table(results: dict) -> Table:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(layers, hidden, micro_batch, microbatches, warmup, steps, pairs, out) -> None:
     """Step time and losses of our pipeline schedules vs torch.distributed.pipelining at pp=4."""
-    console = Console()
+    console = Console(width=100)  # the table's seven columns, unwrapped
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
