@@ -74,24 +74,43 @@ def build_engine(cfg: Config, compile_model: bool) -> Engine:
 
 
 def time_training(cfg: Config, warmup: int, steps: int, compile_model: bool) -> dict:
-    """Step times (s) of ``steps`` timed steps after ``warmup`` untimed ones.
-
-    ``cpu_share`` is the CPU time this process got over the timed steps ÷ (wall time × threads):
-    near 1 on an idle machine, lower when other processes took the cores (the times are then
-    slower than this machine can do).
-    """
+    """Wall and CPU seconds of each of ``steps`` timed steps after ``warmup`` untimed ones."""
     engine = build_engine(cfg, compile_model)
     batches = random_batches(cfg, warmup + steps, cfg.train.seed)
     for micro_batches in batches[:warmup]:
         train_step(engine, micro_batches, cfg)
-    times, losses = [], []
-    cpu_start = time.process_time()
+    wall, cpu, losses = [], [], []
     for micro_batches in batches[warmup:]:
-        start = time.perf_counter()
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(train_step(engine, micro_batches, cfg))
-        times.append(time.perf_counter() - start)
-    cpu_share = (time.process_time() - cpu_start) / (sum(times) * torch.get_num_threads())
-    return {"step_times_s": times, "final_loss": losses[-1], "cpu_share": cpu_share}
+        wall.append(time.perf_counter() - wall_start)
+        cpu.append(time.process_time() - cpu_start)
+    return {"step_times_s": wall, "step_cpu_times_s": cpu, "final_loss": losses[-1]}
+
+
+def matmul_peaks(dtype: torch.dtype, threads: int) -> dict:
+    """Matmul FLOPs per wall second and per CPU second of this process."""
+    return {"wall": measure_matmul_flops(dtype, threads, size=2048, seconds=1.0),
+            "cpu": measure_matmul_flops(dtype, threads, size=2048, seconds=1.0, clock=time.process_time)}
+
+
+def summarize(cfg: Config, timing: dict, peaks: dict, threads: int) -> dict:
+    """MFU against the wall clock, and against CPU time.
+
+    ``cpu_share`` = CPU time ÷ (wall time × threads): near 1 on an idle machine, lower when other
+    processes took the cores. ``mfu_cpu_time`` = model FLOPs per CPU second of training ÷ matmul
+    FLOPs per CPU second: what MFU would be if this process had the cores to itself, as far as
+    time-sharing goes (caches and memory bandwidth are still shared).
+    """
+    step_time = statistics.median(timing["step_times_s"])
+    step_cpu_time = statistics.median(timing["step_cpu_times_s"])
+    flops_per_step = model_flops_per_token(cfg.model) * cfg.train.global_batch * cfg.model.seq_len
+    return {**timing, "step_time_s": step_time,
+            "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / step_time,
+            "model_flops_per_s": flops_per_step / step_time, "matmul_peak_flops": peaks["wall"],
+            "mfu": flops_per_step / step_time / peaks["wall"],
+            "cpu_share": sum(timing["step_cpu_times_s"]) / (sum(timing["step_times_s"]) * threads),
+            "matmul_flops_per_cpu_s": peaks["cpu"], "mfu_cpu_time": flops_per_step / step_cpu_time / peaks["cpu"]}
 
 
 def profile_training(cfg: Config, steps: int, compile_model: bool, console: Console) -> None:
@@ -108,14 +127,21 @@ def profile_training(cfg: Config, steps: int, compile_model: bool, console: Cons
 
 
 def results_table(results: dict) -> Table:
+    runs = results["runs"]
     table = Table(title=f"small preset, one process, {results['threads']} threads, "
                         f"{results['tokens_per_step']} tokens per step")
-    for column in ("dtype", "step s", "tokens/s", "model GFLOP/s", "peak GFLOP/s", "MFU", "CPU share"):
-        table.add_column(column, justify="left" if column == "dtype" else "right")
-    for dtype, run in results["runs"].items():
-        table.add_row(dtype, f"{run['step_time_s']:.3f}", f"{run['tokens_per_s']:,.0f}",
-                      f"{run['model_flops_per_s'] / 1e9:,.1f}", f"{run['matmul_peak_flops'] / 1e9:,.1f}",
-                      f"{run['mfu']:.1%}", f"{run['cpu_share']:.0%}")
+    table.add_column("")
+    for dtype in runs:
+        table.add_column(dtype, justify="right")
+    rows = [("step time (median)", lambda r: f"{r['step_time_s']:.3f} s"),
+            ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+            ("model FLOP/s", lambda r: f"{r['model_flops_per_s'] / 1e9:,.1f} G"),
+            ("matmul peak FLOP/s", lambda r: f"{r['matmul_peak_flops'] / 1e9:,.1f} G"),
+            ("MFU", lambda r: f"{r['mfu']:.1%}"),
+            ("CPU share", lambda r: f"{r['cpu_share']:.0%}"),
+            ("MFU per CPU second", lambda r: f"{r['mfu_cpu_time']:.1%}")]
+    for name, cell in rows:
+        table.add_row(name, *(cell(run) for run in runs.values()))
     return table
 
 
@@ -138,18 +164,14 @@ def main(dtypes, micro_batch, microbatches, warmup, steps, threads, compile_mode
     runs = {}
     for dtype in dtypes or DTYPES:
         cfg = bench_config(dtype, micro_batch, microbatches)
-        with console.status(f"{dtype}: matmul peak, then {warmup} + {steps} training steps"):
+        with console.status(f"{dtype}: matmul peak, {warmup} + {steps} training steps, matmul peak"):
             # The peak is measured before and after training and the higher one kept: other
             # processes on the machine can only slow a measurement down.
-            peak = measure_matmul_flops(DTYPES[dtype], threads, size=2048, seconds=1.5)
+            before = matmul_peaks(DTYPES[dtype], threads)
             timing = time_training(cfg, warmup, steps, compile_model)
-            peak = max(peak, measure_matmul_flops(DTYPES[dtype], threads, size=2048, seconds=1.5))
-        step_time = statistics.median(timing["step_times_s"])
-        tokens_per_s = cfg.train.global_batch * cfg.model.seq_len / step_time
-        model_flops_per_s = model_flops_per_token(cfg.model) * tokens_per_s
-        runs[dtype] = {**timing, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
-                       "model_flops_per_s": model_flops_per_s, "matmul_peak_flops": peak,
-                       "mfu": model_flops_per_s / peak}
+            after = matmul_peaks(DTYPES[dtype], threads)
+        peaks = {clock: max(before[clock], after[clock]) for clock in before}
+        runs[dtype] = summarize(cfg, timing, peaks, threads)
         if profile:
             profile_training(cfg, 3, compile_model, console)
     results = {"preset": "small", "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len,
