@@ -95,7 +95,7 @@ def _saved_bytes_per_block(cfg: ModelConfig, recompute: str, dtype: torch.dtype)
     for layers in (3, 1):
         model = Llama(dataclasses.replace(cfg, layers=layers)).to(dtype)
         model.set_recompute(recompute)
-        meter = ActivationMeter(model)
+        meter = ActivationMeter.for_module(model)
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         with meter.forward_pass():
             loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
@@ -123,8 +123,9 @@ def test_dp_bytes_per_step(dp):
     numel, m = 4_000_000, 3
     ring = (dp - 1) / dp
     assert costs.dp_bytes_per_step(numel, dp, 0, m) == 2 * ring * numel * 4
-    for zero in (1, 2):
-        assert costs.dp_bytes_per_step(numel, dp, zero, m) == ring * numel * 8
+    assert costs.dp_bytes_per_step(numel, dp, 1, m) == ring * numel * 8
+    # ZeRO-2 reduce-scatters each micro-batch's gradients, never holding the full gradient.
+    assert costs.dp_bytes_per_step(numel, dp, 2, m) == ring * numel * (m * 4 + 4)
     assert costs.dp_bytes_per_step(numel, dp, 3, m) == m * ring * numel * 12
     assert costs.dp_bytes_per_step(numel, dp, 1, m, grad_bytes=2, param_bytes=2) == ring * numel * 4
 

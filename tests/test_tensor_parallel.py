@@ -107,7 +107,7 @@ def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
             model.init_weights(cfg.train.seed)
             model.set_recompute(recompute)
             engine = Engine(model, cfg)
-        engine.activation_meter = ActivationMeter(engine.model)
+        engine.activation_meter = ActivationMeter(engine.parameter_storages)
         engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:1])
         engine.shutdown()
         peaks.append(engine.activation_meter.peak)

@@ -116,8 +116,11 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
 
     ``numel`` is the number of parameter elements the dp group holds replicas of.
       zero 0:    one all-reduce of the accumulated gradients:       2(n−1)/n · numel · grad_bytes
-      zero 1, 2: reduce-scatter of gradients + all-gather of the updated parameters:
+      zero 1:    reduce-scatter of the accumulated gradients + all-gather of the updated parameters:
                                                    (n−1)/n · numel · (grad_bytes + param_bytes)
+      zero 2:    as zero 1, but gradients are reduce-scattered after every micro-batch, so no rank
+                 ever holds the full gradient (the ZeRO paper's way):
+                                                   (n−1)/n · numel · (m · grad_bytes + param_bytes)
       zero 3:    per micro-batch, all-gather of parameters for forward and again for backward,
                  and a reduce-scatter of gradients:  m · (n−1)/n · numel · (2·param_bytes + grad_bytes)
     With n = 1 every term is 0. Works elementwise on numpy arrays.
@@ -126,8 +129,10 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
     share = (dp - 1) / dp
     all_reduce = 2 * share * numel * grad_bytes
     sharded_optimizer = share * numel * (grad_bytes + param_bytes)
+    sharded_gradients = share * numel * (microbatches * grad_bytes + param_bytes)
     fully_sharded = microbatches * share * numel * (2 * param_bytes + grad_bytes)
-    return _scalar_or_array(np.where(zero == 0, all_reduce, np.where(zero == 3, fully_sharded, sharded_optimizer)))
+    return _scalar_or_array(np.select([zero == 0, zero == 1, zero == 2], [all_reduce, sharded_optimizer, sharded_gradients],
+                                      fully_sharded))
 
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
@@ -551,12 +556,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pipeline_s = busy_slots * slot_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    # ZeRO-2 as the ZeRO paper and DeepSpeed run it: a rank keeps only its shard of the gradients,
-    # so each micro-batch's gradients are reduce-scattered as they are produced. That is m − 1
-    # more reduce-scatters than dp_bytes_per_step's once-per-step (the same when m = 1).
     share = (replicas - 1) / replicas
-    dp_bytes = (dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
-                + np.where(zero == 2, (m - 1) * share * last_numel * work.grad_bytes, 0))
+    dp_bytes = dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * last_numel * PARAM_BYTES)
     dp_bw, dp_lat = link(t * c * d)
     # Collectives: DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters
