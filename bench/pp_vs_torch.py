@@ -129,7 +129,8 @@ def our_pipeline(plain: Llama, cfg: Config):
     engine = PipelineEngine(plain, cfg, mesh, Comm(mesh))
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = engine.forward_backward(list(zip(inputs.split(cfg.train.micro_batch), targets.split(cfg.train.micro_batch))))
+        micro_batches = list(zip(inputs.split(cfg.train.micro_batch), targets.split(cfg.train.micro_batch)))
+        loss = engine.forward_backward(micro_batches)
         engine.clip_grad_norm(cfg.train.grad_clip)
         engine.optimizer_step(cfg.train.lr)
         engine.zero_grad()

@@ -18,6 +18,7 @@ micro-batch, a missing reduction or a stale tied copy gives errors of that dista
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
@@ -39,10 +40,10 @@ TINY = ["model.layers=8", "model.hidden=32", "model.heads=4", "model.vocab_size=
 
 
 def make_config(pp=1, m=4, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra):
-    return load_config(None, TINY + [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-                                     f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
-                                     f"parallel.sequence_parallel={str(sp).lower()}",
-                                     f"train.global_batch={2 * m * dp}", *extra])
+    layout = [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+              f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
+              f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={2 * m * dp}"]
+    return load_config(None, TINY + layout + list(extra))
 
 
 def global_batches(cfg, steps: int) -> list[torch.Tensor]:
@@ -255,6 +256,26 @@ def test_measured_bubble_follows_the_simulator(distributed):
             assert abs(got - want) < 0.05, (schedule, measured, simulated)
         bubbles[schedule] = sum(measured) / len(measured)
     assert bubbles["zb-h1"] < bubbles["1f1b"], bubbles
+
+
+def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path, capsys):
+    """The metrics file's timeline (what the trainer writes each step) → measured beside simulated
+    (needs schedule_command.py's --from-metrics)."""
+    from threefold.cli import main
+
+    timeline = case(distributed, 2, 3, "zb-h1")[0]["timeline"]
+    assert timeline["schedule"] == "zb-h1" and len(timeline["ranks"]) == 2
+    metrics = tmp_path / "run.jsonl"
+    records = [{"step": 1, "loss": 4.0}, {"step": 2, "timeline": timeline}]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert main(["schedule", "--from-metrics", str(metrics), "--out", str(tmp_path / "t.png"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "t.png").stat().st_size > 0 and len(report["measured_idle"]) == 2
+    assert all(0 <= idle < 1 for idle in report["measured_idle"] + report["simulated_idle"])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
+    assert main(["schedule", "--from-metrics", str(empty)]) == 2
+    assert "holds no pipeline timeline" in capsys.readouterr().err
 
 
 # --- partition and bad input -------------------------------------------------------------------------

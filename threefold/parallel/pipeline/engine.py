@@ -25,6 +25,8 @@ the tied weight's copy on the last stage is left out, so it counts once.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import warnings
 
 import torch
@@ -110,7 +112,7 @@ class PipelineEngine(DataParallelBase):
         if self.tp is not None:
             from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
-            loss_fn = lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, self.tp)  # noqa: E731
+            loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
         self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.stages, comm, loss_fn, self._compute_context)
         self.last_timeline: dict | None = None
         if cfg.microbatches < self.pp and self.rank == 0:
@@ -157,6 +159,7 @@ class PipelineEngine(DataParallelBase):
         grad.add_(theirs)
 
     def _sum_norm_grads_over_tp(self) -> None:
+        """Sequence parallelism: each tp rank's norm gains saw its part of the sequence only."""
         grads = [q.grad for q in self.model.parameters() if q.dim() == 1]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.comm.all_reduce(flat, "tp", tag="norm_grads")
@@ -179,15 +182,15 @@ class PipelineEngine(DataParallelBase):
         processes of a machine; across machines the ranks' clocks are not aligned."""
         kinds = list(Kind)
         longest = max(len(actions) for actions in self.schedule.actions)
-        mine = torch.full((longest, 5), float("nan"), dtype=torch.float64)
-        for row, a in enumerate(timeline):
-            mine[row] = torch.tensor([a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage], dtype=torch.float64)
+        mine = torch.full((longest, 5), math.nan, dtype=torch.float64)  # NaN rows: padding to the longest
+        mine[:len(timeline)] = torch.tensor([[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage]
+                                             for a in timeline], dtype=torch.float64)
         everyone = torch.empty(self.pp * longest * 5, dtype=torch.float64)
         self.comm.all_gather(everyone, mine.reshape(-1), "pp", tag="timeline")
         everyone = everyone.view(self.pp, longest, 5)
-        origin = everyone[..., 0].nan_to_num(float("inf")).min().item()
+        origin = everyone[..., 0].nan_to_num(math.inf).min().item()
         ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
-                  for row in rank.tolist() if row[0] == row[0]] for rank in everyone]
+                  for row in rank.tolist() if not math.isnan(row[0])] for rank in everyone]
         return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
                 "virtual_stages": self.schedule.virtual_stages, "ranks": ranks}
 
@@ -198,14 +201,16 @@ class PipelineEngine(DataParallelBase):
 
     # --- after the step -----------------------------------------------------------------------
     def _norm_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Squares of this rank's reduced gradient: (matrices, vectors)."""
+        """Squares of this rank's reduced gradient: (matrices, which are tp shards; vectors, the
+        norm gains, the same on every tp rank)."""
         matrices, vectors = torch.zeros(()), torch.zeros(())
         for bucket in self.buckets:
             if bucket is self.tied_bucket and self.pp_rank != 0:
                 continue  # the last stage's copy of the tied weight; the first stage counts it
             layout = bucket.layout
-            if self.zero == 0:
-                parts = [("decay", bucket.grad_flat[:layout.decay_numel]), ("no_decay", bucket.grad_flat[layout.decay_numel:])]
+            if self.zero == 0:  # the whole buffer: matrices first, then vectors (decay_first)
+                parts = [("decay", bucket.grad_flat[:layout.decay_numel]),
+                         ("no_decay", bucket.grad_flat[layout.decay_numel:])]
             else:
                 parts = layout.decay_split(bucket.grad_chunk)
             for kind, grad in parts:
@@ -265,23 +270,27 @@ class PipelineEngine(DataParallelBase):
 
     @torch.no_grad()
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole over tp (gathered), then every stage's keys gathered over pp, in one flat
-        buffer per pipeline rank padded to the longest."""
+        """Whole over tp (gathered), then every stage's tensors gathered over pp: one flat fp32
+        buffer per pipeline rank, padded to the longest."""
         whole = {key: self._gather_over_tp(key, param.detach()) for key, param in self._local_params().items()}
         shapes = _plain_shapes(self.cfg)
-        keys_of = [[k for k in self.state_keys if any(_stage_owns(self.spans[s], k) for s in self.schedule.stages_of(r))]
-                   for r in range(self.pp)]
+        keys_of = [self._keys_of_rank(rank) for rank in range(self.pp)]
         sizes = [sum(shapes[k].numel() for k in keys) for keys in keys_of]
-        flat = torch.zeros(max(sizes))
-        if whole:
-            torch.cat([whole[k].reshape(-1).float() for k in keys_of[self.pp_rank]], out=flat[:sizes[self.pp_rank]])
-        everyone = torch.empty(self.pp * max(sizes))
+        longest = max(sizes)
+        flat = torch.zeros(longest)
+        torch.cat([whole[k].reshape(-1).float() for k in keys_of[self.pp_rank]], out=flat[:sizes[self.pp_rank]])
+        everyone = torch.empty(self.pp * longest)
         self.comm.all_gather(everyone, flat, "pp", tag="checkpoint")
         state = {}
         for rank, keys in enumerate(keys_of):
-            values = everyone[rank * max(sizes):rank * max(sizes) + sizes[rank]].split([shapes[k].numel() for k in keys])
+            values = everyone[rank * longest:rank * longest + sizes[rank]].split([shapes[k].numel() for k in keys])
             state.update({k: v.view(shapes[k]).clone() for k, v in zip(keys, values)})
         return {k: state[k] for k in self.state_keys}
+
+    def _keys_of_rank(self, rank: int) -> list[str]:
+        """The plain model's state-dict keys held by pipeline rank ``rank``, in the model's order."""
+        spans = [self.spans[s] for s in self.schedule.stages_of(rank)]
+        return [key for key in self.state_keys if any(_stage_owns(span, key) for span in spans)]
 
     def _gather_over_tp(self, key: str, local: torch.Tensor) -> torch.Tensor:
         split = self.tp_splits.get(key)

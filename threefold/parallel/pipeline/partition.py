@@ -72,7 +72,8 @@ def partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> list[StageS
         raise ConfigError(f"parallel.pp: {num_stages} stages, more than the model's {cfg.layers} layers")
     if virtual_stages > 1:
         if cfg.layers % num_stages:
-            raise ConfigError(f"parallel.virtual_stages: {cfg.layers} layers do not split into {num_stages} equal chunks")
+            raise ConfigError(f"parallel.virtual_stages: {cfg.layers} layers do not split into "
+                              f"{num_stages} equal chunks")
         counts = [cfg.layers // num_stages] * num_stages
     else:
         block, head = stage_costs(cfg)

@@ -213,7 +213,8 @@ class PipelineRuntime:
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  axis: str = "pp"):
         if set(stages) != set(schedule.stages_of(rank)):
-            raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, got modules for {sorted(stages)}")
+            raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, "
+                             f"got modules for {sorted(stages)}")
         self.schedule, self.rank, self.stages, self.comm, self.axis = schedule, rank, stages, comm, axis
         self.actions = schedule.actions[rank]
         self.loss_fn, self.compute_context = loss_fn, compute_context
@@ -417,3 +418,22 @@ def read_timeline(metrics_path: str | Path, step: int | None = None) -> dict:
         raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for {which} "
                           "(it is written by runs with parallel.pp > 1)")
     return found
+
+
+def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = None) -> dict:
+    """For ``threefold schedule --from-metrics``: each rank's idle share in a run's last measured
+    step and in the simulator's play of the same schedule on that step's stage costs; with
+    ``out``, both timelines drawn there (measured above simulated)."""
+    timeline = read_timeline(metrics_path)
+    simulated = simulate_measured(timeline)
+    measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
+    name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
+    name += f" v={timeline['virtual_stages']}" if timeline["virtual_stages"] > 1 else ""
+    if out:
+        from threefold.plan.timeline import draw_timelines  # matplotlib only when drawing
+
+        draw_timelines([(f"measured: {name}", measured_segs),
+                        ("simulated on the measured stage costs", simulated_segs)], out, unit="seconds")
+    return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
+            "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
+            "simulated_idle": idle_fractions(simulated_segs), "out": str(out) if out else None}
