@@ -282,11 +282,9 @@ def test_sequence_parallel_divides_the_norm_region(distributed):
     (["parallel.tp=4", "model.seq_len=30", "parallel.sequence_parallel=true"], "does not divide model.seq_len=30"),
 ])
 def test_layouts_tp_cannot_split(overrides, message):
-    from threefold.parallel.tensor_parallel import check_tensor_parallel
-
-    cfg = load_config(None, TINY + overrides)
+    """Refused when the config is loaded, before any process starts."""
     with pytest.raises(ConfigError, match=message) as err:
-        check_tensor_parallel(cfg.model, cfg.parallel)
+        load_config(None, TINY + overrides)
     assert "\n" not in str(err.value)
 
 

@@ -47,8 +47,8 @@ def candidate_layouts(work: Workload, num_gpus: int) -> Layout:
             pipelines = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b", "zb-h1")]
             pipelines += [(SCHEDULES.index("interleaved"), v) for v in VIRTUAL_STAGES if pp * v <= cfg.layers]
         for b, (schedule, v), sp in itertools.product(micro, pipelines, (False, True) if tp > 1 else (False,)):
-            if v > 1 and (work.global_batch // (dp * b)) % pp:
-                continue  # interleaving needs whole rounds of micro-batches
+            if v > 1 and work.global_batch // (dp * b) < pp:
+                continue  # interleaving needs at least one micro-batch per stage
             grids.append((tp, pp, dp, cp, b, v, sp, schedule))
     if not grids:
         return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
