@@ -34,7 +34,7 @@ from threefold.plan import costs
 from threefold.train.engine import Engine
 
 STEPS = 5
-TINY = ["model.layers=8", "model.hidden=32", "model.heads=4", "model.vocab_size=64", "model.seq_len=16",
+TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.vocab_size=64", "model.seq_len=16",
         "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0", "train.warmup_steps=0",
         "parallel.bucket_mb=0.01", "parallel.timeout_s=60"]
 
@@ -151,7 +151,8 @@ SCHEDULE_CASES = [(name, pp, m, 2 if name == "interleaved" else 1)
 
 @pytest.mark.parametrize("schedule,pp,m,v", SCHEDULE_CASES)
 def test_schedule_matches_single_process(distributed, schedule, pp, m, v):
-    assert_same_training(case(distributed, pp, m, schedule, v), reference(m))
+    extra = ("model.layers=8",) if pp * v > 4 else ()  # a block per stage at least
+    assert_same_training(case(distributed, pp, m, schedule, v, 1, 1, 0, False, *extra), reference(m, *extra))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -280,9 +281,9 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
 
 # --- partition and bad input -------------------------------------------------------------------------
 def test_partition_balances_blocks_against_the_head():
-    cfg = make_config().model
+    cfg = make_config(1, 4, "1f1b", 1, 1, 1, 0, False, "model.layers=8").model
     assert [len(s.blocks) for s in partition(cfg, 4)] == [2, 2, 2, 2]  # a small head: even split
-    big_head = load_config(None, TINY + ["model.vocab_size=4096"]).model
+    big_head = load_config(None, TINY + ["model.layers=8", "model.vocab_size=4096"]).model
     spans = partition(big_head, 4)
     counts = [len(s.blocks) for s in spans]  # the head costs about a block and a half:
     assert counts[-1] == 1 and max(counts) == 3  # the last stage gets one block, the costliest three
@@ -292,10 +293,11 @@ def test_partition_balances_blocks_against_the_head():
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=4", "parallel.virtual_stages=3", "parallel.schedule=interleaved"],
-     "parallel.pp: pp × virtual_stages = 4 × 3 = 12 stages, more than the model's 8 layers"),
+     "parallel.pp: pp × virtual_stages = 4 × 3 = 12 stages, more than the model's 4 layers"),
     (["parallel.pp=2", "parallel.virtual_stages=3", "parallel.schedule=interleaved", "model.layers=10"],
      "parallel.virtual_stages: interleaved splits each rank's layers into equal chunks"),
-    (["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "train.global_batch=4"],
+    (["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "train.global_batch=4",
+      "model.layers=8"],
      "parallel.microbatches: interleaved needs at least pp=4 micro-batches per step"),
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "train.global_batch=8"],
      "parallel.zero: ZeRO-2 with pp > 1 is not supported"),
