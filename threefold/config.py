@@ -189,6 +189,10 @@ class Config:
             if getattr(p, axis) > 1:
                 raise ConfigError(f"parallel.{axis}: {name} parallelism is not in the engine yet (the planner models it)")
         check_tensor_parallel(self.model, p)
+        if p.pp > 1:  # refused here, before any process starts, in one line
+            from threefold.parallel.pipeline.partition import check_pipeline
+
+            check_pipeline(self)
         if t.global_batch % (p.dp * t.micro_batch):
             raise ConfigError(
                 f"train.global_batch: {t.global_batch} is not divisible by parallel.dp × train.micro_batch "

@@ -9,7 +9,7 @@ its link when the collective runs as a ring over n ranks, for a tensor of B byte
     all-reduce        2(n−1)/n · B      (a reduce-scatter followed by an all-gather)
     reduce-scatter     (n−1)/n · B      (B is the full input; each rank keeps B/n)
     all-gather         (n−1)/n · B      (B is the full output)
-    send                       B
+    send                       B        (a point-to-point send; its receive counts 0)
 
 These are the numbers the planner's formulas use (threefold/plan/costs.py), whatever
 algorithm the backend picks underneath.
@@ -62,7 +62,8 @@ def ring_bytes(op: str, nbytes: int, n: int) -> float:
     """Bytes one rank sends for ``op`` on a tensor of ``nbytes`` over ``n`` ranks (see module docstring)."""
     if n <= 1:
         return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+              "send": 1.0, "recv": 0.0}
     return factor[op] * nbytes
 
 
@@ -146,6 +147,22 @@ class Comm:
         ``input`` may be this rank's chunk of ``output`` itself (in place)."""
         return self._run("all_gather", axis, tag, _nbytes(output), async_op,
                          lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op))
+
+    def send(self, tensor: torch.Tensor, axis: str, peer: int, *, tag: str | None = None) -> Pending:
+        """Start sending ``tensor`` to the rank at coordinate ``peer`` along ``axis``; never blocks.
+        Between two ranks messages arrive in the order they were sent (one tag, as NCCL and gloo
+        match them), so the receiver posts its ``recv`` calls in the same order. ``tensor`` must
+        stay unchanged until ``wait()`` returns."""
+        dst = self.mesh.ranks(axis)[peer]
+        return self._run("send", axis, tag, _nbytes(tensor), True,
+                         lambda group: dist.isend(tensor, dst=dst, group=group))
+
+    def recv(self, tensor: torch.Tensor, axis: str, peer: int, *, tag: str | None = None) -> Pending:
+        """Start receiving into ``tensor`` from the rank at coordinate ``peer`` along ``axis``;
+        ``wait()`` blocks until it has arrived. Counted as 0 bytes: the sender counts them."""
+        src = self.mesh.ranks(axis)[peer]
+        return self._run("recv", axis, tag, _nbytes(tensor), True,
+                         lambda group: dist.irecv(tensor, src=src, group=group))
 
     def barrier(self) -> None:
         """Wait for every rank of the job."""

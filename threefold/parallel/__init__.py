@@ -11,8 +11,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.train.engine import Engine
 
-NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism",
-           "ep": "expert parallelism"}
+NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
 
 
 def build_engine(model: Llama, cfg: Config) -> Engine:
@@ -26,6 +25,10 @@ def build_engine(model: Llama, cfg: Config) -> Engine:
         return Engine(model, cfg)
     model.to(mesh.device)
     comm = Comm(mesh)
+    if cfg.parallel.pp > 1:  # pp × dp (zero 0, 1) × tp on one mesh
+        from threefold.parallel.pipeline.engine import PipelineEngine
+
+        return PipelineEngine(model, cfg, mesh, comm)
     if cfg.parallel.tp > 1:
         from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
 

@@ -33,9 +33,20 @@ from threefold.plan.simulate import ActionCosts, SimResult, simulate
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Draw the timeline to this PNG.")
 @click.option("--actions", "show_actions", is_flag=True, help="Also print each rank's ordered actions.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--from-metrics", "metrics_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Metrics file of a pipeline run: its last step's measured timeline beside the simulation of "
+                   "the same schedule on the measured stage costs (the schedule flags come from the run).")
 def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad_share, p2p_ratio, out,
-             show_actions, as_json):
+             show_actions, as_json, metrics_file):
     """Draw a pipeline schedule and print its bubble fraction and peak activations per rank."""
+    if metrics_file:
+        from threefold.parallel.pipeline.runtime import measured_vs_simulated
+
+        report = measured_vs_simulated(metrics_file, out)
+        click.echo(json.dumps(report) if as_json else "\n".join(
+            f"rank {rank}: idle {got:.1%} measured, {want:.1%} simulated"
+            for rank, (got, want) in enumerate(zip(report["measured_idle"], report["simulated_idle"]))))
+        return
     plan = build_schedule(name, pp, microbatches, virtual_stages)
     chunk = 1.0 / virtual_stages
     costs = ActionCosts(forward=chunk, backward=backward_ratio * chunk,

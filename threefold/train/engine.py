@@ -98,6 +98,11 @@ class Engine:
         """Bytes this rank sent per mesh axis since the last call (a single process sends none)."""
         return {}
 
+    def step_timeline(self) -> dict | None:
+        """The last step's measured pipeline timeline for the metrics file (pipeline engines:
+        per pipeline rank, each action's start, end, kind, micro-batch and stage); None otherwise."""
+        return None
+
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for on one process)."""
 

@@ -129,6 +129,9 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": tokens_per_step / step_time, "comm_bytes": engine.comm_bytes(),
                       "memory": memory}
+            timeline = engine.step_timeline()
+            if timeline is not None:  # `threefold schedule --from-metrics` draws it beside its simulation
+                record["timeline"] = timeline
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 record["val_loss"] = engine.eval_loss(eval_data)
                 result.val_losses.append((step + 1, record["val_loss"]))
