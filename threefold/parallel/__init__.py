@@ -5,21 +5,16 @@ builds the mesh, and wraps the model in the engine of the requested layout.
 """
 from __future__ import annotations
 
-from threefold.config import Config, ConfigError
+from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.train.engine import Engine
 
-NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
-
 
 def build_engine(model: Llama, cfg: Config) -> Engine:
     """The engine for ``cfg.parallel`` on this rank. Every rank passes the same full model
     (built from the same seed); each strategy keeps its part of it."""
-    for axis, name in NOT_YET.items():
-        if getattr(cfg.parallel, axis) > 1:
-            raise ConfigError(f"parallel.{axis}: {name} is not implemented yet")
     mesh = ParallelMesh.from_config(cfg.parallel)
     if mesh.world_size == 1:
         return Engine(model, cfg)
