@@ -21,6 +21,7 @@ COMMANDS = {
     "estimate": ("threefold.plan.commands", "estimate", "Predict memory, communication and step time of one layout."),
     "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),
     "schedule": ("threefold.plan.schedule_command", "schedule", "Draw a pipeline schedule and print its bubble."),
+    "compare": ("threefold.plan.compare", "compare", "Compare a run's measurements with the planner's prediction."),
     "calibrate": ("threefold.plan.calibrate", "calibrate", "Measure this machine for the planner."),
     "export": ("threefold.interop.commands", "export_cmd", "Write a checkpoint as a Hugging Face LlamaForCausalLM folder."),
     "import": ("threefold.interop.commands", "import_cmd", "Read an HF Llama folder or a GGUF file (or smollm2) into a checkpoint."),
