@@ -181,7 +181,9 @@ def main(dtypes, micro_batch, microbatches, warmup, steps, threads, compile_mode
                "compile": compile_model, "warmup_steps": warmup, "timed_steps": steps,
                "torch_version": torch.__version__, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    partial = out.with_name(out.name + ".tmp")  # replaced in one step: no half-written results
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    partial.replace(out)
     console.print(results_table(results))
     console.print(f"wrote {out}")
 
