@@ -1,0 +1,226 @@
+"""``threefold compare``: the planner's prediction beside what a training run measured.
+
+The run's metrics file holds global rank 0's figures: the first pipeline stage, tp rank 0,
+dp rank 0. Each row predicts exactly that rank's figure with the planner's formulas
+(threefold/plan/costs.py) and says which formula it used:
+
+  model states   costs.model_state_bytes of the parameters rank 0 holds: its stages' blocks
+                 (the engine's partition), its tp shard (the engine's TP plan, applied to the
+                 model on the meta device, so no weights are made), ZeRO over dp;
+  activations    costs.block_activation_bytes × the blocks of one forward on rank 0;
+  bytes per axis costs.dp_bytes_per_step, costs.tp_bytes_per_step (and tp_loss_bytes_per_step
+                 where rank 0 computes the loss), estimate()'s pp_bytes;
+  step time      costs.estimate with the profile ``threefold calibrate`` measured.
+
+Measured figures are the median over the steps after the first (which pays for warm-up).
+Where no exact formula exists for rank 0, the formula column says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from threefold.config import Config, ConfigError, load_config
+from threefold.plan import costs
+
+BULK_AXES = ("dp", "tp", "pp")
+
+
+@dataclass(frozen=True)
+class Row:
+    quantity: str
+    predicted: float | None  # None: no prediction (the formula column says why)
+    measured: float
+    formula: str
+    unit: str = "B"
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted; 1 when both are 0."""
+        if self.predicted is None or (self.predicted == 0 and self.measured != 0):
+            return None
+        return 1.0 if self.predicted == self.measured else self.measured / self.predicted
+
+    def to_json(self) -> dict:
+        return dict(dataclasses.asdict(self), ratio=self.ratio)
+
+
+@dataclass(frozen=True)
+class RankZero:
+    """What global rank 0 runs: its parameter elements, the blocks of its largest forward
+    (one stage, or with interleaving one chunk), its blocks in all, and whether it holds the head."""
+    numel: int
+    blocks_per_forward: int
+    blocks: int
+    last_stage: bool
+
+
+def rank_zero(cfg: Config) -> RankZero:
+    """Rank 0's share of the model, by the engine's own TP plan and pipeline partition."""
+    import torch
+
+    from threefold.models.llama import Llama
+    from threefold.parallel.pipeline.engine import StageModule
+    from threefold.parallel.pipeline.partition import partition
+    from threefold.parallel.pipeline.schedule import build_schedule
+
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+        if p.tp > 1:
+            from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
+
+            parallelize(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
+    if p.pp == 1:
+        held, blocks, last = [model], [cfg.model.layers], True
+    else:
+        spans = partition(cfg.model, p.pp, p.virtual_stages)
+        stages = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages).stages_of(0)
+        held = [StageModule(model, spans[s]) for s in stages]
+        blocks = [len(spans[s].blocks) for s in stages]
+        last = any(spans[s].last for s in stages)
+    params = {id(q): q for module in held for q in module.parameters()}  # a tied weight once
+    return RankZero(sum(q.numel() for q in params.values()), max(blocks), sum(blocks), last)
+
+
+def resolved(cfg: Config) -> Config:
+    """The config as the run trained it: the vocabulary defaults to the tokenizer's."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    from threefold.data import prepare_dataset
+    from threefold.train.trainer import resolve_vocab
+
+    dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)
+    return resolve_vocab(cfg, dataset.tokenizer.vocab_size)
+
+
+def read_steps(metrics_path: str | Path) -> list[dict]:
+    """The step records of a metrics file, without the first step when there are others."""
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    if not records:
+        raise ConfigError(f"--metrics-file: {metrics_path} holds no steps")
+    return records[1:] if len(records) > 1 else records
+
+
+def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
+    """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
+    from threefold.plan.hardware import CATALOG, get_gpu
+
+    cfg = resolved(cfg)
+    steps = read_steps(metrics_path)
+
+    def measured(get) -> float:
+        return statistics.median(get(step) for step in steps)
+
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    m = cfg.microbatches
+    act_bytes = 2 if t.dtype == "bfloat16" else 4  # the engine keeps fp32 weights, grads and Adam moments
+    rank = rank_zero(cfg)
+    rows = []
+
+    states = costs.model_state_bytes(rank.numel, p.dp, p.zero)
+    share = f"rank 0's {rank.numel:,} elements (tp shard of its stage)"
+    for kind in ("params", "grads", "optimizer"):
+        rows.append(Row(f"memory: {kind}", states[kind], measured(lambda s: s["memory"][kind]),
+                        f"model_state_bytes of {share}, ZeRO-{p.zero} over dp={p.dp}"))
+
+    tokens = t.micro_batch * model.seq_len
+    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+                                         dtype_bytes=act_bytes)
+    rows.append(Row("memory: activations, one micro-batch", rank.blocks_per_forward * block,
+                    measured(lambda s: s["memory"]["activations"]),
+                    f"{rank.blocks_per_forward} × block_activation_bytes; not predicted (no exact formula): "
+                    + ("the embedding, final norm, logits and loss" if rank.last_stage else "the embedding")))
+
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero,
+                                micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
+                                sequence_parallel=p.sequence_parallel)
+    work = costs.Workload(model, t.global_batch)
+    try:
+        gpu, missing = get_gpu("local"), None
+    except ConfigError as err:
+        gpu, missing = CATALOG["a100-80gb"], str(err)  # only for estimate()'s bytes, which no GPU changes
+    est = costs.estimate(work, layout, gpu)
+
+    def axis(key: str) -> float:
+        return measured(lambda s: s["comm_bytes"].get(key, 0))
+
+    if p.dp > 1:
+        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp, p.zero, m), axis("dp"),
+                        f"dp_bytes_per_step of rank 0's {rank.numel:,} elements"))
+    if p.tp > 1:
+        tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
+                   model.arch)
+        predicted = costs.tp_bytes_per_step(rank.blocks, *tp_args)
+        formula = f"tp_bytes_per_step, {rank.blocks} blocks, embedding and head"
+        if not rank.last_stage:
+            # The formula always counts the head's collectives; a first stage has none. They are
+            # its zero-block, no-embedding value, so they are taken off exactly.
+            predicted -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
+            formula = (f"tp_bytes_per_step, {rank.blocks} blocks and embedding, minus its head term "
+                       "(no formula for a stage without the head)")
+        rows.append(Row("bytes/step: tp", predicted, axis("tp"), formula))
+        if rank.last_stage:
+            rows.append(Row("bytes/step: tp.loss", costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp),
+                            axis("tp.loss"), "tp_loss_bytes_per_step"))
+    if p.pp > 1:
+        rows.append(Row("bytes/step: pp", est["pp_bytes"] * act_bytes / costs.ACTIVATION_BYTES, axis("pp"),
+                        "estimate()'s pp_bytes, 2·m·v messages (its 16-bit activations at the run's width): an inner "
+                        "rank's; rank 0 sends m fewer (no gradient before stage 0) and no formula says so"
+                        + ("; the planner assumes each tp rank sends 1/tp, the engine sends 1/tp only with SP"
+                           if p.tp > 1 and not p.sequence_parallel else "")))
+    predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""}
+    others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)
+    for key in others:
+        rows.append(Row(f"bytes/step: {key}", None, axis(key), "not modelled by the planner"))
+
+    rows.append(Row("step time", None if missing else est["step_time_s"], measured(lambda s: s["step_time_s"]),
+                    f"{missing}; for a prediction run `threefold calibrate --quick`" if missing else
+                    "estimate() with the local profile (it assumes 16-bit activations and flash attention)",
+                    unit="s"))
+    return rows
+
+
+def _show(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.3f} s" if unit == "s" else f"{value:,.0f}"
+
+
+def rows_table(rows: list[Row], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name, justify in (("quantity", "left"), ("predicted", "right"), ("measured", "right"),
+                          ("measured/predicted", "right"), ("formula", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for row in rows:
+        ratio = "—" if row.ratio is None else ("exact" if row.predicted == row.measured else f"{row.ratio:.3f}")
+        table.add_row(row.quantity, _show(row.predicted, row.unit), _show(row.measured, row.unit), ratio, row.formula)
+    return table
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="The TOML config the run trained with.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="The run's overrides (repeatable).")
+@click.option("--metrics-file", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The run's metrics (threefold train --metrics-file).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def compare(config_path, overrides, metrics_file, as_json):
+    """Compare a run's measurements with the planner's prediction."""
+    cfg = load_config(config_path, overrides)
+    rows = compare_run(cfg, metrics_file)
+    if as_json:
+        click.echo(json.dumps([row.to_json() for row in rows], indent=2))
+        return
+    from rich.console import Console
+
+    p = cfg.parallel
+    Console().print(rows_table(rows, f"rank 0 of dp={p.dp} × tp={p.tp} × pp={p.pp}: predicted vs measured "
+                                     f"(median of steps after the first)"))
