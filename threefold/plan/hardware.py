@@ -80,7 +80,9 @@ def local_gpu() -> GPU:
 
     profile = load_profile()
     workers = max(2, int(profile["gpus_per_node"]))
-    return GPU("local", float(profile["peak_flops_bf16"]), float(profile["hbm_bytes"]), float(profile["hbm_bw"]),
+    # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
+    memory_per_worker = float(profile["hbm_bytes"]) / int(profile["gpus_per_node"])
+    return GPU("local", float(profile["peak_flops_bf16"]), memory_per_worker, float(profile["hbm_bw"]),
                float(profile["intra_node_bw"]), float(profile["inter_node_bw"]),
                intra_node_latency_s=float(profile["latency_s"]) / (2 * (workers - 1)),
                inter_node_latency_s=float(profile["latency_s"]) / (2 * (workers - 1)),
