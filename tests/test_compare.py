@@ -1,0 +1,89 @@
+"""``threefold compare`` on real runs: where the planner has an exact formula for rank 0, the
+prediction equals the measurement to the byte."""
+import json
+
+import pytest
+
+from threefold.config import load_config
+from threefold.plan import compare as cmp
+from threefold.plan.calibrate import PROFILE_KEYS, save_profile
+from threefold.train.trainer import train
+from test_train import TINY, config, corpus  # noqa: F401  (the corpus fixture)
+
+
+def rows_by_name(rows):
+    return {row.quantity: row for row in rows}
+
+
+def assert_exact(rows, *names):
+    for name in names:
+        row = rows[name]
+        assert row.predicted == row.measured and row.ratio == 1.0, row
+
+
+def test_single_process_model_states_are_exact(tmp_path, corpus, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))  # no machine profile there
+    cfg = config(tmp_path, corpus, "train.steps=3")
+    metrics = tmp_path / "m.jsonl"
+    train(cfg, str(metrics), progress=False)
+    rows = rows_by_name(cmp.compare_run(cfg, metrics))
+    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer")
+    assert not any(name.startswith("bytes/step") for name in rows)  # one process sends nothing
+    # The blocks' activations are exact (tests/test_tensor_parallel.py); the embedding, the
+    # logits and the loss come on top and are not predicted.
+    act = rows["memory: activations, one micro-batch"]
+    assert 0 < act.predicted < act.measured
+    step = rows["step time"]
+    assert step.predicted is None and "threefold calibrate --quick" in step.formula
+
+    # With a profile, the step time is predicted; the bytes do not change.
+    save_profile({key: 1.0 for key in PROFILE_KEYS} | dict(name="test", peak_flops_fp32=1e10, peak_flops_bf16=1e10,
+                                                          hbm_bytes=2**34, hbm_bw=1e10, intra_node_bw=1e9,
+                                                          inter_node_bw=1e9, latency_s=1e-4, gpus_per_node=2))
+    with_profile = rows_by_name(cmp.compare_run(cfg, metrics))
+    assert with_profile["step time"].predicted > 0
+    assert with_profile["memory: params"] == rows["memory: params"]
+
+
+def train_rank(cfg, metrics):
+    train(cfg, metrics, progress=False)
+
+
+LAYOUT = ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.sequence_parallel=true",
+          "train.global_batch=8", "train.micro_batch=2", "train.threads=1", "train.steps=3"]
+
+
+def test_3d_run_bytes_and_model_states_are_exact(tmp_path, corpus, distributed):  # noqa: F811
+    """dp 2 × tp 2 × pp 2, ZeRO-1, SP: rank 0 is the first stage, without the head."""
+    from threefold.data import prepare_dataset
+
+    cfg = config(tmp_path, corpus, *LAYOUT)
+    prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)  # once, before the ranks read it
+    metrics = tmp_path / "m.jsonl"
+    distributed.run(8, train_rank, cfg, str(metrics), timeout=240)
+    rows = rows_by_name(cmp.compare_run(cfg, metrics))
+    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp", "bytes/step: tp")
+    assert "tp.loss" not in " ".join(rows)  # the first stage computes no loss
+    # The planner's pp figure is an inner rank's: 2·m messages; rank 0 sends m (no gradient to send back).
+    assert rows["bytes/step: pp"].ratio == 0.5
+    assert rows["bytes/step: pp.tied"].predicted is None  # measured, not modelled
+
+
+def test_command_prints_json(tmp_path, corpus, monkeypatch):  # noqa: F811
+    from click.testing import CliRunner
+
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))
+    overrides = TINY + [f"data.corpus={json.dumps(str(corpus))}",
+                        f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}", "train.steps=2"]
+    metrics = tmp_path / "m.jsonl"
+    train(load_config(None, overrides), str(metrics), progress=False)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    args = ["--config", str(empty), *(arg for o in overrides for arg in ("--set", o)), "--metrics-file", str(metrics)]
+    result = CliRunner().invoke(cmp.compare, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert {row["quantity"] for row in rows} >= {"memory: params", "step time"}
+    assert all(set(row) == {"quantity", "predicted", "measured", "ratio", "formula", "unit"} for row in rows)
+    table = CliRunner().invoke(cmp.compare, args, terminal_width=200)
+    assert table.exit_code == 0 and "exact" in table.output
