@@ -109,7 +109,7 @@ def read_steps(metrics_path: str | Path) -> list[dict]:
 
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
-    from threefold.plan.hardware import CATALOG, get_gpu
+    from threefold.plan.hardware import CATALOG, local_gpu
 
     cfg = resolved(cfg)
     steps = read_steps(metrics_path)
@@ -142,7 +142,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                                 sequence_parallel=p.sequence_parallel)
     work = costs.Workload(model, t.global_batch)
     try:
-        gpu, missing = get_gpu("local"), None
+        gpu, missing = local_gpu(t.dtype, workers=p.world_size), None  # the run's dtype, its ranks on these cores
     except ConfigError as err:
         gpu, missing = CATALOG["a100-80gb"], str(err)  # only for estimate()'s bytes, which no GPU changes
     est = costs.estimate(work, layout, gpu)
