@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 
+from equivalence import global_batches, my_micro_batches, train_steps
 from threefold.config import load_config
 from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
@@ -37,32 +38,6 @@ TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2"
 
 def make_config(dp: int = 1, zero: int = 0, *extra: str):
     return load_config(None, TINY + [f"parallel.dp={dp}", f"parallel.zero={zero}", *extra])
-
-
-def global_batches(cfg, steps: int) -> list[torch.Tensor]:
-    """Random tokens from a fixed seed: the same global batches for every layout."""
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
-            for _ in range(steps)]
-
-
-def my_micro_batches(tokens: torch.Tensor, cfg, dp_rank: int, dp_size: int):
-    """Rows [r·B/dp, (r+1)·B/dp) of the global batch, split into micro-batches, as the trainer does."""
-    rows = tokens.shape[0] // dp_size
-    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
-    return list(zip(mine[:, :-1].split(cfg.train.micro_batch), mine[:, 1:].split(cfg.train.micro_batch)))
-
-
-def train_steps(engine, cfg, batches) -> dict:
-    out = {"losses": [], "norms": [], "comm": [], "memory": None}
-    for tokens in batches:
-        out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
-        out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
-        engine.optimizer_step(cfg.train.lr)
-        out["memory"] = engine.memory_bytes()
-        engine.zero_grad()
-        out["comm"].append(engine.comm_bytes())
-    return out
 
 
 def new_engine(cfg):

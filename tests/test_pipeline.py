@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 
+from equivalence import global_batches, my_micro_batches, train_steps
 from threefold.config import ConfigError, load_config
 from threefold.models.llama import Llama
 from threefold.parallel.pipeline.partition import check_pipeline, partition
@@ -44,29 +45,6 @@ def make_config(pp=1, m=4, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *
               f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
               f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={2 * m * dp}"]
     return load_config(None, TINY + layout + list(extra))
-
-
-def global_batches(cfg, steps: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
-            for _ in range(steps)]
-
-
-def my_micro_batches(tokens: torch.Tensor, cfg, dp_rank: int, dp_size: int):
-    rows = tokens.shape[0] // dp_size
-    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
-    return list(zip(mine[:, :-1].split(cfg.train.micro_batch), mine[:, 1:].split(cfg.train.micro_batch)))
-
-
-def train_steps(engine, cfg, batches) -> dict:
-    out = {"losses": [], "norms": [], "comm": []}
-    for tokens in batches:
-        out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
-        out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
-        engine.optimizer_step(cfg.train.lr)
-        engine.zero_grad()
-        out["comm"].append(engine.comm_bytes())
-    return out
 
 
 # --- what the workers run ----------------------------------------------------------------------
