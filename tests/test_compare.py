@@ -62,11 +62,11 @@ def test_3d_run_bytes_and_model_states_are_exact(tmp_path, corpus, distributed):
     metrics = tmp_path / "m.jsonl"
     distributed.run(8, train_rank, cfg, str(metrics), timeout=240)
     rows = rows_by_name(cmp.compare_run(cfg, metrics))
-    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp", "bytes/step: tp")
+    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp", "bytes/step: tp",
+                 "bytes/step: pp")
     assert "tp.loss" not in " ".join(rows)  # the first stage computes no loss
-    # The planner's pp figure is an inner rank's: 2·m messages; rank 0 sends m (no gradient to send back).
-    assert rows["bytes/step: pp"].ratio == 0.5
-    assert rows["bytes/step: pp.tied"].predicted is None  # measured, not modelled
+    other = rows["bytes/step: other"]  # measured, not modelled: the tied embedding's gradient among them
+    assert other.predicted is None and "pp.tied" in other.formula
 
 
 def test_command_prints_json(tmp_path, corpus, monkeypatch):  # noqa: F811

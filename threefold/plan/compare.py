@@ -169,15 +169,16 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
             rows.append(Row("bytes/step: tp.loss", costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp),
                             axis("tp.loss"), "tp_loss_bytes_per_step"))
     if p.pp > 1:
-        rows.append(Row("bytes/step: pp", est["pp_bytes"] * act_bytes / costs.ACTIVATION_BYTES, axis("pp"),
-                        "estimate()'s pp_bytes, 2·m·v messages (its 16-bit activations at the run's width): an inner "
-                        "rank's; rank 0 sends m fewer (no gradient before stage 0) and no formula says so"
-                        + ("; the planner assumes each tp rank sends 1/tp, the engine sends 1/tp only with SP"
-                           if p.tp > 1 and not p.sequence_parallel else "")))
+        rows.append(Row("bytes/step: pp", costs.pp_bytes_per_step(0, p.pp, m, p.virtual_stages, t.micro_batch,
+                                                                  model.seq_len, model.hidden, p.tp,
+                                                                  p.sequence_parallel, act_bytes),
+                        axis("pp"), "pp_bytes_per_step of pipeline rank 0"))
     predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""}
     others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)
-    for key in others:
-        rows.append(Row(f"bytes/step: {key}", None, axis(key), "not modelled by the planner"))
+    others = [key for key in others if axis(key)]  # keys with traffic in the training steps
+    if others:  # bookkeeping the planner leaves out: scalars, the tied embedding, timelines
+        rows.append(Row("bytes/step: other", None, sum(axis(key) for key in others),
+                        "not modelled by the planner: " + ", ".join(f"{key} {axis(key):,.0f}" for key in others)))
 
     rows.append(Row("step time", None if missing else est["step_time_s"], measured(lambda s: s["step_time_s"]),
                     f"{missing}; for a prediction run `threefold calibrate --quick`" if missing else
@@ -195,14 +196,22 @@ def _show(value: float | None, unit: str) -> str:
 def rows_table(rows: list[Row], title: str):
     from rich.table import Table
 
+    from rich.console import Group
+    from rich.text import Text
+
+    # The formulas are long: numbered notes under the table keep it readable in 80 columns.
     table = Table(title=title)
     for name, justify in (("quantity", "left"), ("predicted", "right"), ("measured", "right"),
-                          ("measured/predicted", "right"), ("formula", "left")):
-        table.add_column(name, justify=justify, overflow="fold")
+                          ("measured/predicted", "right"), ("", "right")):
+        table.add_column(name, justify=justify)
+    notes: list[str] = []
     for row in rows:
         ratio = "—" if row.ratio is None else ("exact" if row.predicted == row.measured else f"{row.ratio:.3f}")
-        table.add_row(row.quantity, _show(row.predicted, row.unit), _show(row.measured, row.unit), ratio, row.formula)
-    return table
+        if row.formula not in notes:
+            notes.append(row.formula)
+        table.add_row(row.quantity, _show(row.predicted, row.unit), _show(row.measured, row.unit), ratio,
+                      f"[{notes.index(row.formula) + 1}]")
+    return Group(table, *(Text(f"[{i}] {note}") for i, note in enumerate(notes, 1)))
 
 
 @click.command()

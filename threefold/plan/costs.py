@@ -188,6 +188,19 @@ def tp_loss_bytes_per_step(microbatches, micro_batch, seq_len, tp):
     return _scalar_or_array(microbatches * 2 * (np.asarray(tp) - 1) / tp * 3 * micro_batch * seq_len * 4)
 
 
+def pp_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int, micro_batch: int, seq_len: int,
+                      hidden: int, tp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4) -> float:
+    """Bytes pipeline rank ``pp_rank`` sends on the pp axis per step (ledger key ``pp``).
+
+    Each of its v stages sends every micro-batch's output activations forward, except the very
+    last stage, and every micro-batch's input gradient backward, except stage 0: m · (2v − [last
+    rank] − [first rank]) messages. A message is one micro-batch's hidden states; with sequence
+    parallelism each tp rank holds and sends 1/tp of the sequence, without it the whole.
+    """
+    messages = microbatches * (2 * virtual_stages - (pp_rank == pp - 1) - (pp_rank == 0))
+    return messages * micro_batch * seq_len * hidden * dtype_bytes / (tp if sequence_parallel else 1)
+
+
 def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict:
     """Bytes of parameters, gradients and optimizer states on one rank under ZeRO stage ``zero``.
 
