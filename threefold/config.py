@@ -163,6 +163,8 @@ class DataConfig:
 
     def validate(self) -> None:
         if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
+            if self.tokenizer.endswith(".json") or "/" in self.tokenizer:
+                raise ConfigError(f"data.tokenizer: file {self.tokenizer!r} does not exist")
             raise ConfigError(f"data.tokenizer: must be 'bpe', 'gpt2' or a tokenizer.json file, got {self.tokenizer!r}")
         if self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size: a byte-level BPE needs at least 257 tokens, got {self.vocab_size}")
