@@ -2,8 +2,6 @@
 prediction equals the measurement to the byte."""
 import json
 
-import pytest
-
 from threefold.config import load_config
 from threefold.plan import compare as cmp
 from threefold.plan.calibrate import PROFILE_KEYS, save_profile

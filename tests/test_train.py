@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from threefold.cli import main
 from threefold.config import load_config
@@ -41,7 +40,6 @@ def test_metrics_and_learning(tmp_path, corpus):
         assert key in last
     assert last["comm_bytes"] == {}
     # Exact model-state bytes: fp32 parameters, fp32 gradients, two fp32 Adam moments.
-    n = sum(p.numel() for p in torch.nn.ModuleList()) or None
     mem = last["memory"]
     assert mem["grads"] == mem["params"] and mem["optimizer"] == 2 * mem["params"]
     assert mem["activations"] > 0

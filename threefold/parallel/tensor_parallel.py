@@ -63,13 +63,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig, check_tensor_parallel
+from threefold.config import Config, ConfigError, check_tensor_parallel
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.parallel.data_parallel import DataParallelEngine
 from threefold.parallel.fsdp import FullyShardedEngine
-from threefold.train.engine import Engine, autocast
+from threefold.train.engine import Engine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,32 +497,12 @@ def parallelize(model: Llama, tp: TensorParallelGroup,
 # ---------------------------------------------------------------------------------------------
 
 class VocabParallelLoss(Engine):
-    """The engine's micro-batch loop and evaluation with the vocab-parallel loss.
-
-    It comes after the data-parallel engine in the method order (see the classes at the end), so
-    that engine's ``forward_backward``, which wraps ``super().forward_backward``, runs this loop.
-    """
+    """The vocab-parallel loss in place of the plain one: each rank holds a slice of the logits."""
 
     tp: TensorParallelGroup
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        total = torch.zeros(())
-        for inputs, targets in micro_batches:
-            with self.forward_context(), autocast(self.cfg.train.dtype):
-                loss = vocab_parallel_cross_entropy(self.model(inputs), targets, self.tp)
-            (loss / len(micro_batches)).backward()
-            total += loss.detach().float()
-        return (total / len(micro_batches)).item()
-
-    @torch.no_grad()
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        self.model.eval()
-        losses = []
-        for inputs, targets in batches:
-            with autocast(self.cfg.train.dtype):
-                losses.append(vocab_parallel_cross_entropy(self.model(inputs), targets, self.tp).float())
-        self.model.train()
-        return torch.stack(losses).mean().item()
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
 
 class TensorParallelism:

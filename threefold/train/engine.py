@@ -110,6 +110,10 @@ class Engine:
         """Release process groups and background work."""
 
     # --- the step -------------------------------------------------------------------------
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss; tensor parallelism swaps in its vocab-parallel form."""
+        return cross_entropy(logits, targets)
+
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Accumulate gradients of the mean loss over all micro-batches; return that mean.
 
@@ -119,7 +123,7 @@ class Engine:
         total = torch.zeros(())
         for inputs, targets in micro_batches:
             with self.forward_context(), autocast(self.cfg.train.dtype):
-                loss = cross_entropy(self.model(inputs), targets)
+                loss = self.loss(self.model(inputs), targets)
             (loss / len(micro_batches)).backward()
             total += loss.detach().float()
         return (total / len(micro_batches)).item()
@@ -131,7 +135,7 @@ class Engine:
         losses = []
         for inputs, targets in batches:
             with autocast(self.cfg.train.dtype):
-                losses.append(cross_entropy(self.model(inputs), targets).float())
+                losses.append(self.loss(self.model(inputs), targets).float())
         self.model.train()
         return torch.stack(losses).mean().item()
 
