@@ -506,7 +506,7 @@ class VocabParallelLoss(Engine):
 
 
 class TensorParallelism:
-    """What tensor parallelism adds to a data-parallel engine; first in the method order."""
+    """What tensor parallelism adds to a data-parallel engine (first in the bases, so it wraps it)."""
 
     def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
         check_tensor_parallel(cfg.model, cfg.parallel)
