@@ -102,3 +102,40 @@ def test_resume_refuses_another_model_shape(tmp_path, corpus, capsys):
     with pytest.raises(ConfigError, match="model.hidden=64, this run has 128"):
         train(config(tmp_path, corpus, "train.steps=2", "model.hidden=128", "train.resume=true",
                      f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+
+
+def poison_step(monkeypatch, bad_call: int):
+    """Make the engine's ``bad_call``-th forward/backward produce NaN gradients and loss."""
+    from threefold.train.engine import Engine
+
+    original, calls = Engine.forward_backward, []
+
+    def forward_backward(self, micro_batches):
+        loss = original(self, micro_batches)
+        calls.append(loss)
+        if len(calls) == bad_call:
+            next(self.model.parameters()).grad.fill_(float("nan"))
+            return float("nan")
+        return loss
+
+    monkeypatch.setattr(Engine, "forward_backward", forward_backward)
+
+
+def test_nan_stops_the_run(tmp_path, corpus, monkeypatch):
+    from threefold.train.trainer import TrainingError
+
+    poison_step(monkeypatch, 3)
+    with pytest.raises(TrainingError, match="step 3: the loss is nan and the gradient norm nan; stopping"):
+        train(config(tmp_path, corpus, "train.steps=5"), progress=False)
+
+
+def test_nan_step_is_skipped_and_the_weights_stay_clean(tmp_path, corpus, monkeypatch):
+    clean = train(config(tmp_path, corpus, "train.steps=3"), progress=False)
+    poison_step(monkeypatch, 3)
+    metrics = tmp_path / "m.jsonl"
+    skipped = train(config(tmp_path, corpus, "train.steps=5", "train.nan_policy=skip"), str(metrics), progress=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r.get("skipped", False) for r in records] == [False, False, True, False, False]
+    assert skipped.losses[:2] == clean.losses[:2]
+    # Step 4 starts from the weights of step 2 (nothing was applied at step 3) and stays finite.
+    assert all(loss == loss for loss in skipped.losses[3:])

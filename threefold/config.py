@@ -117,6 +117,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
+    nan_policy: str = "stop"  # a non-finite loss or gradient: stop the run, or skip the step's update
     seed: int = 1234
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     recompute: str = "none"  # none | selective (attention core) | full (each block)
@@ -145,6 +146,8 @@ class TrainConfig:
             raise ConfigError("train.grad_clip/weight_decay: must not be negative")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.dtype: must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.nan_policy not in ("stop", "skip"):
+            raise ConfigError(f"train.nan_policy: must be 'stop' or 'skip', got {self.nan_policy!r}")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"train.recompute: must be none, selective or full, got {self.recompute!r}")
         if self.resume and not self.checkpoint_dir:

@@ -117,18 +117,23 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             inputs, targets = (x.to(engine.device) for x in sampler.next_batch(engine.dp_rank, engine.dp_size))
             engine.activation_meter.peak = 0
             loss = engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
-            if not math.isfinite(loss):
-                raise TrainingError(f"step {step}: the loss is {loss}; stopping before it corrupts the weights")
             grad_norm = engine.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, cfg)
-            engine.optimizer_step(lr)
+            # Loss and norm are global, so every rank takes the same decision.
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            if skipped and t.nan_policy == "stop":
+                raise TrainingError(f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}; "
+                                    "stopping before they corrupt the weights (train.nan_policy = \"skip\" skips "
+                                    "such steps)")
+            if not skipped:
+                engine.optimizer_step(lr)
             memory = dict(engine.memory_bytes(), activations=engine.activation_meter.peak)
             engine.zero_grad()
             step_time = time.perf_counter() - step_began
             result.losses.append(loss)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": tokens_per_step / step_time, "comm_bytes": engine.comm_bytes(),
-                      "memory": memory}
+                      "memory": memory, **({"skipped": True} if skipped else {})}
             timeline = engine.step_timeline()
             if timeline is not None:  # `threefold schedule --from-metrics` draws it beside its simulation
                 record["timeline"] = timeline
