@@ -27,12 +27,19 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_args(nproc: int, argv: list[str]) -> list[str]:
-    """The arguments of ``python -m torch.distributed.run`` that run ``threefold argv`` in ``nproc`` processes."""
-    return ["--standalone", "--nproc-per-node", str(nproc), "-m", "threefold.cli", *without_nproc(argv)]
+def torchrun_args(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+    """The arguments of ``python -m torch.distributed.run`` that run ``threefold argv`` in ``nproc``
+    processes; after a failure torchrun restarts all of them up to ``max_restarts`` times."""
+    return ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "-m", "threefold.cli", *without_nproc(argv)]
 
 
-def relaunch(nproc: int, argv: list[str]) -> int:
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run the ``threefold`` command line ``argv`` (without the program name) in ``nproc``
     processes under torchrun on this machine; return the exit code of the first rank that failed.
 
@@ -47,7 +54,7 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv)))
+        torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv, max_restarts)))
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1  # < 0: killed by a signal

@@ -64,7 +64,8 @@ class ParallelMesh:
             if backend == "nccl":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s))
+            timeout = datetime.timedelta(seconds=parallel.timeout_s)
+            dist.init_process_group(backend, timeout=timeout, **_restart_store(timeout))
             owns = True
         elif dist.is_initialized() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -156,3 +157,20 @@ class ParallelMesh:
             self._created.append(group)
             if self.rank in row:
                 self._groups[key] = group
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict:
+    """After torchrun restarts failed workers, a store namespace of their own for this attempt.
+
+    torchrun keeps one rendezvous store across restarts, so the addresses the dead attempt's
+    ranks published are still there; read by the new attempt, they point at closed ports. On a
+    restart each attempt therefore joins under its own prefix. The first attempt uses env://.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return {"store": dist.PrefixStore(f"threefold/attempt{attempt}/", store), "rank": rank, "world_size": world}

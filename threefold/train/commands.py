@@ -15,8 +15,11 @@ from threefold.config import ConfigError, load_config
 @click.option("--metrics-file", type=click.Path(dir_okay=False), help="Write one JSON object per step here.")
 @click.option("--nproc", type=int, default=None,
               help="Processes on this machine (default: the layout's dp×tp×pp×cp×ep); runs under torchrun when > 1.")
+@click.option("--max-restarts", type=click.IntRange(0), default=0,
+              help="After a rank fails, restart all ranks (torchrun) up to N times; they resume from the "
+                   "last complete checkpoint (needs train.checkpoint_dir).")
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
-def train(config_path, overrides, metrics_file, nproc, progress):
+def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
     cfg = load_config(config_path, overrides)
     world = cfg.parallel.world_size
@@ -27,10 +30,12 @@ def train(config_path, overrides, metrics_file, nproc, progress):
             p = cfg.parallel
             raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
                               f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
-    if world > 1 and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks here
+    if max_restarts and not cfg.train.checkpoint_dir:
+        raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
+    if (world > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks
         from threefold.distributed.launch import relaunch
 
-        sys.exit(relaunch(world, sys.argv[1:]))
+        sys.exit(relaunch(world, sys.argv[1:], max_restarts))
 
     from threefold.train.trainer import TrainingError, train as run_training
 

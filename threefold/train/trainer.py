@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from threefold.config import Config, ConfigError
 from threefold.data import BatchSampler, prepare_dataset, val_batches
+from threefold.distributed.launch import restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import Engine, lr_at
@@ -90,7 +91,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch, t.eval_batches)
 
     start = 0
-    if t.resume:
+    if t.resume or (restart_count() and t.checkpoint_dir):  # torchrun restarted us after a failure
         found = checkpoint.list_checkpoints(t.checkpoint_dir)
         if found:
             meta = checkpoint.load(found[-1], engine, cfg)

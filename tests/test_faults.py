@@ -1,0 +1,54 @@
+"""Surviving faults: a rank killed mid-run is restarted by torchrun and the job resumes from its
+last complete checkpoint, producing the losses of a run that never stopped."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from test_train import TINY, corpus  # noqa: F401  (the corpus fixture)
+
+LAYOUT = ["parallel.dp=2", "parallel.timeout_s=60", "train.steps=24", "train.checkpoint_every=4"]
+
+
+def command(tmp_path, corpus, name, *extra):  # noqa: F811
+    sets = TINY + LAYOUT + [f"data.corpus={json.dumps(str(corpus))}",
+                            f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+                            f"train.checkpoint_dir={json.dumps(str(tmp_path / name))}"]
+    args = [sys.executable, "-m", "threefold.cli", "train", "--no-progress",
+            "--metrics-file", str(tmp_path / f"{name}.jsonl"), *extra]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def losses(path) -> dict[int, float]:
+    """The last record of each step (a resumed run writes the steps after its checkpoint again)."""
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, corpus):  # noqa: F811
+    whole = subprocess.run(command(tmp_path, corpus, "whole"), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    job = subprocess.Popen(command(tmp_path, corpus, "faulty", "--max-restarts", "1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (tmp_path / "faulty" / "step_000008").exists():  # two checkpoints in: kill a rank
+        assert job.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.05)
+    workers = children(job.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-2000:]
+
+    want, got = losses(tmp_path / "whole.jsonl"), losses(tmp_path / "faulty.jsonl")
+    assert sorted(got) == list(range(1, 25))
+    assert got == want  # fp32, same layout: the resumed steps are bit-identical
