@@ -144,8 +144,9 @@ def collectives_noop() -> int:
 def test_nproc_is_removed_from_the_relaunched_command():
     argv = ["train", "--config", "c.toml", "--nproc", "2", "--set", "parallel.dp=2", "--nproc=2"]
     assert without_nproc(argv) == ["train", "--config", "c.toml", "--set", "parallel.dp=2"]
-    assert torchrun_args(2, argv) == ["--standalone", "--nproc-per-node", "2", "-m", "threefold.cli",
-                                      "train", "--config", "c.toml", "--set", "parallel.dp=2"]
+    assert torchrun_args(2, argv, max_restarts=3) == [
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "-m", "threefold.cli",
+        "train", "--config", "c.toml", "--set", "parallel.dp=2"]
 
 
 def test_relaunch_runs_the_command_under_torchrun(capfd):
