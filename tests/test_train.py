@@ -139,3 +139,29 @@ def test_nan_step_is_skipped_and_the_weights_stay_clean(tmp_path, corpus, monkey
     assert skipped.losses[:2] == clean.losses[:2]
     # Step 4 starts from the weights of step 2 (nothing was applied at step 3) and stays finite.
     assert all(loss == loss for loss in skipped.losses[3:])
+
+
+def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, corpus, monkeypatch):
+    """The process dies after writing step 4's files but before publishing them: step 2 stays the
+    latest checkpoint, and resuming from it gives the uninterrupted run's losses."""
+    import os as real_os
+
+    ckpt = tmp_path / "ckpt"
+    full = train(config(tmp_path, corpus, "train.steps=4"), progress=False)
+    publish = real_os.replace
+
+    def die_before_publishing_step_4(src, dst):
+        if str(dst).endswith("step_000004"):
+            raise KeyboardInterrupt("killed")
+        publish(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", die_before_publishing_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path, corpus, "train.steps=4", "train.checkpoint_every=2",
+                     f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    monkeypatch.undo()
+    assert (ckpt / "step_000004.tmp" / "model.pt").exists()  # written, never published
+    assert checkpoint.resolve(ckpt).name == "step_000002"
+    resumed = train(config(tmp_path, corpus, "train.steps=4", "train.resume=true",
+                           f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    assert resumed.losses == full.losses[2:]
