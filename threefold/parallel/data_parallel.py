@@ -47,7 +47,7 @@ from torch import nn
 from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
-from threefold.train.engine import Engine, build_adamw, tensor_bytes
+from threefold.train.engine import Engine, build_adamw, scale_to_norm, tensor_bytes
 
 
 def decay_first(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -139,12 +139,7 @@ class DataParallelBase(Engine):
         squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
         if self.sharded_grads:  # the chunks of all ranks together make up the gradient
             self.comm.all_reduce(squares, "dp", tag="scalar")
-        norm = squares.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm.item()
+        return scale_to_norm(grads, squares, max_norm)
 
     def comm_bytes(self) -> dict[str, int]:
         return self.comm.ledger.take()

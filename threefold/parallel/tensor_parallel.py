@@ -69,7 +69,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.parallel.data_parallel import DataParallelEngine
 from threefold.parallel.fsdp import FullyShardedEngine
-from threefold.train.engine import Engine
+from threefold.train.engine import Engine, scale_to_norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,12 +549,7 @@ class TensorParallelism:
         squares = split + replicated
         if self.sharded_grads:
             self.comm.all_reduce(squares, "dp", tag="scalar")
-        norm = squares.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm.item()
+        return scale_to_norm(grads, squares, max_norm)
 
     # --- full states, keyed and shaped like the plain model (collectives: every rank calls them)
     @torch.no_grad()

@@ -55,6 +55,17 @@ def autocast(dtype: str):
     return contextlib.nullcontext()
 
 
+def scale_to_norm(grads, squares: torch.Tensor, max_norm: float) -> float:
+    """Scale ``grads`` so that their global L2 norm, √``squares`` summed over every rank, is at
+    most ``max_norm`` (0: no clipping); return the norm before. Every engine clips through here."""
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return norm.item()
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -147,13 +158,8 @@ class Engine:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before."""
-        norm = self.grad_norm_squared().sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm.item()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return scale_to_norm(grads, self.grad_norm_squared(), max_norm)
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

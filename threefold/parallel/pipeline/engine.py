@@ -41,7 +41,7 @@ from threefold.parallel.pipeline.partition import StageSpan, check_pipeline, par
 from threefold.parallel.pipeline.runtime import MeasuredAction, PipelineRuntime
 from threefold.parallel.pipeline.schedule import Kind, Schedule, build_schedule
 from threefold.plan.simulate import ActionCosts, simulate
-from threefold.train.engine import autocast, tensor_bytes
+from threefold.train.engine import autocast, scale_to_norm, tensor_bytes
 
 
 class StageModule(nn.Module):
@@ -228,12 +228,7 @@ class PipelineEngine(DataParallelBase):
         self.comm.all_reduce(squares, "pp", tag="scalar")
         if self.sharded_grads:
             self.comm.all_reduce(squares, "dp", tag="scalar")
-        norm = squares.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for grad in self.reduced_grads():
-                grad.mul_(coef)
-        return norm.item()
+        return scale_to_norm(self.reduced_grads(), squares, max_norm)
 
     def reduced_grads(self) -> list[torch.Tensor]:
         return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
