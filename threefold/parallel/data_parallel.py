@@ -206,7 +206,28 @@ def make_buckets(model: nn.Module, mesh: ParallelMesh, bucket_mb: float, zero: i
     return [Bucket(params, mesh, zero) for params in groups]
 
 
-class DataParallelEngine(DataParallelBase):
+class BucketedEngine(DataParallelBase):
+    """What every engine over flat gradient buckets (zero 0, 1, 2) does after the backward; the
+    data-parallel engine below and the pipeline engine share it."""
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
+
+    def optimizer_step(self, lr: float) -> None:
+        super().optimizer_step(lr)
+        if self.sharded_grads:  # each rank updated its chunk; gather everyone's into every replica
+            gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
+                       for b in self.buckets]
+            for pending in gathers:
+                pending.wait()
+
+    def zero_grad(self) -> None:
+        # zero 0/1: zero the buffers in place, so p.grad stay views into them.
+        for bucket in self.buckets:
+            (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
+
+
+class DataParallelEngine(BucketedEngine):
     """zero 0 (DDP), 1 and 2; see the module docstring."""
 
     def __init__(self, model: nn.Module, cfg: Config, mesh: ParallelMesh, comm: Comm):
@@ -278,22 +299,6 @@ class DataParallelEngine(DataParallelBase):
             self._finish(bucket)
             # Sum → mean over the replicas (n is a power of two in practice, so this is exact).
             (bucket.grad_flat if self.zero == 0 else bucket.grad_chunk).div_(self.dp_size)
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
-
-    def optimizer_step(self, lr: float) -> None:
-        super().optimizer_step(lr)
-        if self.sharded_grads:  # each rank updated its chunk; gather everyone's into every replica
-            gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
-                       for b in self.buckets]
-            for pending in gathers:
-                pending.wait()
-
-    def zero_grad(self) -> None:
-        # zero 0/1: zero the buffers in place, so p.grad stay views into them.
-        for bucket in self.buckets:
-            (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
 
     # --- what this rank holds -----------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -36,7 +36,7 @@ from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy
-from threefold.parallel.data_parallel import Bucket, DataParallelBase, make_buckets, sharded_adamw
+from threefold.parallel.data_parallel import Bucket, BucketedEngine, make_buckets, sharded_adamw
 from threefold.parallel.pipeline.partition import StageSpan, check_pipeline, partition
 from threefold.parallel.pipeline.runtime import MeasuredAction, PipelineRuntime
 from threefold.parallel.pipeline.schedule import Kind, Schedule, build_schedule
@@ -70,7 +70,7 @@ class StageModule(nn.Module):
         return hidden
 
 
-class PipelineEngine(DataParallelBase):
+class PipelineEngine(BucketedEngine):
     """Pipeline parallelism over pp, with tp and dp (zero 0 or 1) on the same mesh."""
 
     def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
@@ -229,21 +229,6 @@ class PipelineEngine(DataParallelBase):
         if self.sharded_grads:
             self.comm.all_reduce(squares, "dp", tag="scalar")
         return scale_to_norm(self.reduced_grads(), squares, max_norm)
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
-
-    def optimizer_step(self, lr: float) -> None:
-        super().optimizer_step(lr)
-        if self.sharded_grads:  # each dp rank updated its chunk; gather everyone's into every replica
-            gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
-                       for b in self.buckets]
-            for pending in gathers:
-                pending.wait()
-
-    def zero_grad(self) -> None:
-        for bucket in self.buckets:
-            bucket.grad_flat.zero_()
 
     def memory_bytes(self) -> dict[str, int]:
         return {"params": tensor_bytes(b.param_flat for b in self.buckets),
