@@ -30,3 +30,19 @@ def train_steps(engine, cfg, batches) -> dict:
         engine.zero_grad()
         out["comm"].append(engine.comm_bytes())
     return out
+
+
+def train_reference(cfg, steps: int):
+    """The single-process run every layout is compared with: (its engine, ``train_steps``'
+    results plus the initial and final full states)."""
+    from threefold.models.llama import Llama
+    from threefold.train.engine import Engine
+
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    model.set_recompute(cfg.train.recompute)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, steps))
+    out["state"], out["initial"] = engine.model_state_dict(), initial
+    return engine, out

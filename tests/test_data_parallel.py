@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from equivalence import global_batches, my_micro_batches, train_steps
+from equivalence import global_batches, my_micro_batches, train_reference, train_steps
 from threefold.config import load_config
 from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
@@ -139,20 +139,9 @@ def reference(*extra: str) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the pool's workers are up beside us: one thread each avoids spinning
     try:
-        return train_reference(make_config(1, 0, *extra))
+        return train_reference(make_config(1, 0, *extra), STEPS)[1]
     finally:
         torch.set_num_threads(threads)
-
-
-def train_reference(cfg) -> dict:
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    model.set_recompute(cfg.train.recompute)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = Engine(model, cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["state"], out["initial"] = engine.model_state_dict(), initial
-    return out
 
 
 _cases: dict = {}

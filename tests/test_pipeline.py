@@ -25,14 +25,13 @@ import sys
 import pytest
 import torch
 
-from equivalence import global_batches, my_micro_batches, train_steps
+from equivalence import global_batches, my_micro_batches, train_reference, train_steps
 from threefold.config import ConfigError, load_config
 from threefold.models.llama import Llama
 from threefold.parallel.pipeline.partition import check_pipeline, partition
 from threefold.parallel.pipeline.runtime import send_release_points
 from threefold.parallel.pipeline.schedule import build_schedule
 from threefold.plan import costs
-from threefold.train.engine import Engine
 
 STEPS = 5
 TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.vocab_size=64", "model.seq_len=16",
@@ -82,12 +81,7 @@ def reference(m: int, *extra: str) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = Llama(cfg.model)
-        model.init_weights(cfg.train.seed)
-        initial = {k: v.clone() for k, v in model.state_dict().items()}
-        engine = Engine(model, cfg)
-        out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-        out["state"], out["initial"] = engine.model_state_dict(), initial
+        engine, out = train_reference(cfg, STEPS)
         out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
     finally:
         torch.set_num_threads(threads)

@@ -20,7 +20,7 @@ import functools
 import pytest
 import torch
 
-from equivalence import global_batches, my_micro_batches, train_steps
+from equivalence import global_batches, my_micro_batches, train_reference, train_steps
 from threefold.config import ConfigError, load_config
 from threefold.models.llama import Llama
 from threefold.plan import costs
@@ -96,13 +96,7 @@ def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
 @functools.lru_cache(maxsize=None)
 def reference(*extra: str) -> dict:
     cfg = make_config(1, 1, 0, False, *extra)
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    model.set_recompute(cfg.train.recompute)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = Engine(model, cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["state"], out["initial"] = engine.model_state_dict(), initial
+    engine, out = train_reference(cfg, STEPS)
     engine.comm_bytes()  # forget the gathers above
     out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
     return out
