@@ -17,7 +17,6 @@ gives errors of the order of that distance). Replicas must be bitwise identical 
 """
 from __future__ import annotations
 
-import copy
 import functools
 import time
 
@@ -59,19 +58,20 @@ def run_case(dp: int, zero: int, *extra: str) -> dict:
     return out
 
 
-def run_resume(dp: int, zero: int) -> bool:
-    """3 steps, save, 2 more; a fresh engine loaded from the save runs the same 2: identical?"""
+def run_resume(dp: int, zero: int, folder: str) -> bool:
+    """3 steps, checkpoint, 2 more; a fresh engine loaded from the checkpoint runs the same 2: identical?"""
+    from threefold.train import checkpoint
+
     cfg = make_config(dp, zero)
     batches = global_batches(cfg, STEPS)
     first = new_engine(cfg)
     train_steps(first, cfg, batches[:3])
-    saved_model, saved_optimizer = first.model_state_dict(), copy.deepcopy(first.optimizer_state_dict())
+    checkpoint.save(folder, 3, first, cfg, sampler_state={})
     train_steps(first, cfg, batches[3:])
     straight = first.model_state_dict()
     first.shutdown()
     second = new_engine(cfg)
-    second.load_model_state_dict(saved_model)
-    second.load_optimizer_state_dict(saved_optimizer)
+    checkpoint.load(checkpoint.step_dir(folder, 3), second, cfg)
     train_steps(second, cfg, batches[3:])
     resumed = second.model_state_dict()
     plain = second.plain_model().state_dict()
@@ -226,8 +226,8 @@ def test_reduction_overlaps_backward(distributed, zero):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_resume_from_states_is_exact(distributed, zero):
-    assert all(distributed.run(2, run_resume, 2, zero))
+def test_resume_from_a_checkpoint_is_exact(distributed, tmp_path, zero):
+    assert all(distributed.run(2, run_resume, 2, zero, str(tmp_path)))
 
 
 def test_zero3_eval_and_plain_model(distributed):

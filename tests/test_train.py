@@ -87,12 +87,21 @@ def test_checkpoint_errors_are_one_line(tmp_path, corpus, capsys):
     foreign.mkdir(parents=True)
     (foreign / "trainer.json").write_text('{"format": "something-else"}')
     assert main(["generate", "--checkpoint", str(foreign)]) == 2
-    assert "is not a threefold-checkpoint-1 checkpoint" in capsys.readouterr().err
+    assert f"is not a {checkpoint.FORMAT} checkpoint" in capsys.readouterr().err
     ckpt = tmp_path / "ckpt"
     train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
-    (checkpoint.resolve(ckpt) / "model.pt").write_bytes(b"garbage")
+    capsys.readouterr()
+    pieces = next(checkpoint.resolve(ckpt).glob("*.distcp"))
+    pieces.write_bytes(pieces.read_bytes()[:100])  # truncated
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
-    assert "model.pt is unreadable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is unreadable" in err and len(err.strip().splitlines()) == 1
+    pieces.unlink()
+    assert main(["generate", "--checkpoint", str(ckpt)]) == 2
+    assert "is unreadable" in capsys.readouterr().err
+    (checkpoint.resolve(ckpt) / ".metadata").unlink()
+    assert main(["generate", "--checkpoint", str(ckpt)]) == 2
+    assert ".metadata is missing or unreadable" in capsys.readouterr().err
 
 
 def test_resume_refuses_another_model_shape(tmp_path, corpus, capsys):
@@ -160,7 +169,7 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, corpus, mon
         train(config(tmp_path, corpus, "train.steps=4", "train.checkpoint_every=2",
                      f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
     monkeypatch.undo()
-    assert (ckpt / "step_000004.tmp" / "model.pt").exists()  # written, never published
+    assert (ckpt / "step_000004.tmp" / ".metadata").exists()  # written, never published
     assert checkpoint.resolve(ckpt).name == "step_000002"
     resumed = train(config(tmp_path, corpus, "train.steps=4", "train.resume=true",
                            f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)

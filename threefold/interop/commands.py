@@ -42,10 +42,9 @@ def export_checkpoint(checkpoint_path: str | Path, out: str | Path) -> ModelConf
     from threefold.train import checkpoint
 
     path = checkpoint.resolve(checkpoint_path)
-    meta = checkpoint.read_meta(path)
-    cfg = ModelConfig(**meta["config"]["model"])
-    tensors = hf.to_hf_tensors(cfg, checkpoint.load_tensor_file(path / "model.pt"), str(path / "model.pt"))
-    tokenizer = checkpoint.read_tokenizer(path, meta)
+    cfg, state = checkpoint.read_model(path)
+    tensors = hf.to_hf_tensors(cfg, state, str(path))
+    tokenizer = checkpoint.read_tokenizer(path, checkpoint.read_meta(path))
     with new_folder(out) as folder:
         hf.write_hf_folder(folder, cfg, tensors, tokenizer)
     return cfg

@@ -47,7 +47,8 @@ from torch import nn
 from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
-from threefold.train.engine import Engine, build_adamw, scale_to_norm, tensor_bytes
+from threefold.train.engine import Engine, build_adamw, init_adam_state, scale_to_norm, tensor_bytes
+from threefold.train.shards import MOMENTS, flat_layout_shards, whole_shards
 
 
 def decay_first(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -86,6 +87,18 @@ class FlatLayout:
         """This rank's chunk of a full buffer."""
         return flat[self.start:self.start + self.chunk]
 
+    def owned_ranges(self) -> list[tuple[int, int, int, int]]:
+        """Which part of each tensor this rank's chunk holds: (tensor index, first and end
+        element of its flattened view, where that part starts in the chunk)."""
+        ranges, begin = [], 0
+        end_of_chunk = self.start + self.chunk
+        for index, size in enumerate(self.sizes):
+            lo, hi = max(begin, self.start), min(begin + size, end_of_chunk)
+            if lo < hi:
+                ranges.append((index, lo - begin, hi - begin, lo - self.start))
+            begin += size
+        return ranges
+
     def decay_split(self, chunk: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """This rank's chunk cut where decay ends: [("decay", a 1×k view), ("no_decay", a view)].
 
@@ -100,15 +113,25 @@ class FlatLayout:
         return parts
 
 
-def sharded_adamw(layouts, param_chunks, grad_chunks, cfg: Config) -> torch.optim.AdamW:
-    """torch AdamW over this rank's chunks, with the same groups and settings as the single-process engine."""
-    named = []
+def sharded_adamw(layouts, param_chunks, grad_chunks, cfg: Config) -> tuple[torch.optim.AdamW, list[dict]]:
+    """torch AdamW over this rank's chunks, with the same groups and settings as the single-process
+    engine. Adam's moments are created here, as views into one flat buffer per chunk, so that a
+    checkpoint finds them laid out like the chunk; returns (optimizer, [{moment: flat buffer}])."""
+    named, moments, states = [], [], []
     for i, (layout, params, grads) in enumerate(zip(layouts, param_chunks, grad_chunks)):
-        for (kind, p), (_, g) in zip(layout.decay_split(params), layout.decay_split(grads)):
+        flats = {kind: torch.zeros_like(params) for kind in MOMENTS}
+        moments.append(flats)
+        views = zip(layout.decay_split(params), layout.decay_split(grads),
+                    *(layout.decay_split(flat) for flat in flats.values()))
+        for (kind, p), (_, g), *moment_views in views:
             p.requires_grad_()  # marks it trainable for build_adamw; autograd never sees it
             p.grad = g  # a view: the optimizer always reads the current reduced gradient
             named.append((f"{i}.{kind}", p))
-    return build_adamw(named, cfg)
+            states.append((p, {k: v for k, (_, v) in zip(MOMENTS, moment_views)}))
+    optimizer = build_adamw(named, cfg)
+    for p, state in states:
+        init_adam_state(optimizer, p, **state)
+    return optimizer, moments
 
 
 class DataParallelBase(Engine):
@@ -226,6 +249,18 @@ class BucketedEngine(DataParallelBase):
         for bucket in self.buckets:
             (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
 
+    def checkpoint_shards(self):
+        """zero 0: whole tensors (Engine's). zero 1, 2: whole weights, and the moments of this
+        rank's chunk of each bucket."""
+        if not self.sharded_grads:
+            return super().checkpoint_shards()
+        named = self.named_local_parameters()
+        keys = {id(p): key for key, p in named}
+        shards = [s for key, p in named for s in whole_shards(f"model/{key}", p.data, self.placement(key, p.shape))]
+        for bucket, moments in zip(self.buckets, self.moment_chunks):
+            shards += flat_layout_shards(bucket.layout, [keys[id(p)] for p in bucket.params], moments, self.placement)
+        return shards
+
 
 class DataParallelEngine(BucketedEngine):
     """zero 0 (DDP), 1 and 2; see the module docstring."""
@@ -238,9 +273,9 @@ class DataParallelEngine(BucketedEngine):
         super().__init__(model, cfg, mesh, comm)  # zero 0: torch AdamW over the model's parameters
         self.sharded_grads = self.zero > 0
         if self.sharded_grads:
-            self.optimizer = sharded_adamw([b.layout for b in self.buckets],
-                                           [b.layout.own(b.param_flat) for b in self.buckets],
-                                           [b.grad_chunk for b in self.buckets], cfg)
+            self.optimizer, self.moment_chunks = sharded_adamw(
+                [b.layout for b in self.buckets], [b.layout.own(b.param_flat) for b in self.buckets],
+                [b.grad_chunk for b in self.buckets], cfg)
         self._micro_batches = self._forwards = 0
         # Counting forward passes tells the hooks which backward belongs to the last micro-batch.
         model.register_forward_pre_hook(self._count_forward)

@@ -40,6 +40,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
 from threefold.parallel.data_parallel import DataParallelBase, FlatLayout, decay_first, sharded_adamw
 from threefold.train.engine import tensor_bytes
+from threefold.train.shards import flat_layout_shards
 
 
 class ShardedUnit:
@@ -95,8 +96,8 @@ class FullyShardedEngine(DataParallelBase):
         self.units = [ShardedUnit([(n, m) for n, m in model.named_children() if n != "blocks"], mesh)]
         self.units += [ShardedUnit([(f"blocks.{i}", block)], mesh) for i, block in enumerate(model.blocks)]
         self.root, self.blocks = self.units[0], self.units[1:]
-        self.optimizer = sharded_adamw([u.layout for u in self.units], [u.chunk for u in self.units],
-                                       [u.grad_chunk for u in self.units], cfg)
+        self.optimizer, self.moment_chunks = sharded_adamw(
+            [u.layout for u in self.units], [u.chunk for u in self.units], [u.grad_chunk for u in self.units], cfg)
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
         model.register_forward_pre_hook(self._root_pre_forward)
@@ -192,6 +193,14 @@ class FullyShardedEngine(DataParallelBase):
         return {"params": tensor_bytes(u.chunk for u in self.units),
                 "grads": tensor_bytes(u.grad_chunk for u in self.units),
                 "optimizer": self.optimizer_state_bytes()}
+
+    def checkpoint_shards(self):
+        """Every state is this rank's chunk of each unit: weights and moments alike."""
+        shards = []
+        for unit, moments in zip(self.units, self.moment_chunks):
+            keys = [uses[0][2] for uses in unit.uses]  # a tied weight under its first key, the embedding's
+            shards += flat_layout_shards(unit.layout, keys, {"model": unit.chunk, **moments}, self.placement)
+        return shards
 
     # --- full states, for checkpoints and generation (collectives: every rank calls them) ----
     @torch.no_grad()

@@ -70,6 +70,7 @@ from threefold.models.llama import Llama
 from threefold.parallel.data_parallel import DataParallelEngine
 from threefold.parallel.fsdp import FullyShardedEngine
 from threefold.train.engine import Engine, scale_to_norm
+from threefold.train.shards import Placement, tensor_parallel_placement
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,6 +551,9 @@ class TensorParallelism:
         if self.sharded_grads:
             self.comm.all_reduce(squares, "dp", tag="scalar")
         return scale_to_norm(grads, squares, max_norm)
+
+    def placement(self, key: str, local_shape) -> Placement:
+        return tensor_parallel_placement(local_shape, self.splits[key], self.tp.rank)
 
     # --- full states, keyed and shaped like the plain model (collectives: every rank calls them)
     @torch.no_grad()

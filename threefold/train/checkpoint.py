@@ -1,32 +1,57 @@
-"""Checkpoints: everything a run needs to continue exactly where it stopped.
+"""Checkpoints that any layout can save and any other layout can load.
 
 A checkpoint is a folder ``<checkpoint_dir>/step_000120/`` holding
 
-    model.pt              the full model state dict (keys of the plain model), written by rank 0
-    optimizer.rank{r}.pt  each rank's optimizer state (the layout must match to resume)
-    rng.rank{r}.pt        each rank's torch RNG state
-    tokenizer.json        the tokenizer, so ``threefold generate`` needs nothing else
-    trainer.json          step, sampler state, config and layout; written last
+    .metadata, __*_*.distcp  torch.distributed.checkpoint (DCP): the full tensors of the plain
+                             model, "model/<key>", and of Adam's moments, "exp_avg/<key>" and
+                             "exp_avg_sq/<key>", each stored as the pieces the ranks held,
+                             described by their place in the full tensor; and each rank's RNG
+                             state, "rng/rank<r>"
+    tokenizer.json           the tokenizer, so ``threefold generate`` needs nothing else
+    trainer.json             step, Adam's step count, sampler state, config and the layout
+                             that saved it; written last
 
-It is written under a temporary name and renamed when complete, so a folder named
-``step_*`` is always whole: a crash mid-save leaves the previous checkpoint as the latest.
-The last ``keep`` checkpoints are kept.
+Every rank saves the pieces it holds (``Engine.checkpoint_shards``, views into its live
+states; DCP writes a piece held by several replicas once). Loading on another layout, each
+rank asks for the pieces it holds there, and DCP reads from the saved pieces the parts that
+overlap them. Nothing is gathered on one rank, and no layout needs to know another. The
+learning rate is a function of the step (``engine.lr_at``) and the data sampler of (seed,
+step), so both resume from trainer.json on any layout.
+
+The folder is written under a temporary name and renamed when complete, so a folder named
+``step_*`` is always whole: a crash mid-save leaves the previous checkpoint as the latest. The
+last ``keep`` checkpoints are kept.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from threefold.config import Config, ConfigError
 from threefold.data.tokenizer import load_tokenizer, save_tokenizer
+from threefold.train.shards import Placement, Shard, whole_shards
 
-FORMAT = "threefold-checkpoint-1"
+FORMAT = "threefold-checkpoint-2"
+MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "tie_embeddings", "seq_len")
 
 
+# --- folders ------------------------------------------------------------------------------------
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
@@ -63,16 +88,90 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load_tensor_file(path: Path):
+def read_tokenizer(path: Path, meta: dict):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise ConfigError(f"checkpoint: {path} is missing") from None
-    except Exception as err:  # a truncated or foreign file: one line, not a traceback
-        raise ConfigError(f"checkpoint: {path} is unreadable ({err.__class__.__name__}: {str(err)[:80]})") from None
+        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"])
+    except Exception:
+        raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 
 
-def save(root: str | Path, step: int, engine, sampler_state: dict, cfg: Config, tokenizer, keep: int) -> Path | None:
+# --- DCP planners: pieces placed in full tensors ------------------------------------------------
+def _by_name(shards: list[Shard]) -> dict[str, list[Shard]]:
+    named: dict[str, list[Shard]] = {}
+    for shard in shards:
+        named.setdefault(shard.name, []).append(shard)
+    return named
+
+
+class _SavePieces(DefaultSavePlanner):
+    """Each rank writes its pieces; the default global plan drops the duplicates of replicated
+    pieces and checks that the pieces of every tensor cover it exactly once."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        self.pieces = {(s.name, s.offsets): s.tensor for shards in self.state_dict.values() for s in shards}
+        items = [WriteItem(index=MetadataIndex(s.name, s.offsets), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.shape),
+                               properties=TensorProperties.create_from_tensor(s.tensor),
+                               size=torch.Size(s.full_shape)))
+                 for shards in self.state_dict.values() for s in shards]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))]
+
+
+class _LoadPieces(LoadPlanner):
+    """Each rank reads, into each of its pieces, the overlapping parts of the saved pieces."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata = state_dict, metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for name, shards in self.state_dict.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.shape) for s in shards]
+            items += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], chunks)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise AssertionError("threefold checkpoints hold tensors only")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        target = self.state_dict[read_item.dest_index.fqn][read_item.dest_index.index].tensor
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            target = target.narrow(dim, offset, length)
+        return target
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor gave a view: the data is already in place
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns on every call without a process group; one process is what we mean there."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# --- save ----------------------------------------------------------------------------------------
+def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, tokenizer=None,
+         keep: int = 2) -> Path | None:
     """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -80,23 +179,26 @@ def save(root: str | Path, step: int, engine, sampler_state: dict, cfg: Config, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     engine.barrier()
-    model_state = engine.model_state_dict()  # a collective under ZeRO-3: every rank takes part
-    torch.save(engine.optimizer_state_dict(), tmp / f"optimizer.rank{engine.rank}.pt")
-    torch.save(torch.get_rng_state(), tmp / f"rng.rank{engine.rank}.pt")
-    if engine.is_main:
-        torch.save(model_state, tmp / "model.pt")
-        save_tokenizer(tokenizer, tmp / "tokenizer.json")
-    engine.barrier()
+    shards = engine.checkpoint_shards()
+    rng = torch.get_rng_state()
+    shards.append(Shard(f"rng/rank{engine.rank}", tuple(rng.shape), (0,), rng))
+    with _single_process_is_meant():
+        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(tmp), planner=_SavePieces(), no_dist=_no_dist())
+    adam_step = engine.adam_step()
     if not engine.is_main:
+        engine.barrier()
         return None
-    meta = {"format": FORMAT, "step": step, "sampler": sampler_state, "world_size": engine.world_size,
-            "config": cfg.to_dict()}
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
+    meta = {"format": FORMAT, "step": step, "adam_step": adam_step, "sampler": sampler_state,
+            "world_size": engine.world_size, "config": cfg.to_dict()}
     (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    engine.barrier()
     return final
 
 
@@ -106,32 +208,65 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(f.fileno())
 
 
-def check_compatible(meta: dict, cfg: Config, world_size: int, path: Path) -> None:
-    """Refuse a checkpoint of another model shape or another layout, naming the difference."""
+# --- load ----------------------------------------------------------------------------------------
+def check_model(meta: dict, cfg: Config, path: Path) -> None:
+    """Refuse a checkpoint of another model shape, naming the difference."""
     saved = meta["config"]["model"]
-    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "tie_embeddings", "seq_len"):
+    for key in MODEL_KEYS:
         now = getattr(cfg.model, key)
-        if key in ("vocab_size",) and now is None:
+        if key == "vocab_size" and now is None:
             continue
         if saved.get(key) != now:
             raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={saved.get(key)}, this run has {now}")
-    if meta["world_size"] != world_size:
-        raise ConfigError(f"checkpoint: {str(path)!r} was saved by {meta['world_size']} ranks, this run has "
-                          f"{world_size} (resuming on another layout is not supported yet)")
 
 
-def read_tokenizer(path: Path, meta: dict):
+def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
+    """Fill every piece in ``state`` from the checkpoint at ``path`` (every rank calls this,
+    unless ``no_dist``)."""
     try:
-        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"])
-    except Exception:
-        raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise ConfigError(f"checkpoint: {path / '.metadata'} is missing or unreadable ({err.__class__.__name__})") from None
+    for name, shards in state.items():
+        saved = metadata.state_dict_metadata.get(name)
+        if not isinstance(saved, TensorStorageMetadata):
+            raise ConfigError(f"checkpoint: {str(path)!r} holds no tensor {name!r}")
+        if tuple(saved.size) != shards[0].full_shape:
+            raise ConfigError(f"checkpoint: {str(path)!r} has {name} of shape {tuple(saved.size)}, "
+                              f"this run has {shards[0].full_shape}")
+    try:
+        with _single_process_is_meant():
+            dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPieces(), no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # a truncated or missing piece file, on any rank: one line on every rank
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
+        raise ConfigError(f"checkpoint: {str(path)!r} is unreadable: reading its pieces failed ({first[:160]})") from None
 
 
 def load(path: Path, engine, cfg: Config) -> dict:
-    """Restore model, optimizer and RNG into ``engine``; return the checkpoint's metadata."""
+    """Restore weights, Adam's states and RNG into ``engine``, whatever layout saved them;
+    return the checkpoint's metadata (step, sampler)."""
     meta = read_meta(path)
-    check_compatible(meta, cfg, engine.world_size, path)
-    engine.load_model_state_dict(load_tensor_file(path / "model.pt"))
-    engine.load_optimizer_state_dict(load_tensor_file(path / f"optimizer.rank{engine.rank}.pt"))
-    torch.set_rng_state(load_tensor_file(path / f"rng.rank{engine.rank}.pt"))
+    check_model(meta, cfg, path)
+    state = _by_name(engine.checkpoint_shards())
+    saved_world = meta["world_size"]
+    rng = torch.get_rng_state()  # a rank the saving layout did not have takes rank r mod its size
+    state[f"rng/rank{engine.rank % saved_world}"] = [Shard(f"rng/rank{engine.rank % saved_world}",
+                                                           tuple(rng.shape), (0,), rng)]
+    _read(path, state, no_dist=_no_dist())
+    engine.set_adam_step(meta["adam_step"])
+    torch.set_rng_state(rng)
     return meta
+
+
+def read_model(path: Path):
+    """(ModelConfig, the full plain-model state dict) of a checkpoint, read by this process
+    alone (export, generate)."""
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama
+
+    model_cfg = ModelConfig(**read_meta(path)["config"]["model"])
+    model = Llama(model_cfg)
+    state = _by_name([s for key, p in model.named_parameters()
+                      for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))])
+    _read(path, state, no_dist=True)
+    return model_cfg, model.state_dict()

@@ -56,19 +56,14 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
     """Generate text from a checkpoint."""
     import torch
-    from threefold.config import ModelConfig
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
     from threefold.train.trainer import sample_text
 
     path = checkpoint.resolve(checkpoint_path)
-    meta = checkpoint.read_meta(path)
-    model = Llama(ModelConfig(**meta["config"]["model"]))
-    state = checkpoint.load_tensor_file(path / "model.pt")
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise ConfigError(f"checkpoint: {path / 'model.pt'} does not match its config ({str(err).splitlines()[0]})") from None
-    tokenizer = checkpoint.read_tokenizer(path, meta)
+    model_cfg, state = checkpoint.read_model(path)
+    model = Llama(model_cfg)
+    model.load_state_dict(state)
+    tokenizer = checkpoint.read_tokenizer(path, checkpoint.read_meta(path))
     torch.set_num_threads(os.cpu_count() or 1)
     click.echo(sample_text(model, tokenizer, prompt, new_tokens, seed, temperature))

@@ -19,6 +19,7 @@ from torch import nn
 
 from threefold.config import Config
 from threefold.models.llama import cross_entropy
+from threefold.train.shards import MOMENTS, Placement, Shard, whole_shards
 
 
 def decay_groups(named_params) -> tuple[list, list]:
@@ -35,6 +36,19 @@ def build_adamw(named_params, cfg: Config) -> torch.optim.AdamW:
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, exp_avg: torch.Tensor | None = None,
+                    exp_avg_sq: torch.Tensor | None = None) -> dict:
+    """``p``'s AdamW state as torch's AdamW creates it before its first step (zeros), unless it
+    exists; the moments may be given (views into a flat buffer). Checkpoints need the states
+    to exist before any step, to load into them."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+        state["exp_avg"] = torch.zeros_like(p) if exp_avg is None else exp_avg
+        state["exp_avg_sq"] = torch.zeros_like(p) if exp_avg_sq is None else exp_avg_sq
+    return state
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -188,11 +202,34 @@ class Engine:
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
 
-    def optimizer_state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    # --- layout-independent checkpoints: this rank's pieces of the full states --------------
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters this rank holds, under their plain-model keys (a tied weight once)."""
+        return list(self.model.named_parameters())
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def placement(self, key: str, local_shape) -> Placement:
+        """Where this rank's tensor of ``key`` lies in the full one (here: it is the whole)."""
+        return Placement(tuple(local_shape))
+
+    def checkpoint_shards(self) -> list[Shard]:
+        """This rank's pieces of the weights ("model/<key>") and of Adam's moments
+        ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor; views
+        into the live states, so ``train/checkpoint.py`` saves from them and loads into them."""
+        shards = []
+        for key, p in self.named_local_parameters():
+            state = init_adam_state(self.optimizer, p)
+            placement = self.placement(key, p.shape)
+            for kind, tensor in (("model", p.data), *((m, state[m]) for m in MOMENTS)):
+                shards += whole_shards(f"{kind}/{key}", tensor, placement)
+        return shards
+
+    def adam_step(self) -> float:
+        """The optimizer's step count (the same for every tensor: they all step together)."""
+        return max((float(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0.0)
+
+    def set_adam_step(self, step: float) -> None:
+        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+            init_adam_state(self.optimizer, p)["step"].fill_(step)
 
     def plain_model(self) -> nn.Module:
         """A single-device model with the current weights, for generation and export."""

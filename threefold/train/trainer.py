@@ -146,7 +146,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             writer.write(record)
             bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
             if t.checkpoint_dir and ((t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps):
-                saved = checkpoint.save(t.checkpoint_dir, step + 1, engine, sampler.state_dict(), cfg,
+                saved = checkpoint.save(t.checkpoint_dir, step + 1, engine, cfg, sampler.state_dict(),
                                         dataset.tokenizer, t.keep_checkpoints)
                 result.checkpoint = str(saved) if saved else None
     writer.close()

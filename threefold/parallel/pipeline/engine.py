@@ -42,6 +42,7 @@ from threefold.parallel.pipeline.runtime import MeasuredAction, PipelineRuntime
 from threefold.parallel.pipeline.schedule import Kind, Schedule, build_schedule
 from threefold.plan.simulate import ActionCosts, simulate
 from threefold.train.engine import autocast, scale_to_norm, tensor_bytes
+from threefold.train.shards import Placement, tensor_parallel_placement
 
 
 class StageModule(nn.Module):
@@ -105,9 +106,9 @@ class PipelineEngine(BucketedEngine):
         super().__init__(stage_modules, cfg, mesh, comm)
         self.sharded_grads = self.zero == 1
         if self.sharded_grads:
-            self.optimizer = sharded_adamw([b.layout for b in self.buckets],
-                                           [b.layout.own(b.param_flat) for b in self.buckets],
-                                           [b.grad_chunk for b in self.buckets], cfg)
+            self.optimizer, self.moment_chunks = sharded_adamw(
+                [b.layout for b in self.buckets], [b.layout.own(b.param_flat) for b in self.buckets],
+                [b.grad_chunk for b in self.buckets], cfg)
         loss_fn = cross_entropy
         if self.tp is not None:
             from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -247,6 +248,17 @@ class PipelineEngine(BucketedEngine):
     # --- full states, keyed like the plain model (collectives: every rank calls them) --------
     def _local_params(self) -> dict[str, nn.Parameter]:
         return {name: param for stage in self.stages.values() for name, param in stage.named_parameters()}
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The stages' parameters under plain-model keys; the last stage's copy of a tied weight
+        is the embedding's (the checkpoint holds it once)."""
+        named = {}
+        for key, param in self._local_params().items():
+            named.setdefault(id(param), ("embed.weight" if param is self.tied else key, param))
+        return list(named.values())
+
+    def placement(self, key: str, local_shape) -> Placement:
+        return tensor_parallel_placement(local_shape, self.tp_splits.get(key), self.tp.rank if self.tp else 0)
 
     @torch.no_grad()
     def model_state_dict(self) -> dict[str, torch.Tensor]:
