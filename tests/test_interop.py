@@ -79,7 +79,7 @@ def max_logit_difference(ours: torch.nn.Module, theirs: torch.nn.Module, tokens:
 def save_checkpoint(root, cfg: ModelConfig, tokenizer, seed: int = 0):
     model = Llama(cfg)
     randomize(model, seed)
-    return model, checkpoint.save(root, 5, Engine(model, Config(model=cfg)), {}, Config(model=cfg), tokenizer, keep=1)
+    return model, checkpoint.save(root, 5, Engine(model, Config(model=cfg)), Config(model=cfg), {}, tokenizer, keep=1)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -96,7 +96,9 @@ def test_export_gives_transformers_our_logits_and_imports_back_identically(tmp_p
     import_model(tmp_path / "hf", tmp_path / "back")
     meta = checkpoint.read_meta(checkpoint.resolve(tmp_path / "back"))
     assert ModelConfig(**meta["config"]["model"]) == cfg
-    original, imported = model.state_dict(), torch.load(tmp_path / "back" / "model.pt")
+    read_cfg, imported = checkpoint.read_model(tmp_path / "back")
+    original = model.state_dict()
+    assert read_cfg == cfg
     assert original.keys() == imported.keys()
     assert all(torch.equal(original[name], imported[name]) for name in original)
     assert checkpoint.read_tokenizer(tmp_path / "back", meta).encode(TEXT) == tokenizer.encode(TEXT)
@@ -319,7 +321,7 @@ def smollm2(tmp_path_factory):
     import_model("smollm2", out)
     meta = checkpoint.read_meta(out)
     model = Llama(ModelConfig(**meta["config"]["model"]))
-    model.load_state_dict(torch.load(out / "model.pt"))
+    model.load_state_dict(checkpoint.read_model(out)[1])
     return out, model.eval(), checkpoint.read_tokenizer(out, meta)
 
 

@@ -31,7 +31,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    init_from: str | None = None  # a Hugging Face folder to import weights from
+    init_from: str | None = None  # weights to start from: a Hugging Face folder or a threefold checkpoint
 
     @property
     def n_kv_heads(self) -> int:

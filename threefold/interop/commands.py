@@ -7,7 +7,6 @@ folder is never overwritten.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -65,22 +64,18 @@ def read_model(source: str | Path):
 
 def import_model(source: str | Path, out: str | Path) -> ModelConfig:
     """An HF folder, a GGUF file or ``smollm2`` → a threefold checkpoint folder at ``out``; returns its config."""
-    import torch
-
-    from threefold.data.tokenizer import save_tokenizer
+    from threefold.models.llama import Llama
     from threefold.train import checkpoint
 
     cfg, state, tokenizer = read_model(source)
+    model = Llama(cfg)
+    model.load_state_dict(state)
     out = Path(out)
     config = Config(model=cfg).to_dict()
     # The model only understands its own tokenizer: name it by the file the checkpoint carries.
     config["data"]["tokenizer"] = str(out.resolve() / "tokenizer.json")
-    meta = {"format": checkpoint.FORMAT, "step": 0, "sampler": None, "world_size": 1, "config": config,
-            "imported_from": str(source)}
     with new_folder(out) as folder:
-        torch.save(state, folder / "model.pt")
-        save_tokenizer(tokenizer, folder / "tokenizer.json")
-        (folder / "trainer.json").write_text(json.dumps(meta, indent=1))
+        checkpoint.save_weights(folder, model, {"config": config, "imported_from": str(source)}, tokenizer)
     return cfg
 
 

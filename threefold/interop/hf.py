@@ -234,8 +234,14 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "n_kv_heads", "ffn_hidden", "vocab_si
 
 
 def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The weights for ``[model] init_from``, refusing a folder whose model is not the run's model."""
-    pretrained, state = load_hf_weights(cfg.init_from)
+    """The weights for ``[model] init_from``: a Hugging Face folder or a threefold checkpoint
+    (saved by any layout); a folder whose model is not the run's model is refused."""
+    if (Path(cfg.init_from) / "trainer.json").is_file():
+        from threefold.train import checkpoint
+
+        pretrained, state = checkpoint.read_model(Path(cfg.init_from))
+    else:
+        pretrained, state = load_hf_weights(cfg.init_from)
     for key in SHAPE_KEYS:
         if getattr(pretrained, key) != getattr(cfg, key):
             raise ConfigError(f"model.init_from: {cfg.init_from} has {key}={getattr(pretrained, key)}, "

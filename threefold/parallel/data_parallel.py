@@ -146,6 +146,10 @@ class DataParallelBase(Engine):
         self.rank, self.world_size = mesh.rank, mesh.world_size
         self.dp_rank, self.dp_size = mesh.coord("dp"), mesh.size("dp")
 
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device  # ZeRO-3 leaves the model without parameters between steps
+
     def mean_over_dp(self, local_mean: float) -> float:
         """The loss of the global batch: every replica ran the same number of tokens, so it is
         the mean of the replicas' means. A scalar, counted under the "scalar" tag."""

@@ -202,6 +202,19 @@ def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, 
     return final
 
 
+def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
+    """A weights-only checkpoint written by one process (``threefold import``): the model's
+    tensors as one piece each, no optimizer states. ``generate``, ``export`` and
+    ``[model] init_from`` read it; resuming a run from it is refused."""
+    shards = [s for key, p in model.named_parameters()
+              for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))]
+    with _single_process_is_meant():
+        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(folder), planner=_SavePieces(), no_dist=True)
+    save_tokenizer(tokenizer, folder / "tokenizer.json")
+    meta = {"format": FORMAT, "step": 0, "weights_only": True, "world_size": 1, **meta}
+    (folder / "trainer.json").write_text(json.dumps(meta, indent=1))
+
+
 def _fsync_dir(path: Path) -> None:
     for file in path.iterdir():
         with open(file, "rb") as f:
@@ -220,13 +233,17 @@ def check_model(meta: dict, cfg: Config, path: Path) -> None:
             raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={saved.get(key)}, this run has {now}")
 
 
+def _metadata(path: Path):
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise ConfigError(f"checkpoint: {path / '.metadata'} is missing or unreadable ({err.__class__.__name__})") from None
+
+
 def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
     """Fill every piece in ``state`` from the checkpoint at ``path`` (every rank calls this,
     unless ``no_dist``)."""
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:
-        raise ConfigError(f"checkpoint: {path / '.metadata'} is missing or unreadable ({err.__class__.__name__})") from None
+    metadata = _metadata(path)
     for name, shards in state.items():
         saved = metadata.state_dict_metadata.get(name)
         if not isinstance(saved, TensorStorageMetadata):
@@ -246,6 +263,9 @@ def load(path: Path, engine, cfg: Config) -> dict:
     """Restore weights, Adam's states and RNG into ``engine``, whatever layout saved them;
     return the checkpoint's metadata (step, sampler)."""
     meta = read_meta(path)
+    if meta.get("weights_only"):
+        raise ConfigError(f"checkpoint: {str(path)!r} holds weights only, no optimizer states to resume; "
+                          f"start a new run from it with model.init_from = {json.dumps(str(path))}")
     check_model(meta, cfg, path)
     state = _by_name(engine.checkpoint_shards())
     saved_world = meta["world_size"]
@@ -270,3 +290,13 @@ def read_model(path: Path):
                       for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))])
     _read(path, state, no_dist=True)
     return model_cfg, model.state_dict()
+
+
+def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every full tensor of a checkpoint whose name starts with ``prefix``, read whole by this
+    process alone ("model/<key>", "exp_avg/<key>", "exp_avg_sq/<key>", "rng/rank<r>")."""
+    tensors = {name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for name, md in _metadata(path).state_dict_metadata.items()
+               if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    _read(path, {name: [Shard(name, tuple(t.shape), (0,) * t.dim(), t)] for name, t in tensors.items()}, no_dist=True)
+    return tensors
