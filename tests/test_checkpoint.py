@@ -16,6 +16,7 @@ Two checks per pair of layouts:
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -181,3 +182,46 @@ def test_trainer_resumes_a_single_process_run_on_two_ranks(tmp_path, corpus):  #
     assert [r["loss"] for r in records] == pytest.approx(whole.losses[3:], rel=1e-6, abs=0)
     lrs = [r["lr"] for r in records]
     assert lrs == sorted(lrs, reverse=True) and lrs[0] < 1e-3  # past warm-up, cosine decay
+
+
+# --- asynchronous save -----------------------------------------------------------------------------
+def save_both_ways(folder: str) -> None:
+    """3 steps on dp2·ZeRO-1; the same states saved in the foreground and in the background. The
+    background save must write the states of its step: the engine's states are wiped right
+    after it starts, and two more steps run while it writes."""
+    cfg = make_config("dp2·tp2", "parallel.tp=1", "parallel.sequence_parallel=false")
+    engine = new_engine(cfg)
+    batches = global_batches(cfg, BEFORE + 2)
+    train_steps(engine, cfg, batches[:BEFORE])
+    checkpoint.save(f"{folder}/foreground", BEFORE, engine, cfg, sampler_state={})
+    saver = checkpoint.Checkpointer(engine, asynchronous=True, timeout_s=60)
+    saver.save(f"{folder}/background", BEFORE, cfg, sampler_state={})
+    for shard in engine.checkpoint_shards():
+        shard.tensor.zero_()
+    train_steps(engine, cfg, batches[BEFORE:])
+    saver.close()
+    engine.shutdown()
+
+
+def test_background_save_writes_the_states_of_its_step(distributed, tmp_path):
+    distributed.run(2, save_both_ways, str(tmp_path))
+    foreground = checkpoint.read_tensors(checkpoint.step_dir(tmp_path / "foreground", BEFORE))
+    background = checkpoint.read_tensors(checkpoint.step_dir(tmp_path / "background", BEFORE))
+    assert foreground.keys() == background.keys()
+    assert all(torch.equal(foreground[name], background[name]) for name in foreground)
+    meta = checkpoint.read_meta(checkpoint.step_dir(tmp_path / "background", BEFORE))
+    assert meta["adam_step"] == BEFORE and meta["world_size"] == 2
+
+
+def test_trainer_with_background_saves_resumes_exactly(tmp_path, corpus):  # noqa: F811
+    from threefold.train.trainer import train
+
+    ckpt = tmp_path / "ckpt"
+    common = ["train.steps=6", f"train.checkpoint_dir={json.dumps(str(ckpt))}", "train.async_checkpoint=true"]
+    whole = train(trainer_config(tmp_path, corpus, *common, "train.checkpoint_every=2", "train.keep_checkpoints=3"),
+                  progress=False)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002", "step_000004", "step_000006"]
+    for step in (4, 6):
+        shutil.rmtree(checkpoint.step_dir(ckpt, step))
+    resumed = train(trainer_config(tmp_path, corpus, *common, "train.resume=true"), progress=False)
+    assert resumed.losses == whole.losses[2:]  # fp32, same layout: bit-identical

@@ -126,6 +126,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end, when checkpoint_dir is set
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2
+    async_checkpoint: bool = False  # write checkpoints in a background thread from a copy of the states
     resume: bool = False  # resume from the latest checkpoint in checkpoint_dir
     log_every: int = 1
     sample_tokens: int = 120  # generated at the end of a run; 0 disables

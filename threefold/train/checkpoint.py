@@ -25,10 +25,12 @@ last ``keep`` checkpoints are kept.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -173,32 +175,98 @@ def _single_process_is_meant():
 def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, tokenizer=None,
          keep: int = 2) -> Path | None:
     """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0."""
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = _begin(root, step, engine)
+    _write(tmp, _this_ranks_shards(engine), group=None)
+    final = _publish(root, step, tmp, engine, _meta(step, engine, cfg, sampler_state), tokenizer, keep)
+    engine.barrier()  # nobody goes on until the checkpoint is published
+    return final
+
+
+class Checkpointer:
+    """Saves every ``checkpoint_every`` steps, in the foreground or (``asynchronous``) in a
+    background thread. Asynchronous: the training loop pays for a copy of this rank's states
+    (the snapshot); writing them, and rank 0's publishing of the folder, happen in the thread,
+    whose DCP collectives run over a process group of their own so that they never interleave
+    with the training's. One save is in flight at a time: the next waits for it."""
+
+    def __init__(self, engine, asynchronous: bool = False, timeout_s: float = 300.0):
+        self.engine, self.asynchronous = engine, asynchronous
+        self.group = None
+        if asynchronous and not _no_dist():  # collective: every rank creates it, at the same point
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if asynchronous else None
+        self.pending: Future | None = None
+
+    def save(self, root, step: int, cfg: Config, sampler_state: dict, tokenizer=None, keep: int = 2):
+        """Returns the published folder (rank 0, foreground) or the folder it will become."""
+        if not self.asynchronous:
+            return save(root, step, self.engine, cfg, sampler_state, tokenizer, keep)
+        self.wait()
+        tmp = _begin(root, step, self.engine)
+        snapshot = [Shard(s.name, s.full_shape, s.offsets, s.tensor.to("cpu", copy=True))
+                    for s in _this_ranks_shards(self.engine)]
+        meta = _meta(step, self.engine, cfg, sampler_state)
+        self.pending = self.executor.submit(self._write_and_publish, root, step, tmp, snapshot, meta, tokenizer, keep)
+        return step_dir(root, step) if self.engine.is_main else None
+
+    def _write_and_publish(self, root, step, tmp, snapshot, meta, tokenizer, keep) -> None:
+        _write(tmp, snapshot, self.group)  # returns on rank 0 once every rank has written its pieces
+        _publish(root, step, tmp, self.engine, meta, tokenizer, keep)
+
+    def wait(self) -> None:
+        """Until the save in flight is complete (and published, on rank 0); raises its error."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self.executor is not None:
+            self.executor.shutdown()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _begin(root, step: int, engine) -> Path:
+    """The temporary folder the ranks write into (rank 0 makes it empty first)."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + ".tmp")
     if engine.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     engine.barrier()
-    shards = engine.checkpoint_shards()
+    return tmp
+
+
+def _this_ranks_shards(engine) -> list[Shard]:
     rng = torch.get_rng_state()
-    shards.append(Shard(f"rng/rank{engine.rank}", tuple(rng.shape), (0,), rng))
+    return engine.checkpoint_shards() + [Shard(f"rng/rank{engine.rank}", tuple(rng.shape), (0,), rng)]
+
+
+def _meta(step: int, engine, cfg: Config, sampler_state: dict) -> dict:
+    return {"format": FORMAT, "step": step, "adam_step": engine.adam_step(), "sampler": sampler_state,
+            "world_size": engine.world_size, "config": cfg.to_dict()}
+
+
+def _write(tmp: Path, shards: list[Shard], group) -> None:
     with _single_process_is_meant():
-        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(tmp), planner=_SavePieces(), no_dist=_no_dist())
-    adam_step = engine.adam_step()
+        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(tmp), planner=_SavePieces(),
+                 process_group=group, no_dist=_no_dist())
+
+
+def _publish(root, step: int, tmp: Path, engine, meta: dict, tokenizer, keep: int) -> Path | None:
+    """Rank 0: write trainer.json last, flush, rename the folder into place, drop old ones."""
     if not engine.is_main:
-        engine.barrier()
         return None
     if tokenizer is not None:
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
-    meta = {"format": FORMAT, "step": step, "adam_step": adam_step, "sampler": sampler_state,
-            "world_size": engine.world_size, "config": cfg.to_dict()}
     (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
+    final = step_dir(root, step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    engine.barrier()
     return final
 
 

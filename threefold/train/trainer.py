@@ -100,6 +100,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             if main:
                 console.print(f"resumed from {found[-1]} at step {start}")
 
+    checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, append=start > 0)
     if main:
@@ -146,9 +147,10 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             writer.write(record)
             bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
             if t.checkpoint_dir and ((t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps):
-                saved = checkpoint.save(t.checkpoint_dir, step + 1, engine, cfg, sampler.state_dict(),
-                                        dataset.tokenizer, t.keep_checkpoints)
+                saved = checkpointer.save(t.checkpoint_dir, step + 1, cfg, sampler.state_dict(), dataset.tokenizer,
+                                          t.keep_checkpoints)
                 result.checkpoint = str(saved) if saved else None
+    checkpointer.close()  # the last save is complete and published before the run ends
     writer.close()
     result.seconds = time.perf_counter() - began
     if t.sample_tokens:
