@@ -225,3 +225,35 @@ def test_trainer_with_background_saves_resumes_exactly(tmp_path, corpus):  # noq
         shutil.rmtree(checkpoint.step_dir(ckpt, step))
     resumed = train(trainer_config(tmp_path, corpus, *common, "train.resume=true"), progress=False)
     assert resumed.losses == whole.losses[2:]  # fp32, same layout: bit-identical
+
+
+# --- weights only: import, init_from ---------------------------------------------------------------
+def test_a_run_starts_from_a_checkpoint_of_any_layout(distributed, tmp_path):
+    """``[model] init_from`` reads a checkpoint saved by dp2·tp2·pp2 whole, on one process."""
+    import dataclasses
+
+    from threefold.interop.hf import init_from_state
+
+    run_layout(distributed, "dp2·tp2·pp2", str(tmp_path), 0, 1)
+    saved = checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 1), "model/")
+    cfg = make_config("single").model
+    state = init_from_state(dataclasses.replace(cfg, init_from=str(checkpoint.step_dir(tmp_path, 1))))
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    assert all(torch.equal(p, saved[f"model/{key}"]) for key, p in model.named_parameters())
+    with pytest.raises(ConfigError, match="model.init_from: .* has hidden=32, the run's model has 64"):
+        init_from_state(dataclasses.replace(cfg, hidden=64, init_from=str(checkpoint.step_dir(tmp_path, 1))))
+
+
+def test_weights_only_checkpoints_are_not_resumed(tmp_path):
+    cfg = make_config("single")
+    model = Llama(cfg.model)
+    model.init_weights(0)
+    folder = tmp_path / "imported"
+    folder.mkdir()
+    checkpoint.save_weights(folder, model, {"config": cfg.to_dict()}, tokenizer=None)
+    read_cfg, state = checkpoint.read_model(folder)
+    assert read_cfg == cfg.model and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ConfigError, match="holds weights only, no optimizer states to resume; start a new run "
+                                          "from it with model.init_from"):
+        checkpoint.load(folder, new_engine(cfg), cfg)

@@ -278,7 +278,8 @@ def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
               for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))]
     with _single_process_is_meant():
         dcp.save(_by_name(shards), storage_writer=FileSystemWriter(folder), planner=_SavePieces(), no_dist=True)
-    save_tokenizer(tokenizer, folder / "tokenizer.json")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, folder / "tokenizer.json")
     meta = {"format": FORMAT, "step": 0, "weights_only": True, "world_size": 1, **meta}
     (folder / "trainer.json").write_text(json.dumps(meta, indent=1))
 
