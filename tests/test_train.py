@@ -104,13 +104,28 @@ def test_checkpoint_errors_are_one_line(tmp_path, corpus, capsys):
     assert ".metadata is missing or unreadable" in capsys.readouterr().err
 
 
-def test_resume_refuses_another_model_shape(tmp_path, corpus, capsys):
+def folder_contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_bad_checkpoints_and_overwrites_nothing(tmp_path, corpus, capsys):
     ckpt = tmp_path / "ckpt"
-    train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    common = [f"train.checkpoint_dir={json.dumps(str(ckpt))}", "train.resume=true"]
+    train(config(tmp_path, corpus, "train.steps=1", common[0]), progress=False)
+    before = folder_contents(ckpt)
+    assert main(["train", "--no-progress", *sum((["--set", s] for s in TINY + common + [
+        f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+        "train.steps=2", "model.hidden=128"]), [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("has model.hidden=64, this run has 128") and err[-1].startswith("error: checkpoint:")
+    assert folder_contents(ckpt) == before
+    pieces = next(checkpoint.resolve(ckpt).glob("*.distcp"))
+    pieces.write_bytes(pieces.read_bytes()[:-10])
+    before = folder_contents(ckpt)
     from threefold.config import ConfigError
-    with pytest.raises(ConfigError, match="model.hidden=64, this run has 128"):
-        train(config(tmp_path, corpus, "train.steps=2", "model.hidden=128", "train.resume=true",
-                     f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    with pytest.raises(ConfigError, match="is unreadable: reading its pieces failed"):
+        train(config(tmp_path, corpus, "train.steps=2", *common), progress=False)
+    assert folder_contents(ckpt) == before  # nothing written, nothing removed
 
 
 def poison_step(monkeypatch, bad_call: int):
@@ -174,3 +189,16 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, corpus, mon
     resumed = train(config(tmp_path, corpus, "train.steps=4", "train.resume=true",
                            f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
     assert resumed.losses == full.losses[2:]
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, corpus, capsys):
+    ckpt = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'ckpt'))}"
+    train(config(tmp_path, corpus, "train.steps=3", ckpt), progress=False)
+    from threefold.config import ConfigError
+    with pytest.raises(ConfigError, match="already holds checkpoints .latest step_000003.; continue that run with "
+                                          "train.resume=true, or give a new folder"):
+        train(config(tmp_path, corpus, "train.steps=2", ckpt), progress=False)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ckpt")] == ["step_000003"]
+    empty = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'empty'))}"
+    train(config(tmp_path, corpus, "train.steps=1", empty, "train.resume=true"), progress=False)
+    assert "no checkpoint in" in capsys.readouterr().err

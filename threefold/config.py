@@ -65,6 +65,12 @@ class ModelConfig:
             raise ConfigError(f"model.vocab_size: must be at least 2, got {self.vocab_size}")
 
 
+# What must agree for two sets of weights to be the same model (seq_len may differ: the weights
+# do not depend on it).
+WEIGHT_DEFINING_KEYS = ("arch", "layers", "hidden", "heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings",
+                        "norm_eps", "rope_theta")
+
+
 def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
     """Llama's SwiGLU width: 2/3 of 4·hidden (same FLOPs as a GELU MLP), rounded up."""
     width = int(2 * 4 * hidden / 3)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import WEIGHT_DEFINING_KEYS, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, Tokenizer, load_tokenizer, save_tokenizer
 
 CONFIG = "config.json"
@@ -229,20 +229,19 @@ def load_hf_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
 
 
 # What must agree between a run's [model] and the folder it starts from; seq_len may differ.
-SHAPE_KEYS = ("layers", "hidden", "heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings", "norm_eps",
-              "rope_theta")
 
 
 def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights for ``[model] init_from``: a Hugging Face folder or a threefold checkpoint
     (saved by any layout); a folder whose model is not the run's model is refused."""
-    if (Path(cfg.init_from) / "trainer.json").is_file():
-        from threefold.train import checkpoint
+    from threefold.train import checkpoint
 
-        pretrained, state = checkpoint.read_model(Path(cfg.init_from))
+    source = Path(cfg.init_from)
+    if (source / "trainer.json").is_file() or checkpoint.list_checkpoints(source):  # a checkpoint, or their folder
+        pretrained, state = checkpoint.read_model(checkpoint.resolve(source))
     else:
         pretrained, state = load_hf_weights(cfg.init_from)
-    for key in SHAPE_KEYS:
+    for key in WEIGHT_DEFINING_KEYS:
         if getattr(pretrained, key) != getattr(cfg, key):
             raise ConfigError(f"model.init_from: {cfg.init_from} has {key}={getattr(pretrained, key)}, "
                               f"the run's model has {getattr(cfg, key)}")

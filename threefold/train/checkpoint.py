@@ -15,7 +15,7 @@ Every rank saves the pieces it holds (``Engine.checkpoint_shards``, views into i
 states; DCP writes a piece held by several replicas once). Loading on another layout, each
 rank asks for the pieces it holds there, and DCP reads from the saved pieces the parts that
 overlap them. Nothing is gathered on one rank, and no layout needs to know another. The
-learning rate is a function of the step (``engine.lr_at``) and the data sampler of (seed,
+learning rate is a function of the step (``train.engine.lr_at``) and the data sampler of (seed,
 step), so both resume from trainer.json on any layout.
 
 The folder is written under a temporary name and renamed when complete, so a folder named
@@ -45,12 +45,11 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from threefold.config import Config, ConfigError
+from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import load_tokenizer, save_tokenizer
 from threefold.train.shards import Placement, Shard, whole_shards
 
 FORMAT = "threefold-checkpoint-2"
-MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "tie_embeddings", "seq_len")
 
 
 # --- folders ------------------------------------------------------------------------------------
@@ -261,10 +260,13 @@ def _publish(root, step: int, tmp: Path, engine, meta: dict, tokenizer, keep: in
     if tokenizer is not None:
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
     (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
-    _fsync_dir(tmp)
+    for written in (tmp / "trainer.json", tmp / "tokenizer.json", tmp):  # DCP flushed its own files
+        if written.exists():
+            _fsync(written)
     final = step_dir(root, step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync(final.parent)  # the rename itself
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -284,22 +286,25 @@ def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
     (folder / "trainer.json").write_text(json.dumps(meta, indent=1))
 
 
-def _fsync_dir(path: Path) -> None:
-    for file in path.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to disk (a folder must be flushed too for a
+    file created or renamed in it to survive a power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # --- load ----------------------------------------------------------------------------------------
 def check_model(meta: dict, cfg: Config, path: Path) -> None:
-    """Refuse a checkpoint of another model shape, naming the difference."""
-    saved = meta["config"]["model"]
-    for key in MODEL_KEYS:
+    """Refuse a checkpoint of another model (or another sequence length: the data stream would
+    change), naming the difference."""
+    saved = ModelConfig(**meta["config"]["model"])
+    for key in (*WEIGHT_DEFINING_KEYS, "seq_len"):
         now = getattr(cfg.model, key)
-        if key == "vocab_size" and now is None:
-            continue
-        if saved.get(key) != now:
-            raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={saved.get(key)}, this run has {now}")
+        if getattr(saved, key) != now:
+            raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={getattr(saved, key)}, this run has {now}")
 
 
 def _metadata(path: Path):
@@ -350,7 +355,6 @@ def load(path: Path, engine, cfg: Config) -> dict:
 def read_model(path: Path):
     """(ModelConfig, the full plain-model state dict) of a checkpoint, read by this process
     alone (export, generate)."""
-    from threefold.config import ModelConfig
     from threefold.models.llama import Llama
 
     model_cfg = ModelConfig(**read_meta(path)["config"]["model"])

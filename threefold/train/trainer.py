@@ -68,6 +68,12 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch
 
 def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
           console: Console | None = None) -> TrainResult:
+    t = cfg.train
+    resuming = t.resume or (restart_count() and t.checkpoint_dir)  # or torchrun restarted us after a failure
+    found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
+    if found and not resuming:  # keep_checkpoints would delete this run's checkpoints, not the old ones
+        raise ConfigError(f"train.checkpoint_dir: {t.checkpoint_dir} already holds checkpoints (latest "
+                          f"{found[-1].name}); continue that run with train.resume=true, or give a new folder")
     set_threads(cfg)
     torch.manual_seed(cfg.train.seed)
     console = console or Console(stderr=True)
@@ -91,14 +97,15 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch, t.eval_batches)
 
     start = 0
-    if t.resume or (restart_count() and t.checkpoint_dir):  # torchrun restarted us after a failure
-        found = checkpoint.list_checkpoints(t.checkpoint_dir)
+    if resuming:
         if found:
             meta = checkpoint.load(found[-1], engine, cfg)
             sampler.load_state_dict(meta["sampler"])
             start = meta["step"]
             if main:
                 console.print(f"resumed from {found[-1]} at step {start}")
+        elif main:
+            console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
 
     checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
