@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from threefold.distributed.mesh import ParallelMesh
 
+ROLL_CALL_S = 5.0  # after a failed collective, how long survivors wait for each other to check in
+
 
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names the operation, axis and rank."""
@@ -50,6 +52,9 @@ class CommRecord:
     tag: str | None
     bytes: float  # sent by this rank, ring convention
     started: float  # time.perf_counter() at launch
+    group: tuple[int, ...] = ()  # the global ranks taking part
+    sequence: int = 0  # how many operations this rank had issued over that group before this one
+    peer: int | None = None  # send, recv: the global rank at the other end
     seconds: float | None = None  # launch to completion; None while in flight
     waited: float = 0.0  # time the caller spent blocked on it
 
@@ -125,6 +130,7 @@ class Comm:
     def __init__(self, mesh: ParallelMesh, ledger: CommLedger | None = None):
         self.mesh = mesh
         self.ledger = ledger or CommLedger()
+        self._issued: dict[tuple[int, ...], int] = {}  # operations issued per group, for CommRecord.sequence
 
     def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    tag: str | None = None) -> Pending | None:
@@ -155,20 +161,22 @@ class Comm:
         stay unchanged until ``wait()`` returns."""
         dst = self.mesh.ranks(axis)[peer]
         return self._run("send", axis, tag, _nbytes(tensor), True,
-                         lambda group: dist.isend(tensor, dst=dst, group=group))
+                         lambda group: dist.isend(tensor, dst=dst, group=group), peer=dst)
 
     def recv(self, tensor: torch.Tensor, axis: str, peer: int, *, tag: str | None = None) -> Pending:
         """Start receiving into ``tensor`` from the rank at coordinate ``peer`` along ``axis``;
         ``wait()`` blocks until it has arrived. Counted as 0 bytes: the sender counts them."""
         src = self.mesh.ranks(axis)[peer]
         return self._run("recv", axis, tag, _nbytes(tensor), True,
-                         lambda group: dist.irecv(tensor, src=src, group=group))
+                         lambda group: dist.irecv(tensor, src=src, group=group), peer=src)
 
     def barrier(self) -> None:
         """Wait for every rank of the job."""
         if self.mesh.world_size == 1:
             return
-        record = CommRecord("barrier", "world", None, 0.0, time.perf_counter())
+        group = tuple(range(self.mesh.world_size))
+        record = CommRecord("barrier", "world", None, 0.0, time.perf_counter(), group, self._issued.get(group, 0))
+        self._issued[group] = record.sequence + 1
         try:
             dist.barrier()
         except RuntimeError as err:
@@ -177,13 +185,43 @@ class Comm:
     def error(self, record: CommRecord, err: Exception) -> CommError:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return CommError(f"{record.op} of {record.bytes:.0f} bytes over mesh axis {record.axis!r} failed on rank "
-                         f"{self.mesh.rank} ({self.mesh!r}): {first_line}")
+                         f"{self.mesh.rank} ({self.mesh!r}): {first_line}{self._who_is_missing(record)}")
 
-    def _run(self, op: str, axis: str, tag: str | None, nbytes: int, async_op: bool, call) -> Pending | None:
+    def _who_is_missing(self, record: CommRecord) -> str:
+        """Name the ranks that did not take part. A point-to-point operation has one peer. For a
+        collective, the survivors hold a roll call in the job's store, under the operation's
+        sequence number in its group (every member issues the same sequence): each checks in,
+        then waits a few seconds for the others; whoever never checks in is lost."""
+        if record.peer is not None:
+            return f"; the peer is rank {record.peer}"
+        if len(record.group) < 2:
+            return ""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"threefold/roll-call/{'-'.join(map(str, record.group))}/{record.sequence}"
+            store.set(f"{key}/{self.mesh.rank}", "here")
+            deadline = time.monotonic() + min(ROLL_CALL_S, self.mesh.timeout.total_seconds())
+            while True:
+                missing = [r for r in record.group if not store.check([f"{key}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:  # the store itself may have gone with a lost rank: say what we know
+            return ""
+        if not missing:
+            return "; every rank of the group reached it"
+        return (f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of the group "
+                f"{list(record.group)} did not reach it (dead, or stuck elsewhere)")
+
+    def _run(self, op: str, axis: str, tag: str | None, nbytes: int, async_op: bool, call,
+             peer: int | None = None) -> Pending | None:
         n = self.mesh.size(axis)
-        record = CommRecord(op, axis, tag, ring_bytes(op, nbytes, n), time.perf_counter())
+        group = tuple(self.mesh.ranks(axis))
+        record = CommRecord(op, axis, tag, ring_bytes(op, nbytes, n), time.perf_counter(), group,
+                            self._issued.get(group, 0), peer)
         if n == 1:  # nothing to exchange
             return Pending(None, record, self) if async_op else None
+        self._issued[group] = record.sequence + 1
         self.ledger.add(record)
         try:
             work = call(self.mesh.group(axis))
