@@ -52,3 +52,19 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, corpus):  # noqa: F8
     want, got = losses(tmp_path / "whole.jsonl"), losses(tmp_path / "faulty.jsonl")
     assert sorted(got) == list(range(1, 25))
     assert got == want  # fp32, same layout: the resumed steps are bit-identical
+
+
+def test_a_killed_rank_is_named_and_ends_the_job(tmp_path, corpus):  # noqa: F811
+    """Without --max-restarts, torchrun stops the job at once; the user learns which rank died, of what."""
+    job = subprocess.Popen(command(tmp_path, corpus, "killed") + ["--set", "train.steps=100000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "killed.jsonl").exists() or not (tmp_path / "killed.jsonl").read_text():  # training
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-2000:] if job.poll() else "slow"
+        time.sleep(0.05)
+    victim = children(job.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 1 and time.time() - killed < 30
+    assert f"(pid {victim}) died of SIGKILL; torchrun stopped the other ranks" in err, err[-2000:]

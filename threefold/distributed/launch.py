@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -56,6 +57,11 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv, max_restarts)))
     except ChildFailedError as err:
-        _, failure = err.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1  # < 0: killed by a signal
+        rank, failure = err.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal: the rank could say nothing itself
+            print(f"error: rank {rank} (pid {failure.pid}) died of {failure.signal_name()}; torchrun stopped "
+                  f"the other ranks{'' if max_restarts else ' (--max-restarts N restarts them from the last checkpoint)'}",
+                  file=sys.stderr)
+            return 1
+        return failure.exitcode
     return 0
