@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from the hub; every file here is local
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from test_train import corpus  # noqa: F401  (the 40 kB corpus fixture)
 from threefold.cli import COMMANDS, main
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, train_bpe
@@ -369,3 +371,29 @@ def test_smollm2_writes_english(smollm2):
     assert loss < 3.0 and shuffled_loss > loss + 3.0, (loss, shuffled_loss)  # measured: 2.38 and 7.52 nats
     sample = sample_text(model, tokenizer, "Once upon a time", 16, seed=0)
     assert sample.startswith("Once upon a time") and len(sample.split()) > 8
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_finetune_config_starts_from_smollm2_on_two_ranks(tmp_path, smollm2, corpus):  # noqa: F811
+    """configs/finetune-smollm2.toml end to end, shortened: the imported checkpoint is the
+    starting point of a dp=2 run (torchrun), which evaluates it before and after two steps,
+    and saves a checkpoint that `generate` reads on one process."""
+    import subprocess
+    import sys
+
+    out, _, _ = smollm2
+    sets = [f"model.init_from={json.dumps(str(out))}", f"data.tokenizer={json.dumps(str(out / 'tokenizer.json'))}",
+            f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+            f"train.checkpoint_dir={json.dumps(str(tmp_path / 'ckpt'))}", "model.seq_len=64", "train.steps=2",
+            "train.global_batch=4", "train.warmup_steps=0", "train.eval_every=1", "train.eval_batches=1",
+            "train.sample_tokens=0", "parallel.timeout_s=120"]
+    args = [sys.executable, "-m", "threefold.cli", "train", "--config", "configs/finetune-smollm2.toml",
+            "--no-progress", "--metrics-file", str(tmp_path / "run.jsonl")] + [a for s in sets for a in ("--set", s)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["val_loss"] < 6.0  # pretrained; a random 49,152-token model starts near ln(49152) = 10.8
+    assert records[-1]["val_loss"] < records[0]["val_loss"] + 0.05  # a small fine-tuning step does no harm
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "8", "--prompt", "ROMEO:"]) == 0
