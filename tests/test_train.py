@@ -191,14 +191,17 @@ def test_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path, corpus, mon
     assert resumed.losses == full.losses[2:]
 
 
-def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, corpus, capsys):
-    ckpt = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'ckpt'))}"
-    train(config(tmp_path, corpus, "train.steps=3", ckpt), progress=False)
-    from threefold.config import ConfigError
-    with pytest.raises(ConfigError, match="already holds checkpoints .latest step_000003.; continue that run with "
-                                          "train.resume=true, or give a new folder"):
-        train(config(tmp_path, corpus, "train.steps=2", ckpt), progress=False)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ckpt")] == ["step_000003"]
+def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, corpus, capsys):
+    """Left in place, step_000003 of an earlier run would outrank the new run's step_000002."""
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=3", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    earlier = folder_contents(ckpt)
+    train(config(tmp_path, corpus, "train.steps=2", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "held an earlier run's checkpoints (latest step_000003): moved them to" in err
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002"]
+    (aside,) = ckpt.glob("earlier-*")
+    assert folder_contents(aside) == earlier  # nothing lost
     empty = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'empty'))}"
     train(config(tmp_path, corpus, "train.steps=1", empty, "train.resume=true"), progress=False)
-    assert "no checkpoint in" in capsys.readouterr().err
+    assert "no checkpoint in" in " ".join(capsys.readouterr().err.split())

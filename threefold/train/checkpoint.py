@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import shutil
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +65,16 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def move_aside(found: list[Path]) -> Path:
+    """Move checkpoints of an earlier run into ``earlier-<time>/`` of their folder, where
+    ``list_checkpoints`` does not look; returns that folder."""
+    aside = found[0].parent / time.strftime("earlier-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside
 
 
 def resolve(path: str | Path) -> Path:

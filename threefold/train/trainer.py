@@ -69,14 +69,17 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch
 def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
           console: Console | None = None) -> TrainResult:
     t = cfg.train
+    console = console or Console(stderr=True)
     resuming = t.resume or (restart_count() and t.checkpoint_dir)  # or torchrun restarted us after a failure
     found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
-    if found and not resuming:  # keep_checkpoints would delete this run's checkpoints, not the old ones
-        raise ConfigError(f"train.checkpoint_dir: {t.checkpoint_dir} already holds checkpoints (latest "
-                          f"{found[-1].name}); continue that run with train.resume=true, or give a new folder")
+    if found and not resuming and _is_main_process():
+        # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
+        # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
+        aside = checkpoint.move_aside(found)
+        console.print(f"[yellow]train.checkpoint_dir held an earlier run's checkpoints (latest {found[-1].name}): "
+                      f"moved them to {aside}; train.resume=true continues a run instead")
     set_threads(cfg)
     torch.manual_seed(cfg.train.seed)
-    console = console or Console(stderr=True)
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=progress and _is_main_process())
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
     t = cfg.train
