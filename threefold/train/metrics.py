@@ -2,48 +2,77 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 
-class ActivationMeter:
-    """Counts the bytes autograd saves for backward, through saved-tensor hooks.
+class _Saved:
+    """What autograd keeps for one saved tensor while the meter watches: the tensor, detached.
+    Autograd drops it once backward has used it; the meter learns that from its finalizer."""
 
-    Each distinct storage is counted once (views of one tensor share it) and parameters are
-    left out: they are model state, not activations. With recomputation, checkpointed
-    regions save only their inputs, which is exactly what this sees. ``peak`` is the largest
-    amount saved by one forward pass (micro-batches run one after another, so their
-    activations are never alive together).
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Counts the bytes autograd keeps for backward, through saved-tensor hooks: ``live`` now,
+    and ``peak``, the most alive at once since it was last reset.
+
+    A storage is counted while some saved tensor refers to it (views of one tensor share it,
+    a buffer saved by several micro-batches counts once) and released when autograd frees the
+    last of them, after the backward that used it. So the peak is what the schedule keeps in
+    flight: one micro-batch's forward for plain gradient accumulation, up to the pipeline
+    depth on the first stage of 1F1B, and under zero-bubble until the weight-gradient pass.
+    Parameters are left out: they are model state. With recomputation, checkpointed regions
+    save only their inputs, which is exactly what this sees.
     """
 
     def __init__(self, parameter_storages: Callable[[], set[int]]):
         self.parameter_storages = parameter_storages  # asked per forward: ZeRO-3 gathers move them
         self._params: set[int] = set()
+        self._holders: dict[int, int] = {}  # storage → saved tensors referring to it
+        self.live = 0
         self.peak = 0
-        self._seen: set[int] = set()
-        self._current = 0
 
     @classmethod
     def for_module(cls, module: torch.nn.Module) -> "ActivationMeter":
         return cls(lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._seen and key not in self._params and storage.nbytes() > 0:
-            self._seen.add(key)
-            self._current += storage.nbytes()
-            self.peak = max(self.peak, self._current)
-        return tensor
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in self._params or nbytes == 0:
+            return tensor
+        if key not in self._holders:
+            self._holders[key] = 0
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._holders[key] += 1
+        # Detached: a saved output holding its own grad_fn would tie the graph in a cycle through
+        # C++ that never frees when backward keeps the graph (zero-bubble's B step does).
+        saved = _Saved(tensor.detach())
+        weakref.finalize(saved, self._release, key, nbytes)
+        return saved
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._holders[key] -= 1
+        if not self._holders[key]:
+            del self._holders[key]
+            self.live -= nbytes
 
     def forward_pass(self):
         """Context for one micro-batch's forward pass."""
-        self._seen.clear()
-        self._current = 0
         self._params = self.parameter_storages()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
 class MetricsWriter:

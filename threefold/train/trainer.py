@@ -127,7 +127,7 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
         for step in range(start, t.steps):
             step_began = time.perf_counter()
             inputs, targets = (x.to(engine.device) for x in sampler.next_batch(engine.dp_rank, engine.dp_size))
-            engine.activation_meter.peak = 0
+            engine.activation_meter.peak = engine.activation_meter.live  # this step's peak
             loss = engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
             grad_norm = engine.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, cfg)
