@@ -29,7 +29,7 @@ def test_single_process_model_states_are_exact(tmp_path, corpus, monkeypatch):  
     assert not any(name.startswith("bytes/step") for name in rows)  # one process sends nothing
     # The blocks' activations are exact (tests/test_tensor_parallel.py); the embedding, the
     # logits and the loss come on top and are not predicted.
-    act = rows["memory: activations, one micro-batch"]
+    act = rows["memory: activations, peak"]
     assert 0 < act.predicted < act.measured
     step = rows["step time"]
     assert step.predicted is None and "threefold calibrate --quick" in step.formula
@@ -65,6 +65,11 @@ def test_3d_run_bytes_and_model_states_are_exact(tmp_path, corpus, distributed):
     assert "tp.loss" not in " ".join(rows)  # the first stage computes no loss
     other = rows["bytes/step: other"]  # measured, not modelled: the tied embedding's gradient among them
     assert other.predicted is None and "pp.tied" in other.formula
+    # 1F1B, pp 2: the first stage holds two micro-batches' activations at its peak; the blocks'
+    # are predicted exactly, the embedding's come on top.
+    act = rows["memory: activations, peak"]
+    assert "2 × block_activation_bytes, up to 2 (micro-batch, stage) in flight" in act.formula
+    assert 1.0 < act.ratio < 1.02, act
 
 
 def test_command_prints_json(tmp_path, corpus, monkeypatch):  # noqa: F811

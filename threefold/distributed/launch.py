@@ -42,11 +42,13 @@ def restart_count() -> int:
 
 def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run the ``threefold`` command line ``argv`` (without the program name) in ``nproc``
-    processes under torchrun on this machine; return the exit code of the first rank that failed.
+    processes under torchrun on this machine; return the exit code of the first rank that
+    stopped itself (1 when the failed ranks were killed).
 
     torchrun runs in this process (its ``run()``, exactly what the command line calls), so that a
     rank's one-line error stays the only message: torchrun's own report of a failed child, a
-    traceback, is silenced, and the rank's exit code (2 for a user error) is returned.
+    traceback, is silenced, and the rank's exit code (2 for a user error) is returned. A rank
+    killed by a signal cannot speak for itself: one line names it and the signal.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -57,11 +59,13 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv, max_restarts)))
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        if failure.exitcode < 0:  # killed by a signal: the rank could say nothing itself
-            print(f"error: rank {rank} (pid {failure.pid}) died of {failure.signal_name()}; torchrun stopped "
-                  f"the other ranks{'' if max_restarts else ' (--max-restarts N restarts them from the last checkpoint)'}",
-                  file=sys.stderr)
-            return 1
-        return failure.exitcode
+        for rank, failure in sorted(err.failures.items()):
+            # SIGTERM is how torchrun stops the other ranks; any other signal killed a rank, which
+            # could say nothing itself.
+            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+                hint = "" if max_restarts else " (--max-restarts N restarts them from the last checkpoint)"
+                print(f"error: rank {rank} (pid {failure.pid}) died of {failure.signal_name()}; torchrun stopped "
+                      f"the other ranks{hint}", file=sys.stderr)
+        exited = sorted((f.timestamp, f.exitcode) for f in err.failures.values() if f.exitcode > 0)
+        return exited[0][1] if exited else 1  # a rank that stopped itself (2: a user error) said why
     return 0

@@ -7,7 +7,9 @@ dp rank 0. Each row predicts exactly that rank's figure with the planner's formu
   model states   costs.model_state_bytes of the parameters rank 0 holds: its stages' blocks
                  (the engine's partition), its tp shard (the engine's TP plan, applied to the
                  model on the meta device, so no weights are made), ZeRO over dp;
-  activations    costs.block_activation_bytes × the blocks of one forward on rank 0;
+  activations    costs.block_activation_bytes × the blocks whose activations rank 0 holds at
+                 once: its schedule's micro-batches in flight (simulate.peak_in_flight), each
+                 with its stage's blocks;
   bytes per axis costs.dp_bytes_per_step, costs.tp_bytes_per_step (and tp_loss_bytes_per_step
                  where rank 0 computes the loss), estimate()'s pp_bytes;
   step time      costs.estimate with the profile ``threefold calibrate`` measured.
@@ -52,12 +54,14 @@ class Row:
 
 @dataclass(frozen=True)
 class RankZero:
-    """What global rank 0 runs: its parameter elements, the blocks of its largest forward
-    (one stage, or with interleaving one chunk), its blocks in all, and whether it holds the head."""
+    """What global rank 0 runs: its parameter elements, its blocks in all, whether it holds
+    the head, and the most blocks whose activations it holds at once with the micro-batches
+    its schedule keeps in flight (``in_flight`` of them at that moment)."""
     numel: int
-    blocks_per_forward: int
     blocks: int
     last_stage: bool
+    blocks_in_flight: int
+    in_flight: int
 
 
 def rank_zero(cfg: Config) -> RankZero:
@@ -68,6 +72,7 @@ def rank_zero(cfg: Config) -> RankZero:
     from threefold.parallel.pipeline.engine import StageModule
     from threefold.parallel.pipeline.partition import partition
     from threefold.parallel.pipeline.schedule import build_schedule
+    from threefold.plan.simulate import peak_in_flight
 
     p = cfg.parallel
     with torch.device("meta"):
@@ -76,16 +81,19 @@ def rank_zero(cfg: Config) -> RankZero:
             from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
 
             parallelize(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
-    if p.pp == 1:
-        held, blocks, last = [model], [cfg.model.layers], True
+    if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
+        held, blocks, last, peak = [model], [cfg.model.layers], True, (cfg.model.layers, 1)
     else:
         spans = partition(cfg.model, p.pp, p.virtual_stages)
-        stages = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages).stages_of(0)
+        schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+        stages = schedule.stages_of(0)
         held = [StageModule(model, spans[s]) for s in stages]
         blocks = [len(spans[s].blocks) for s in stages]
         last = any(spans[s].last for s in stages)
+        peak = (peak_in_flight(schedule.actions[0], schedule.split_backward, lambda a: len(spans[a.stage].blocks)),
+                peak_in_flight(schedule.actions[0], schedule.split_backward))
     params = {id(q): q for module in held for q in module.parameters()}  # a tied weight once
-    return RankZero(sum(q.numel() for q in params.values()), max(blocks), sum(blocks), last)
+    return RankZero(sum(q.numel() for q in params.values()), sum(blocks), last, *peak)
 
 
 def resolved(cfg: Config) -> Config:
@@ -132,9 +140,10 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     tokens = t.micro_batch * model.seq_len
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
-    rows.append(Row("memory: activations, one micro-batch", rank.blocks_per_forward * block,
+    flight = f", up to {rank.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
+    rows.append(Row("memory: activations, peak", rank.blocks_in_flight * block,
                     measured(lambda s: s["memory"]["activations"]),
-                    f"{rank.blocks_per_forward} × block_activation_bytes; not predicted (no exact formula): "
+                    f"{rank.blocks_in_flight} × block_activation_bytes{flight}; not predicted (no exact formula): "
                     + ("the embedding, final norm, logits and loss" if rank.last_stage else "the embedding")))
 
     layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero,

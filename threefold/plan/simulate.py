@@ -121,7 +121,7 @@ def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResul
         makespan=max(clock),
         bubble_fraction=bubble_fraction([[(t.start, t.end) for t in rank if t.action.kind.is_compute]
                                          for rank in result_timelines]),
-        peak_activations=tuple(_peak_in_flight(actions, split) / schedule.virtual_stages
+        peak_activations=tuple(peak_in_flight(actions, split) / schedule.virtual_stages
                                for actions in schedule.actions),
     )
 
@@ -140,14 +140,15 @@ def bubble_fraction(busy_intervals: Sequence[Sequence[tuple[float, ...]]]) -> fl
     return 1.0 - busy / (len(busy_intervals) * span)
 
 
-def _peak_in_flight(actions: Sequence[Action], split_backward: bool) -> int:
-    """Most (micro-batch, stage) activation sets a rank stores at once, following its order."""
+def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambda action: 1) -> int:
+    """Most (micro-batch, stage) activation sets a rank stores at once, following its order;
+    with ``weight(action)``, the most of their weights (e.g. the stage's blocks)."""
     release = Kind.WEIGHT_GRAD if split_backward else Kind.BACKWARD
     in_flight = peak = 0
     for action in actions:
         if action.kind is Kind.FORWARD:
-            in_flight += 1
+            in_flight += weight(action)
             peak = max(peak, in_flight)
         elif action.kind is release:
-            in_flight -= 1
+            in_flight -= weight(action)
     return peak
