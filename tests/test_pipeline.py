@@ -144,6 +144,13 @@ def test_data_and_pipeline_parallel(distributed, zero):
     assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 2, 1, zero), reference(4))
 
 
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_pipeline_and_tensor_parallel_without_sequence_parallel(distributed, schedule, v):
+    """tp 2 × pp 2: each tp rank sends half of every activation and gradient, the receivers
+    all-gather them (Megatron's scatter/gather)."""
+    assert_same_training(case(distributed, 2, 4, schedule, v, 1, 2, 0, False), reference(4))
+
+
 def test_3d_with_sequence_parallel_and_zero1(distributed):
     """dp 2 × tp 2 × pp 2 = 8 ranks, interleaved, SP, ZeRO-1 over dp."""
     assert_same_training(case(distributed, 2, 2, "interleaved", 2, 2, 2, 1, True), reference(4))
@@ -163,7 +170,8 @@ def planner_pp_bytes(cfg, pp: int, v: int, tp: int = 1, sp: bool = False) -> flo
 
 @pytest.mark.parametrize("schedule,pp,m,v,dp,tp,sp", [("1f1b", 4, 8, 1, 1, 1, False), ("zb-h1", 4, 6, 1, 1, 1, False),
                                                      ("interleaved", 2, 4, 2, 1, 1, False),
-                                                     ("interleaved", 2, 2, 2, 2, 2, True)])
+                                                     ("interleaved", 2, 2, 2, 2, 2, True),
+                                                     ("1f1b", 2, 4, 1, 1, 2, False)])
 def test_pp_bytes_equal_the_planner(distributed, schedule, pp, m, v, dp, tp, sp):
     """Each stage boundary carries one activation forward and one gradient back per micro-batch:
     rank r sends m·(2v − [r first] − [r last]) messages, costs.pp_bytes_per_step. The planner's
@@ -181,6 +189,9 @@ def test_pp_bytes_equal_the_planner(distributed, schedule, pp, m, v, dp, tp, sp)
             assert step["pp"] == costs.pp_bytes_per_step(r["pp_rank"], pp, m, v, cfg.train.micro_batch,
                                                          cfg.model.seq_len, cfg.model.hidden, tp, sp)
             assert step.get("pp.tied", 0) == (tied if ends else 0)  # the tied weight's gradient
+            gathered = 0 if sp or tp == 1 else costs.scatter_gather_bytes_per_step(
+                r["pp_rank"], pp, m, v, cfg.train.micro_batch, cfg.model.seq_len, cfg.model.hidden, tp)
+            assert step.get("tp.scatter_gather", 0) == gathered  # Megatron's scatter/gather without SP
             assert step["pp.scalar"] == 2 * (pp - 1) / pp * 4 * 2  # the loss and the gradient norm
             dp_bytes = costs.dp_bytes_per_step(r["numel"], dp, zero, m)
             assert step.get("dp", 0) == round(dp_bytes)

@@ -194,11 +194,26 @@ def pp_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: 
 
     Each of its v stages sends every micro-batch's output activations forward, except the very
     last stage, and every micro-batch's input gradient backward, except stage 0: m · (2v − [last
-    rank] − [first rank]) messages. A message is one micro-batch's hidden states; with sequence
-    parallelism each tp rank holds and sends 1/tp of the sequence, without it the whole.
+    rank] − [first rank]) messages. A message is one micro-batch's hidden states; each tp rank
+    sends 1/tp of it: its part of the sequence under sequence parallelism, and without SP its
+    slice of the flat tensor (Megatron's scatter/gather, ``scatter_gather_bytes_per_step``).
     """
-    messages = microbatches * (2 * virtual_stages - (pp_rank == pp - 1) - (pp_rank == 0))
-    return messages * micro_batch * seq_len * hidden * dtype_bytes / (tp if sequence_parallel else 1)
+    messages = pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages)
+    return messages * micro_batch * seq_len * hidden * dtype_bytes / tp
+
+
+def pp_messages_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int) -> int:
+    """Messages pipeline rank ``pp_rank`` sends per step; it receives as many."""
+    return microbatches * (2 * virtual_stages - (pp_rank == pp - 1) - (pp_rank == 0))
+
+
+def scatter_gather_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int, micro_batch: int,
+                                  seq_len: int, hidden: int, tp: int, dtype_bytes: int = 4) -> float:
+    """Bytes a rank sends on the tp axis per step to put the messages it received back
+    together under tp without SP (ledger key ``tp.scatter_gather``): one all-gather of the
+    whole message per message received."""
+    message = micro_batch * seq_len * hidden * dtype_bytes
+    return pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages) * (tp - 1) / tp * message
 
 
 def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict:

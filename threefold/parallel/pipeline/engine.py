@@ -38,7 +38,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy
 from threefold.parallel.data_parallel import Bucket, BucketedEngine, make_buckets, sharded_adamw
 from threefold.parallel.pipeline.partition import StageSpan, check_pipeline, partition
-from threefold.parallel.pipeline.runtime import MeasuredAction, PipelineRuntime
+from threefold.parallel.pipeline.runtime import MeasuredAction, PipelineRuntime, ScatterGather
 from threefold.parallel.pipeline.schedule import Kind, Schedule, build_schedule
 from threefold.plan.simulate import ActionCosts, simulate
 from threefold.train.engine import autocast, scale_to_norm, tensor_bytes
@@ -114,7 +114,11 @@ class PipelineEngine(BucketedEngine):
             from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
             loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
-        self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.stages, comm, loss_fn, self._compute_context)
+        wire = None
+        if self.tp is not None and not p.sequence_parallel:
+            wire = ScatterGather(comm, self.tp.size, self.tp.rank)  # each tp rank sends its 1/tp
+        self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.stages, comm, loss_fn, self._compute_context,
+                                       wire=wire)
         self.last_timeline: dict | None = None
         if cfg.microbatches < self.pp and self.rank == 0:
             warnings.warn(f"parallel.microbatches: {cfg.microbatches} micro-batches for {self.pp} pipeline ranks; "

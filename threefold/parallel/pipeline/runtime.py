@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -169,6 +170,40 @@ def backward_weight(groups: list[WeightGradGroup]) -> None:
 # --------------------------------------------------------------------------------------------
 # The runtime
 
+class Wire:
+    """How an activation, or its gradient, crosses a stage boundary: as it is."""
+
+    def message_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def unpack(self, message: torch.Tensor, shape: tuple[int, ...], tag: str | None = None) -> torch.Tensor:
+        return message
+
+
+class ScatterGather(Wire):
+    """Megatron's scatter/gather, for tensor parallelism without sequence parallelism: what
+    crosses the boundary is the same on every tp rank, so each sends only its 1/tp of the flat
+    tensor and the receiving tp ranks all-gather the pieces (tag "scatter_gather"). The pp
+    traffic is divided by tp; the all-gather runs over the fast tp links instead."""
+
+    def __init__(self, comm: Comm, tp_size: int, tp_rank: int, axis: str = "tp"):
+        self.comm, self.size, self.rank, self.axis = comm, tp_size, tp_rank, axis
+
+    def message_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(shape) // self.size,)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(-1).chunk(self.size)[self.rank]
+
+    def unpack(self, message: torch.Tensor, shape: tuple[int, ...], tag: str | None = "scatter_gather") -> torch.Tensor:
+        full = torch.empty(math.prod(shape), dtype=message.dtype, device=message.device)
+        self.comm.all_gather(full, message, self.axis, tag=tag)
+        return full.view(shape)
+
+
 @dataclass
 class Forwarded:
     """What a stage's backward needs of one micro-batch's forward."""
@@ -181,7 +216,8 @@ class StepState:
     """What one step's actions hand to each other. Keyed by (micro-batch, stage), each entry is
     set by one action and taken by a later one; all are empty again when the step ends."""
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    new_buffer: Callable[[], torch.Tensor]  # a tensor to receive an activation or gradient into
+    shape: tuple[int, ...]  # of an activation and of its gradient, as a stage sees them
+    new_buffer: Callable[[], torch.Tensor]  # a tensor to receive a message (the wire's shape) into
     received: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # RECV_ACT → FORWARD
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # FORWARD → SEND_ACT
     forwarded: dict[tuple[int, int], Forwarded] = field(default_factory=dict)  # FORWARD → BACKWARD
@@ -205,17 +241,19 @@ class PipelineRuntime:
     ``forward(hidden, seq_len)`` returning the next hidden state, or the logits on the last
     stage (``seq_len``: the micro-batch's token positions, for the rotary tables).
     ``loss_fn(logits, targets)`` is the mean loss of a micro-batch; ``compute_context()`` wraps
-    each forward (the activation meter and autocast); ``axis`` is the mesh axis of the pipeline.
+    each forward (the activation meter and autocast); ``axis`` is the mesh axis of the pipeline;
+    ``wire`` says what crosses a stage boundary (``ScatterGather`` under tp without SP).
     """
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 axis: str = "pp"):
+                 axis: str = "pp", wire: Wire | None = None):
         if set(stages) != set(schedule.stages_of(rank)):
             raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, "
                              f"got modules for {sorted(stages)}")
         self.schedule, self.rank, self.stages, self.comm, self.axis = schedule, rank, stages, comm, axis
+        self.wire = wire or Wire()
         self.actions = schedule.actions[rank]
         self.loss_fn, self.compute_context = loss_fn, compute_context
         self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in stages.items()}
@@ -234,7 +272,9 @@ class PipelineRuntime:
         if len(micro_batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step brought {len(micro_batches)}")
-        self.step = StepState(micro_batches, lambda: torch.empty(activation_shape, dtype=activation_dtype))
+        message_shape = self.wire.message_shape(activation_shape)
+        self.step = StepState(micro_batches, activation_shape,
+                              lambda: torch.empty(message_shape, dtype=activation_dtype))
         self.step.left_to_post = dict(self.receives_from)
         for peer in self.receives_from:
             self.step.posted[peer] = deque()
@@ -262,11 +302,12 @@ class PipelineRuntime:
             backward_weight(step.weight_grads.pop(key))
         elif kind is Kind.SEND_ACT:
             # Dropping our reference leaves the send's the only one: the tensor goes when it completes.
-            step.sends[index] = self.comm.send(step.outputs.pop(key), self.axis, action.peer)
+            step.sends[index] = self.comm.send(self.wire.pack(step.outputs.pop(key)), self.axis, action.peer)
         elif kind is Kind.SEND_GRAD:
-            step.sends[index] = self.comm.send(step.input_grads.pop(key), self.axis, action.peer)
+            step.sends[index] = self.comm.send(self.wire.pack(step.input_grads.pop(key)), self.axis, action.peer)
         else:
-            (step.received if kind is Kind.RECV_ACT else step.output_grads)[key] = self._receive(action.peer)
+            received = self.wire.unpack(self._receive(action.peer), step.shape)
+            (step.received if kind is Kind.RECV_ACT else step.output_grads)[key] = received
             for done in self.releases.get(index, ()):
                 step.sends.pop(done).wait()  # already complete: this frees its tensor
 
@@ -328,13 +369,15 @@ class PipelineRuntime:
                     if module.first:
                         hidden = module.embed(tokens)
                     else:
-                        hidden = torch.empty(activation_shape, dtype=activation_dtype)
-                        self.comm.recv(hidden, self.axis, self.schedule.rank_of(stage - 1), tag=tag).wait()
+                        message = torch.empty(self.wire.message_shape(activation_shape), dtype=activation_dtype)
+                        self.comm.recv(message, self.axis, self.schedule.rank_of(stage - 1), tag=tag).wait()
+                        hidden = self.wire.unpack(message, activation_shape, tag=tag)
                     output = module(hidden, tokens.shape[1])
                 if module.last:
                     losses[i] = self.loss_fn(output, targets).double()
                 else:
-                    sends.append(self.comm.send(output, self.axis, self.schedule.rank_of(stage + 1), tag=tag))
+                    sends.append(self.comm.send(self.wire.pack(output), self.axis, self.schedule.rank_of(stage + 1),
+                                                tag=tag))
         for pending in sends:
             pending.wait()
         return losses
