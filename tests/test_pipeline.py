@@ -151,6 +151,17 @@ def test_pipeline_and_tensor_parallel_without_sequence_parallel(distributed, sch
     assert_same_training(case(distributed, 2, 4, schedule, v, 1, 2, 0, False), reference(4))
 
 
+def test_zero_bubble_split_adds_no_tensor_parallel_work(distributed):
+    """ZB-H1 runs the column-parallel node twice, for the input gradient (B) and the weight
+    gradient (W); each computes only its half, so tp traffic equals 1F1B's to the byte."""
+    traffic = {}
+    for schedule in ("1f1b", "zb-h1"):
+        ranks = case(distributed, 2, 4, schedule, 1, 1, 2, 0, True)
+        assert_same_training(ranks, reference(4))
+        traffic[schedule] = [[step["tp"] for step in r["comm"]] for r in ranks]
+    assert traffic["zb-h1"] == traffic["1f1b"]
+
+
 def test_3d_with_sequence_parallel_and_zero1(distributed):
     """dp 2 × tp 2 × pp 2 = 8 ranks, interleaved, SP, ZeRO-1 over dp."""
     assert_same_training(case(distributed, 2, 2, "interleaved", 2, 2, 2, 1, True), reference(4))

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from threefold.config import Config, ConfigError, check_tensor_parallel
 from threefold.distributed.comm import Comm
@@ -206,21 +207,34 @@ class GatherSequence(torch.autograd.Function):
 
 class ColumnParallelMatmul(torch.autograd.Function):
     """x·Wᵀ on the gathered input, saving this rank's sequence shard of x instead of x: the
-    weight's gradient gathers x again. dL/dx flows back to ``GatherSequence``."""
+    weight's gradient gathers x again. dL/dx flows back to ``GatherSequence``.
+
+    Each gradient is computed only when the running backward pass will use it, as autograd's
+    own nodes do: a zero-bubble pipeline runs this node twice, once for the input gradient
+    (B) and once for the weight gradient (W), and each must pay for its half only."""
 
     @staticmethod
     def forward(ctx, full, shard, weight, gathered: SequenceGathered):
         ctx.save_for_backward(shard, weight)
         ctx.gathered = gathered
+        ctx.input_node, ctx.weight_node = full.grad_fn, get_gradient_edge(weight).node
         return F.linear(full, weight)
 
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        full = ctx.gathered.regather(shard).to(grad.dtype)
-        grad_input = grad @ weight.to(grad.dtype)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        grad_input = grad_weight = None
+        if _will_run(ctx.input_node):
+            grad_input = grad @ weight.to(grad.dtype)
+        if _will_run(ctx.weight_node):
+            full = ctx.gathered.regather(shard).to(grad.dtype)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
         return grad_input, None, grad_weight, None
+
+
+def _will_run(node) -> bool:
+    """Whether the backward pass now running goes through ``node`` (and so needs its gradient)."""
+    return node is not None and torch._C._will_engine_execute_node(node)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
