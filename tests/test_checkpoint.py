@@ -31,6 +31,7 @@ from threefold.config import ConfigError, load_config
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import Engine
+from threefold.train.shards import region
 
 BEFORE, AFTER = 3, 3  # steps on the saving layout, then on the loading one
 TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.vocab_size=63",
@@ -92,12 +93,6 @@ def reference(folder, steps: int) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("reference"), BEFORE + AFTER)
-
-
-def region(full: torch.Tensor, offsets, shape) -> torch.Tensor:
-    for dim, (offset, size) in enumerate(zip(offsets, shape)):
-        full = full.narrow(dim, offset, size)
-    return full
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -214,13 +214,6 @@ class FullyShardedEngine(DataParallelBase):
                     state[key] = view.clone()
         return {key: state[key] for key in self.state_keys}
 
-    @torch.no_grad()
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        Llama(self.cfg.model).load_state_dict(state)  # strict: refuses other keys or shapes
-        for unit in self.units:
-            flat = unit.layout.pack([state[uses[0][2]] for uses in unit.uses], self.mesh.device)
-            unit.chunk.copy_(unit.layout.own(flat))
-
     def plain_model(self) -> nn.Module:
         plain = Llama(self.cfg.model).to(self.mesh.device)
         plain.load_state_dict(self.model_state_dict())

@@ -581,25 +581,6 @@ class TensorParallelism:
         parts = all_gather_stacked(local, self.tp, "checkpoint")
         return torch.cat(parts.unbind(0), dim=split.dim).narrow(split.dim, 0, split.size).clone()
 
-    @torch.no_grad()
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.splits)
-        if set(state) != expected:
-            raise ValueError(f"state dict keys differ from the model's: missing {sorted(expected - set(state))}, "
-                             f"unexpected {sorted(set(state) - expected)}")
-        self._load_local_state({key: self._slice(key, value) for key, value in state.items()})
-
-    def _load_local_state(self, local: dict[str, torch.Tensor]) -> None:
-        super().load_model_state_dict(local)
-
-    def _slice(self, key: str, full: torch.Tensor) -> torch.Tensor:
-        split = self.splits[key]
-        if split.dim is None:
-            return full
-        if full.shape[split.dim] != split.size:
-            raise ValueError(f"{key}: {split.size} along dimension {split.dim} expected, got {tuple(full.shape)}")
-        return rank_slice(full, split.dim, self.tp)
-
     def plain_model(self) -> nn.Module:
         plain = Llama(self.cfg.model).to(self.mesh.device)
         plain.load_state_dict(self.model_state_dict())
@@ -612,15 +593,6 @@ class TensorParallelEngine(TensorParallelism, DataParallelEngine, VocabParallelL
 
 class FullyShardedTensorParallelEngine(TensorParallelism, FullyShardedEngine, VocabParallelLoss):
     """Tensor parallelism over tp, and ZeRO-3 of the tp-sharded model over dp."""
-
-    @torch.no_grad()
-    def _load_local_state(self, local: dict[str, torch.Tensor]) -> None:
-        # WORKAROUND until fsdp.py checks a state against the model it wraps: its
-        # load_model_state_dict checks against the plain model's shapes, which tp shards never
-        # have. The same packing, without that check (TensorParallelism checked the full state).
-        for unit in self.units:
-            flat = unit.layout.pack([local[uses[0][2]] for uses in unit.uses], self.mesh.device)
-            unit.chunk.copy_(unit.layout.own(flat))
 
 
 def build_tensor_parallel_engine(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> Engine:

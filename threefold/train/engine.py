@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from threefold.config import Config
-from threefold.models.llama import cross_entropy
-from threefold.train.shards import MOMENTS, Placement, Shard, whole_shards
+from threefold.models.llama import Llama, cross_entropy
+from threefold.train.shards import MOMENTS, Placement, Shard, region, whole_shards
 
 
 def decay_groups(named_params) -> tuple[list, list]:
@@ -195,12 +195,20 @@ class Engine:
         return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
                 "optimizer": tensor_bytes(states)}
 
-    # --- checkpoints: full (unsharded) states, keyed like the plain model -----------------
+    # --- full (unsharded) states, keyed like the plain model --------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state)
+        """Load a full plain-model state dict into whatever this rank holds of it (its
+        checkpoint pieces: whole tensors, tp slices or ZeRO chunks), on any layout."""
+        with torch.device("meta"):
+            Llama(self.cfg.model).load_state_dict(state, assign=True)  # strict: refuses other keys or shapes
+        for shard in self.checkpoint_shards():
+            kind, _, key = shard.name.partition("/")
+            if kind == "model":
+                shard.tensor.copy_(region(state[key], shard.offsets, shard.tensor.shape))
 
     # --- layout-independent checkpoints: this rank's pieces of the full states --------------
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -78,6 +78,13 @@ def boxes(shape, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...
     return found
 
 
+def region(full: torch.Tensor, offsets, shape) -> torch.Tensor:
+    """The box of ``full`` that starts at ``offsets`` and has ``shape`` (a view)."""
+    for dim, (offset, size) in enumerate(zip(offsets, shape)):
+        full = full.narrow(dim, offset, size)
+    return full
+
+
 def _placed(name: str, placement: Placement, offsets, view: torch.Tensor) -> list[Shard]:
     """The local box at ``offsets`` (held by ``view``) moved into the full tensor."""
     offsets = list(offsets)

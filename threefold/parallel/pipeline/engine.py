@@ -297,21 +297,6 @@ class PipelineEngine(BucketedEngine):
         parts = all_gather_stacked(local, self.tp, "checkpoint")
         return torch.cat(parts.unbind(0), dim=split.dim).narrow(split.dim, 0, split.size)
 
-    @torch.no_grad()
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.device("meta"):
-            Llama(self.cfg.model).load_state_dict(state, assign=True)  # strict: refuses other keys or shapes
-        for key, param in self._local_params().items():
-            param.copy_(self._slice_for_tp(key, state[key]))
-
-    def _slice_for_tp(self, key: str, full: torch.Tensor) -> torch.Tensor:
-        split = self.tp_splits.get(key)
-        if split is None or split.dim is None:
-            return full
-        from threefold.parallel.tensor_parallel import rank_slice
-
-        return rank_slice(full, split.dim, self.tp)
-
     def plain_model(self) -> nn.Module:
         plain = Llama(self.cfg.model).to(self.mesh.device)
         plain.load_state_dict(self.model_state_dict())
