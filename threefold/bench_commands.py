@@ -10,8 +10,11 @@ import click
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 
+SHARED = {"common"}  # bench/common.py holds what the benchmarks share; it is not one
+
+
 def available() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in SHARED) if BENCH_DIR.is_dir() else []
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
