@@ -70,7 +70,10 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def move_aside(found: list[Path]) -> Path:
     """Move checkpoints of an earlier run into ``earlier-<time>/`` of their folder, where
     ``list_checkpoints`` does not look; returns that folder."""
-    aside = found[0].parent / time.strftime("earlier-%Y%m%d-%H%M%S")
+    stamp = time.strftime("earlier-%Y%m%d-%H%M%S")
+    aside, n = found[0].parent / stamp, 1
+    while aside.exists():  # two runs within a second
+        aside, n = found[0].parent / f"{stamp}-{n}", n + 1
     aside.mkdir()
     for path in found:
         path.rename(aside / path.name)
