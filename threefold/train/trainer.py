@@ -106,7 +106,9 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             sampler.load_state_dict(meta["sampler"])
             start = meta["step"]
             if main:
-                console.print(f"resumed from {found[-1]} at step {start}")
+                saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
+                moved = f" (saved on {saved}, resharded to {now})" if saved != now else ""
+                console.print(f"resumed from {found[-1]} at step {start}{moved}")
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
 
@@ -178,6 +180,11 @@ def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, generator=generator)
     return tokenizer.decode(out[0].tolist())
+
+
+def _layout(parallel: dict) -> str:
+    """dp=2 tp=2 pp=2 zero=1: the parts of a layout that decide how states are split."""
+    return " ".join(f"{key}={parallel[key]}" for key in ("dp", "tp", "pp", "zero"))
 
 
 def _is_main_process() -> bool:
