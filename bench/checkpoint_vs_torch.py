@@ -46,7 +46,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -57,18 +56,18 @@ import click
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from threefold.config import Config
 from threefold.models.llama import Llama, cross_entropy
-from threefold.models.presets import get_preset
 from threefold.train import checkpoint
 from threefold.train.engine import Engine, build_adamw
 from threefold.train.shards import MOMENTS
 from threefold.train.trainer import split_micro_batches
+
+from common import fresh_model, join_gloo, preset_config, spawn_ranks, step_at_lr, train_step
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 TRAIN_STEPS = 2
@@ -77,10 +76,7 @@ DP = 2
 
 
 def bench_config(preset: str, dp: int) -> Config:
-    cfg = Config()
-    cfg.model = get_preset(preset)
-    cfg.model.vocab_size = 4096
-    cfg.model.seq_len = 256
+    cfg = preset_config(preset)
     cfg.parallel.dp = dp
     cfg.parallel.zero = 3 if dp > 1 else 0
     cfg.parallel.timeout_s = 300
@@ -90,22 +86,13 @@ def bench_config(preset: str, dp: int) -> Config:
     return cfg.validate()
 
 
-def fresh_model(cfg: Config) -> Llama:
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return model
-
-
 def train(engine, cfg: Config, rank: int = 0, world: int = 1) -> None:
     """TRAIN_STEPS steps of the same random batches whatever the layout (rank r: its rows)."""
     gen = torch.Generator().manual_seed(cfg.train.seed)
     for _ in range(TRAIN_STEPS):
         tokens = torch.randint(cfg.model.vocab_size, (cfg.train.global_batch, TRAIN_TOKENS + 1), generator=gen)
         rows = tokens[rank * len(tokens) // world:(rank + 1) * len(tokens) // world]
-        engine.forward_backward(split_micro_batches(rows[:, :-1], rows[:, 1:], cfg.train.micro_batch))
-        engine.clip_grad_norm(cfg.train.grad_clip)
-        engine.optimizer_step(cfg.train.lr)
-        engine.zero_grad()
+        train_step(engine, split_micro_batches(rows[:, :-1], rows[:, 1:], cfg.train.micro_batch), cfg)
 
 
 class FSDP2:
@@ -128,9 +115,7 @@ class FSDP2:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def optimizer_step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        step_at_lr(self.optimizer, lr)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -465,31 +450,12 @@ def zero3(cfg: Config, repeats: int, folder: Path, keep: Path) -> dict:
 
 
 def worker(rank: int, world: int, port: int, preset: str, repeats: int, folder: str, keep: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    """One ZeRO-3 rank (spawn_ranks starts it); rank 0 sends the results."""
+    join_gloo(rank, world, port, threads=max(1, (os.cpu_count() or 1) // world), timeout_s=300)
     result = zero3(bench_config(preset, world), repeats, Path(folder), Path(keep))
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
-
-
-def run_world(world: int, preset: str, repeats: int, folder: Path, keep: Path) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, world, port, preset, repeats, str(folder), str(keep), queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank of world {world} exited with code {p.exitcode}")
-    return result
 
 
 # --- 3. the ZeRO-3 checkpoints loaded by one process -----------------------------------------------------
@@ -593,7 +559,7 @@ def main(repeats: int | None, quick: bool, threads: int, output: Path | None) ->
         console.print(f"one process ({preset}: {params / 1e6:.1f}M parameters), {repeats} repeats …")
         single, reference = one_process(cfg, repeats, tmp / "one", console)
         console.print(f"ZeRO-3 dp={DP} against FSDP2, {repeats} repeats …")
-        sharded = run_world(DP, preset, repeats, tmp / "dp", tmp / "keep")
+        sharded = spawn_ranks(DP, worker, preset, repeats, str(tmp / "dp"), str(tmp / "keep"))
         console.print(f"the dp={DP} checkpoints loaded by one process, {repeats} repeats …")
         resharded = reshard(cfg, repeats, tmp / "keep", reference)
     title = (f"threefold vs PyTorch checkpoints: {preset} preset ({params / 1e6:.1f}M params, weights + AdamW "

@@ -24,10 +24,8 @@ per step, the total time its collectives were in flight and the part of it that 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -35,25 +33,22 @@ from pathlib import Path
 import click
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
 from threefold.config import Config
 from threefold.models.llama import Llama, cross_entropy
-from threefold.models.presets import get_preset
 from threefold.train.engine import Engine, build_adamw
 from threefold.train.trainer import split_micro_batches
+
+from common import fresh_model, join_gloo, preset_config, spawn_ranks, step_at_lr, train_step
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
 LAYOUTS = [("ddp", 2), ("zero3", 2), ("zero3", 4)]
 
 
 def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
-    cfg = Config()
-    cfg.model = get_preset("tiny")
-    cfg.model.vocab_size = 4096
-    cfg.model.seq_len = 256
+    cfg = preset_config("tiny")
     cfg.parallel.dp = dp
     cfg.parallel.zero = 3 if kind == "zero3" else 0
     cfg.parallel.bucket_mb = bucket_mb
@@ -62,12 +57,6 @@ def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
     cfg.train.micro_batch = 4
     cfg.train.lr = 1e-3
     return cfg.validate()
-
-
-def fresh_model(cfg: Config) -> Llama:
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return model
 
 
 # --- PyTorch's own, driven like an Engine --------------------------------------------------------
@@ -109,20 +98,10 @@ class TorchPeer:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def optimizer_step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        step_at_lr(self.optimizer, lr)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def train_step(engine, micro_batches, cfg: Config) -> float:
-    loss = engine.forward_backward(micro_batches)
-    engine.clip_grad_norm(cfg.train.grad_clip)
-    engine.optimizer_step(cfg.train.lr)
-    engine.zero_grad()
-    return loss
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -174,32 +153,12 @@ def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
 
 def worker(rank: int, world: int, port: int, kinds: list[str], steps: int, warmup: int, bucket_mb: float,
            queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    for kind in kinds:
-        result = compare(kind, bench_config(kind, world, bucket_mb), steps, warmup)
-        if rank == 0:
-            queue.put(result)
+    """One rank of a world (spawn_ranks starts it): every layout of ``kinds``; rank 0 sends the results."""
+    join_gloo(rank, world, port, threads=max(1, (os.cpu_count() or 1) // world), timeout_s=300)
+    results = [compare(kind, bench_config(kind, world, bucket_mb), steps, warmup) for kind in kinds]
+    if rank == 0:
+        queue.put(results)
     dist.destroy_process_group()
-
-
-def run_world(world: int, kinds: list[str], steps: int, warmup: int, bucket_mb: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, world, port, kinds, steps, warmup, bucket_mb, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in kinds]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank of world {world} exited with code {p.exitcode}")
-    return results
 
 
 def results_table(results: list[dict]) -> Table:
@@ -227,7 +186,7 @@ def main(steps: int, warmup: int, bucket_mb: float) -> None:
     for world in sorted({w for _, w in LAYOUTS}):
         kinds = [k for k, w in LAYOUTS if w == world]
         console.print(f"world {world}: {', '.join(kinds)} …")
-        results += run_world(world, kinds, steps, warmup, bucket_mb)
+        results += spawn_ranks(world, worker, kinds, steps, warmup, bucket_mb)
     for r in results:
         if r["loss_max_rel_diff"] > 1e-4:
             raise SystemExit(f"{r['layout']}: losses disagree with PyTorch's by {r['loss_max_rel_diff']:.1e}")

@@ -21,19 +21,12 @@ untied: PyTorch's stages would not keep the two copies of a tied weight in step.
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
-import socket
-import statistics
-import time
 from pathlib import Path
-from queue import Empty
 
 import click
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -42,6 +35,8 @@ from threefold.config import Config
 from threefold.models.llama import Llama, cross_entropy
 from threefold.parallel.pipeline.partition import partition
 from threefold.train.engine import build_adamw
+
+from common import alternate_steps, fresh_model, join_gloo, spawn_ranks, summarise_pair, train_step
 
 RESULTS = Path(__file__).parent / "results" / "pp.json"
 PP = 4
@@ -130,11 +125,7 @@ def our_pipeline(plain: Llama, cfg: Config):
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         micro_batches = list(zip(inputs.split(cfg.train.micro_batch), targets.split(cfg.train.micro_batch)))
-        loss = engine.forward_backward(micro_batches)
-        engine.clip_grad_norm(cfg.train.grad_clip)
-        engine.optimizer_step(cfg.train.lr)
-        engine.zero_grad()
-        return loss
+        return train_step(engine, micro_batches, cfg)
 
     return engine, step
 
@@ -142,40 +133,22 @@ def our_pipeline(plain: Llama, cfg: Config):
 def run_pair(pair: str, layers: int, hidden: int, micro_batch: int, microbatches: int, warmup: int, steps: int) -> dict:
     (ours_schedule, ours_v), (torch_schedule, torch_v) = PAIRS[pair]
     cfg = bench_config(ours_schedule, ours_v, layers, hidden, micro_batch, microbatches)
-    plain = Llama(cfg.model)
-    plain.init_weights(cfg.train.seed)
+    plain = fresh_model(cfg)
     theirs = TorchPipeline(plain, cfg, torch_schedule, torch_v)
     engine, ours = our_pipeline(plain, cfg)
-    gen = torch.Generator().manual_seed(cfg.train.seed)
-    out = {"ours": {"schedule": ours_schedule, "virtual_stages": ours_v, "losses": [], "times": []},
-           "torch": {"schedule": torch_schedule, "virtual_stages": torch_v, "losses": [], "times": []}}
-    for step in range(warmup + steps):
-        tokens = torch.randint(cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=gen)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        # Alternate which goes first, so neither always runs on a cache the other warmed.
-        order = [("ours", lambda: ours(inputs, targets)), ("torch", lambda: theirs(inputs, targets))]
-        for name, run in order if step % 2 == 0 else reversed(order):
-            dist.barrier()
-            start = time.perf_counter()
-            loss = run()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-            out[name]["losses"].append(loss)
-            if step >= warmup:
-                out[name]["times"].append(elapsed.item())
+    out = {"ours": {"schedule": ours_schedule, "virtual_stages": ours_v},
+           "torch": {"schedule": torch_schedule, "virtual_stages": torch_v}}
+    timed = alternate_steps(cfg, {"ours": ours, "torch": theirs}, warmup, steps)
+    for side in out:
+        out[side].update(timed[side])
     out["ours"]["measured_timeline"] = engine.step_timeline()
     engine.shutdown()
-    for side in ("ours", "torch"):
-        out[side]["step_time_s"] = statistics.median(out[side]["times"])
-    out["ratio"] = out["ours"]["step_time_s"] / out["torch"]["step_time_s"]
-    out["max_loss_difference"] = max(abs(a - b) for a, b in zip(out["ours"]["losses"], out["torch"]["losses"]))
-    return out
+    return summarise_pair(out)
 
 
-def worker(rank: int, port: int, options: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=600))
+def worker(rank: int, world: int, port: int, options: dict, queue) -> None:
+    """One pipeline rank (spawn_ranks starts it): every pair; rank 0 sends the results."""
+    join_gloo(rank, world, port, threads=1, timeout_s=600)
     pairs = options.pop("pairs")
     results = {pair: run_pair(pair, **options) for pair in pairs}
     if rank == 0:
@@ -208,27 +181,10 @@ def results_table(results: dict) -> Table:
 def main(layers, hidden, micro_batch, microbatches, warmup, steps, pairs, out) -> None:
     """Step time and losses of our pipeline schedules vs torch.distributed.pipelining at pp=4."""
     console = Console(width=100)  # the table's seven columns, unwrapped
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     options = dict(layers=layers, hidden=hidden, micro_batch=micro_batch, microbatches=microbatches, warmup=warmup,
                    steps=steps, pairs=list(pairs or PAIRS))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with console.status(f"pp={PP}: {warmup} + {steps} alternating steps per pair"):
-        procs = [ctx.Process(target=worker, args=(rank, port, dict(options), queue)) for rank in range(PP)]
-        for proc in procs:
-            proc.start()
-        runs = None
-        while runs is None and all(proc.exitcode in (None, 0) for proc in procs):
-            try:
-                runs = queue.get(timeout=1.0)
-            except Empty:
-                pass
-        for proc in procs:
-            proc.join()
-    if runs is None:
-        raise click.ClickException("a rank failed (its traceback is above)")
+        runs = spawn_ranks(PP, worker, options)
     results = {"pp": PP, "layers": layers, "hidden": hidden, "vocab_size": 4096, "seq_len": 128,
                "micro_batch": micro_batch, "microbatches": microbatches, "threads_per_rank": 1,
                "warmup_steps": warmup, "timed_steps": steps, "torch_version": torch.__version__, "pairs": runs}

@@ -23,22 +23,19 @@ from rich.console import Console
 from rich.table import Table
 
 from threefold.config import Config
-from threefold.models.llama import Llama
-from threefold.models.presets import get_preset
 from threefold.plan.calibrate import cpu_cores, measure_matmul_flops
 from threefold.plan.costs import model_flops_per_token
 from threefold.train.engine import Engine
 from threefold.train.trainer import split_micro_batches
+
+from common import fresh_model, preset_config, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RESULTS = Path(__file__).parent / "results" / "single_process.json"
 
 
 def bench_config(dtype: str, micro_batch: int, microbatches: int) -> Config:
-    cfg = Config()
-    cfg.model = get_preset("small")
-    cfg.model.vocab_size = 4096
-    cfg.model.seq_len = 256
+    cfg = preset_config("small")
     cfg.train.dtype = dtype
     cfg.train.micro_batch = micro_batch
     cfg.train.global_batch = micro_batch * microbatches
@@ -56,17 +53,8 @@ def random_batches(cfg: Config, steps: int, seed: int) -> list[list[tuple[torch.
     return batches
 
 
-def train_step(engine: Engine, micro_batches, cfg: Config) -> float:
-    loss = engine.forward_backward(micro_batches)
-    engine.clip_grad_norm(cfg.train.grad_clip)
-    engine.optimizer_step(cfg.train.lr)
-    engine.zero_grad()
-    return loss
-
-
 def build_engine(cfg: Config, compile_model: bool) -> Engine:
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
+    model = fresh_model(cfg)
     engine = Engine(model, cfg)
     if compile_model:
         engine.model = torch.compile(model)  # the optimizer keeps the same parameters

@@ -16,35 +16,27 @@ parameter as both the embedding's rows and the head's.
 from __future__ import annotations
 
 import copy
-import datetime
 import json
-import os
-import socket
-import statistics
-import time
 from pathlib import Path
-from queue import Empty
 
 import click
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
 from threefold.config import Config
 from threefold.models.llama import Llama
-from threefold.models.presets import get_preset
+
+from common import alternate_steps, fresh_model, join_gloo, preset_config, spawn_ranks, summarise_pair, train_step
 
 RESULTS = Path(__file__).parent / "results" / "tp.json"
 TP = 2
 
 
 def bench_config(micro_batch: int, sequence_parallel: bool) -> Config:
-    cfg = Config()
-    cfg.model = get_preset("small")
-    cfg.model.vocab_size = 4096
+    cfg = preset_config("small")
     cfg.model.tie_embeddings = False
     cfg.train.micro_batch = cfg.train.global_batch = micro_batch
     cfg.train.grad_clip = 1.0
@@ -118,55 +110,29 @@ class TorchStep:
             torch.nn.utils.clip_grads_with_norm_(group, self.cfg.train.grad_clip, total)
 
 
-def our_step(engine, cfg: Config, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    loss = engine.forward_backward([(inputs, targets)])
-    engine.clip_grad_norm(cfg.train.grad_clip)
-    engine.optimizer_step(cfg.train.lr)
-    engine.zero_grad()
-    return loss
-
-
 def run_mode(cfg: Config, device_mesh, warmup: int, steps: int) -> dict:
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh
     from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
 
-    plain = Llama(cfg.model)
-    plain.init_weights(cfg.train.seed)
+    plain = fresh_model(cfg)
     theirs = TorchStep(torch_tensor_parallel(copy.deepcopy(plain), device_mesh, cfg.parallel.sequence_parallel), cfg)
     mesh = ParallelMesh.from_config(cfg.parallel)
     ours = build_tensor_parallel_engine(plain, cfg, mesh, Comm(mesh))
-    gen = torch.Generator().manual_seed(cfg.train.seed)
-    out = {"ours": {"losses": [], "times": []}, "torch": {"losses": [], "times": []}}
-    for step in range(warmup + steps):
-        tokens = torch.randint(cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=gen)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        # Alternate which goes first, so neither always runs on a cache the other warmed.
-        order = [("ours", lambda: our_step(ours, cfg, inputs, targets)), ("torch", lambda: theirs(inputs, targets))]
-        for name, run in order if step % 2 == 0 else reversed(order):
-            dist.barrier()
-            start = time.perf_counter()
-            loss = run()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-            out[name]["losses"].append(loss)
-            if step >= warmup:
-                out[name]["times"].append(elapsed.item())
+    # one micro-batch a step (micro_batch = global_batch): the whole batch goes to forward_backward at once
+    out = alternate_steps(cfg, {"ours": lambda inputs, targets: train_step(ours, [(inputs, targets)], cfg),
+                                "torch": theirs}, warmup, steps)
     ours.shutdown()
-    for side in out.values():
-        side["step_time_s"] = statistics.median(side["times"])
-    out["ratio"] = out["ours"]["step_time_s"] / out["torch"]["step_time_s"]
-    out["max_loss_difference"] = max(abs(a - b) for a, b in zip(out["ours"]["losses"], out["torch"]["losses"]))
-    return out
+    return summarise_pair(out)
 
 
-def worker(rank: int, port: int, micro_batch: int, warmup: int, steps: int, modes: list[bool], queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=datetime.timedelta(seconds=300))
+def worker(rank: int, world: int, port: int, micro_batch: int, warmup: int, steps: int, modes: list[bool],
+           queue) -> None:
+    """One tensor-parallel rank (spawn_ranks starts it): every mode; rank 0 sends the results."""
+    join_gloo(rank, world, port, threads=1, timeout_s=300)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh("cpu", (TP,))
+    device_mesh = init_device_mesh("cpu", (world,))
     results = {("sp" if sp else "no_sp"): run_mode(bench_config(micro_batch, sp), device_mesh, warmup, steps)
                for sp in modes}
     if rank == 0:
@@ -195,27 +161,9 @@ def results_table(results: dict) -> Table:
 def main(micro_batch, warmup, steps, modes, out) -> None:
     """Step time and losses of our tensor parallelism vs PyTorch's DTensor TP at tp=2."""
     console = Console()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     sp_modes = [mode == "sp" for mode in (modes or ("sp", "no_sp"))]
     with console.status(f"tp={TP}: {warmup} + {steps} alternating steps per mode"):
-        procs = [ctx.Process(target=worker, args=(rank, port, micro_batch, warmup, steps, sp_modes, queue))
-                 for rank in range(TP)]
-        for proc in procs:
-            proc.start()
-        runs = None
-        while runs is None and all(proc.exitcode in (None, 0) for proc in procs):
-            try:
-                runs = queue.get(timeout=1.0)
-            except Empty:
-                pass
-        for proc in procs:
-            proc.join()
-    if runs is None:
-        raise click.ClickException("a rank failed (its traceback is above)")
+        runs = spawn_ranks(TP, worker, micro_batch, warmup, steps, sp_modes)
     cfg = bench_config(micro_batch, True)
     results = {"tp": TP, "preset": "small", "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len,
                "micro_batch": micro_batch, "tokens_per_step": micro_batch * cfg.model.seq_len, "threads_per_rank": 1,
