@@ -17,6 +17,7 @@ from threefold.config import ConfigError
 COMMANDS = {
     "train": ("threefold.train.commands", "train", "Train a model from a TOML config."),
     "generate": ("threefold.train.commands", "generate", "Generate text from a checkpoint."),
+    "inspect": ("threefold.train.commands", "inspect", "Show what a checkpoint holds and which rank wrote which piece."),
     "data": ("threefold.data.commands", "data", "Prepare corpora and tokenizers."),
     "estimate": ("threefold.plan.commands", "estimate", "Predict memory, communication and step time of one layout."),
     "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),

@@ -387,3 +387,21 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
                if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     _read(path, {name: [Shard(name, tuple(t.shape), (0,) * t.dim(), t)] for name, t in tensors.items()}, no_dist=True)
     return tensors
+
+
+def pieces(path: Path) -> dict[str, dict]:
+    """What a checkpoint stores, tensor by tensor: full shape, dtype, and each piece's offsets,
+    sizes and the rank that wrote it (from DCP's metadata; nothing is read but that)."""
+    metadata = _metadata(path)
+    found = {}
+    for name, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        stored = []
+        for chunk in md.chunks:
+            file = metadata.storage_data[MetadataIndex(name, chunk.offsets)].relative_path
+            stored.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+                           "rank": int(file.split("_")[2]), "file": file})
+        found[name] = {"shape": list(md.size), "dtype": str(md.properties.dtype).removeprefix("torch."),
+                       "pieces": stored}
+    return found

@@ -67,3 +67,60 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
     tokenizer = checkpoint.read_tokenizer(path, checkpoint.read_meta(path))
     torch.set_num_threads(os.cpu_count() or 1)
     click.echo(sample_text(model, tokenizer, prompt, new_tokens, seed, temperature))
+
+
+@click.command()
+@click.argument("checkpoint_path", metavar="CHECKPOINT", type=click.Path())
+@click.option("--tensor", "key", help="A plain-model key (e.g. blocks.0.attn.wq.weight): list its pieces and "
+                                      "its moments', with the rank that wrote each.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def inspect(checkpoint_path, key, as_json):
+    """Show what a checkpoint holds and which rank wrote which piece."""
+    import json
+    from collections import Counter
+    from math import prod
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from threefold.train import checkpoint
+
+    path = checkpoint.resolve(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    stored = checkpoint.pieces(path)
+    if key is not None:
+        names = [n for n in (f"{kind}/{key}" for kind in ("model", "exp_avg", "exp_avg_sq")) if n in stored]
+        if not names:
+            keys = sorted(n.partition("/")[2] for n in stored if n.startswith("model/"))
+            raise ConfigError(f"--tensor: {str(path)!r} holds no tensor {key!r} (keys look like {keys[0]!r})")
+        stored = {n: stored[n] for n in names}
+    parallel = meta["config"]["parallel"]
+    files = Counter(piece["file"] for info in stored.values() for piece in info["pieces"])
+    summary = {"checkpoint": str(path), "step": meta["step"], "adam_step": meta.get("adam_step"),
+               "weights_only": bool(meta.get("weights_only")), "world_size": meta["world_size"],
+               "layout": {k: parallel[k] for k in ("dp", "tp", "pp", "zero", "sequence_parallel")},
+               "parameters": sum(prod(i["shape"]) for n, i in stored.items() if n.startswith("model/")),
+               "files": {f: {"bytes": (path / f).stat().st_size, "pieces": n} for f, n in sorted(files.items())}}
+    if as_json:
+        click.echo(json.dumps({**summary, "tensors": stored} if key else summary, indent=1))
+        return
+    console = Console()
+    layout = summary["layout"]
+    console.print(f"[bold]{path}[/bold]: step {summary['step']}"
+                  + (" (weights only)" if summary["weights_only"] else f", Adam step {summary['adam_step']:.0f}")
+                  + f"; saved by {summary['world_size']} ranks, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
+                  f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}")
+    table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
+    for file, info in summary["files"].items():
+        table.add_row(file, file.split("_")[2], f"{info['bytes'] / 2**20:.2f}", str(info["pieces"]))
+    console.print(table)
+    if key:
+        for name, info in stored.items():
+            console.print(f"[bold]{name}[/bold] {tuple(info['shape'])} {info['dtype']}")
+            table = Table("rank", "offsets", "sizes")
+            for piece in sorted(info["pieces"], key=lambda p: (p["rank"], p["offsets"])):
+                table.add_row(str(piece["rank"]), str(tuple(piece["offsets"])), str(tuple(piece["sizes"])))
+            console.print(table)
+    else:
+        console.print(f"{summary['parameters']:,} parameters in {sum(n.startswith('model/') for n in stored)} tensors; "
+                      "--tensor KEY lists one tensor's pieces")
