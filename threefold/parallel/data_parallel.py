@@ -48,7 +48,7 @@ from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.train.engine import Engine, build_adamw, init_adam_state, scale_to_norm, tensor_bytes
-from threefold.train.shards import MOMENTS, flat_layout_shards, whole_shards
+from threefold.train.shards import MOMENTS, flat_layout_shards
 
 
 def decay_first(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -253,17 +253,15 @@ class BucketedEngine(DataParallelBase):
         for bucket in self.buckets:
             (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
 
-    def checkpoint_shards(self):
-        """zero 0: whole tensors (Engine's). zero 1, 2: whole weights, and the moments of this
-        rank's chunk of each bucket."""
+    def moment_shards(self):
+        """zero 0: whole (Engine's). zero 1, 2: the moments of this rank's chunk of each bucket
+        (the weights are whole on every replica either way)."""
         if not self.sharded_grads:
-            return super().checkpoint_shards()
-        named = self.named_local_parameters()
-        keys = {id(p): key for key, p in named}
-        shards = [s for key, p in named for s in whole_shards(f"model/{key}", p.data, self.placement(key, p.shape))]
-        for bucket, moments in zip(self.buckets, self.moment_chunks):
-            shards += flat_layout_shards(bucket.layout, [keys[id(p)] for p in bucket.params], moments, self.placement)
-        return shards
+            return super().moment_shards()
+        keys = {id(p): key for key, p in self.named_local_parameters()}
+        return [shard for bucket, moments in zip(self.buckets, self.moment_chunks)
+                for shard in flat_layout_shards(bucket.layout, [keys[id(p)] for p in bucket.params], moments,
+                                                self.placement)]
 
 
 class DataParallelEngine(BucketedEngine):

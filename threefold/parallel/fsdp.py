@@ -194,13 +194,18 @@ class FullyShardedEngine(DataParallelBase):
                 "grads": tensor_bytes(u.grad_chunk for u in self.units),
                 "optimizer": self.optimizer_state_bytes()}
 
-    def checkpoint_shards(self):
-        """Every state is this rank's chunk of each unit: weights and moments alike."""
-        shards = []
-        for unit, moments in zip(self.units, self.moment_chunks):
-            keys = [uses[0][2] for uses in unit.uses]  # a tied weight under its first key, the embedding's
-            shards += flat_layout_shards(unit.layout, keys, {"model": unit.chunk, **moments}, self.placement)
-        return shards
+    def weight_shards(self):
+        """This rank's chunk of each unit's weights."""
+        return self._unit_shards([{"model": unit.chunk} for unit in self.units])
+
+    def moment_shards(self):
+        """This rank's chunk of each unit's moments."""
+        return self._unit_shards(self.moment_chunks)
+
+    def _unit_shards(self, chunks: list[dict[str, torch.Tensor]]):
+        # A tied weight goes under its first key, the embedding's.
+        return [shard for unit, flats in zip(self.units, chunks)
+                for shard in flat_layout_shards(unit.layout, [uses[0][2] for uses in unit.uses], flats, self.placement)]
 
     # --- full states, for checkpoints and generation (collectives: every rank calls them) ----
     @torch.no_grad()

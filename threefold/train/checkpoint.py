@@ -286,14 +286,18 @@ def _publish(root, step: int, tmp: Path, engine, meta: dict, tokenizer, keep: in
     return final
 
 
+def _whole_weights(model) -> list[Shard]:
+    """A plain model's weights as pieces, one whole tensor each (a tied weight once)."""
+    return [s for key, p in model.named_parameters()
+            for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))]
+
+
 def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
     """A weights-only checkpoint written by one process (``threefold import``): the model's
     tensors as one piece each, no optimizer states. ``generate``, ``export`` and
     ``[model] init_from`` read it; resuming a run from it is refused."""
-    shards = [s for key, p in model.named_parameters()
-              for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))]
     with _single_process_is_meant():
-        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(folder), planner=_SavePieces(), no_dist=True)
+        dcp.save(_by_name(_whole_weights(model)), storage_writer=FileSystemWriter(folder), planner=_SavePieces(), no_dist=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder / "tokenizer.json")
     meta = {"format": FORMAT, "step": 0, "weights_only": True, "world_size": 1, **meta}
@@ -373,9 +377,7 @@ def read_model(path: Path):
 
     model_cfg = ModelConfig(**read_meta(path)["config"]["model"])
     model = Llama(model_cfg)
-    state = _by_name([s for key, p in model.named_parameters()
-                      for s in whole_shards(f"model/{key}", p.data, Placement(tuple(p.shape)))])
-    _read(path, state, no_dist=True)
+    _read(path, _by_name(_whole_weights(model)), no_dist=True)
     return model_cfg, model.state_dict()
 
 

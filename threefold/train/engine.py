@@ -19,7 +19,7 @@ from torch import nn
 
 from threefold.config import Config
 from threefold.models.llama import Llama, cross_entropy
-from threefold.train.shards import MOMENTS, Placement, Shard, region, whole_shards
+from threefold.train.shards import MOMENTS, Placement, Shard, key_of, region, whole_shards
 
 
 def decay_groups(named_params) -> tuple[list, list]:
@@ -205,10 +205,8 @@ class Engine:
         checkpoint pieces: whole tensors, tp slices or ZeRO chunks), on any layout."""
         with torch.device("meta"):
             Llama(self.cfg.model).load_state_dict(state, assign=True)  # strict: refuses other keys or shapes
-        for shard in self.checkpoint_shards():
-            kind, _, key = shard.name.partition("/")
-            if kind == "model":
-                shard.tensor.copy_(region(state[key], shard.offsets, shard.tensor.shape))
+        for shard in self.weight_shards():
+            shard.tensor.copy_(region(state[key_of(shard)], shard.offsets, shard.tensor.shape))
 
     # --- layout-independent checkpoints: this rank's pieces of the full states --------------
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -223,12 +221,19 @@ class Engine:
         """This rank's pieces of the weights ("model/<key>") and of Adam's moments
         ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor; views
         into the live states, so ``train/checkpoint.py`` saves from them and loads into them."""
+        return self.weight_shards() + self.moment_shards()
+
+    def weight_shards(self) -> list[Shard]:
+        """Here: every parameter whole."""
+        return [shard for key, p in self.named_local_parameters()
+                for shard in whole_shards(f"model/{key}", p.data, self.placement(key, p.shape))]
+
+    def moment_shards(self) -> list[Shard]:
+        """Here: each parameter's moments whole (created as AdamW would, if no step ran yet)."""
         shards = []
         for key, p in self.named_local_parameters():
             state = init_adam_state(self.optimizer, p)
-            placement = self.placement(key, p.shape)
-            for kind, tensor in (("model", p.data), *((m, state[m]) for m in MOMENTS)):
-                shards += whole_shards(f"{kind}/{key}", tensor, placement)
+            shards += [s for m in MOMENTS for s in whole_shards(f"{m}/{key}", state[m], self.placement(key, p.shape))]
         return shards
 
     def adam_step(self) -> float:

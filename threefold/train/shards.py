@@ -54,6 +54,11 @@ class Shard:
     tensor: torch.Tensor
 
 
+def key_of(shard: Shard) -> str:
+    """The plain-model key a piece belongs to ("exp_avg/blocks.0.attn.wq.weight" → "blocks.0.attn.wq.weight")."""
+    return shard.name.partition("/")[2]
+
+
 def boxes(shape, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """Elements [lo, hi) of a row-major tensor of ``shape`` as boxes (offsets, sizes, first
     flat index), each box contiguous in the flattened tensor."""
