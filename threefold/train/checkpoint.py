@@ -297,7 +297,8 @@ def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
     tensors as one piece each, no optimizer states. ``generate``, ``export`` and
     ``[model] init_from`` read it; resuming a run from it is refused."""
     with _single_process_is_meant():
-        dcp.save(_by_name(_whole_weights(model)), storage_writer=FileSystemWriter(folder), planner=_SavePieces(), no_dist=True)
+        dcp.save(_by_name(_whole_weights(model)), storage_writer=FileSystemWriter(folder), planner=_SavePieces(),
+                 no_dist=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder / "tokenizer.json")
     meta = {"format": FORMAT, "step": 0, "weights_only": True, "world_size": 1, **meta}
@@ -362,8 +363,8 @@ def load(path: Path, engine, cfg: Config) -> dict:
     state = _by_name(engine.checkpoint_shards())
     saved_world = meta["world_size"]
     rng = torch.get_rng_state()  # a rank the saving layout did not have takes rank r mod its size
-    state[f"rng/rank{engine.rank % saved_world}"] = [Shard(f"rng/rank{engine.rank % saved_world}",
-                                                           tuple(rng.shape), (0,), rng)]
+    name = f"rng/rank{engine.rank % saved_world}"
+    state[name] = [Shard(name, tuple(rng.shape), (0,), rng)]
     _read(path, state, no_dist=_no_dist())
     engine.set_adam_step(meta["adam_step"])
     torch.set_rng_state(rng)
