@@ -29,7 +29,11 @@ from threefold.train import checkpoint
 from threefold.train.engine import Engine
 from threefold.train.trainer import sample_text
 
-TOLERANCE = 1e-4  # max abs logit difference in fp32
+TOLERANCE = 1e-4  # max abs logit difference in fp32, for the small test models
+# SmolLM2-135M: 30 layers of fp32 products whose summation order differs between our kernels and
+# transformers' (and between CPUs: 1.4e-4 measured on a Zen 4, under 1e-4 elsewhere), on logits of
+# magnitude ~20, i.e. a relative difference of ~1e-5, a few fp32 ulps per layer.
+SMOLLM2_TOLERANCE = 3e-4
 TEXT = "To be, or not to be, that is the question: 1599 times over.\nWhether 'tis nobler in the mind"
 
 
@@ -347,7 +351,7 @@ def test_smollm2_matches_transformers(transformers, smollm2):
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     tokens = torch.tensor([tokenizer.encode(prompt + TEXT)])
     difference = max_logit_difference(model, theirs, tokens)
-    assert difference <= TOLERANCE, difference
+    assert difference <= SMOLLM2_TOLERANCE, difference
 
     reference_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path().parent,
                                                                      gguf_file=smollm2_path().name)

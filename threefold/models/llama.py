@@ -6,6 +6,13 @@ Names of the sub-modules are part of the contract with the strategies (the tenso
 plan maps them to styles) and with checkpoint export:
 ``embed``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{wq,wk,wv,wo}``, ``blocks.{i}.mlp_norm``,
 ``blocks.{i}.mlp.{w_gate,w_up,w_down}``, ``norm``, ``head``.
+
+Two seams let a strategy replace a part without this file knowing of it:
+``blocks.{i}.attn.core`` is the attention core (``AttentionCore``: q, k, v and the tokens'
+positions in → the attended values out; context parallelism swaps in one that attends over a
+sequence split across ranks), and each block's feed-forward comes from ``make_mlp(cfg, layer)``
+(a Mixture-of-Experts block replaces it per layer). The forward takes the tokens' positions,
+0..s−1 by default, so a rank that holds other parts of the sequence rotates them correctly.
 """
 from __future__ import annotations
 
@@ -49,16 +56,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q kᵀ/√d) v; q is (b, h, s, d), k and v (b, h_kv, s, d) with h_kv dividing h.
-
-    This is what selective recomputation recomputes: its inputs are kept, its inner
-    activations are not (scaled_dot_product_attention never stores the s×s scores anyway).
-    """
+    """Causal softmax(q kᵀ/√d) v; q is (b, h, s, d), k and v (b, h_kv, s, d) with h_kv dividing h."""
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class AttentionCore(nn.Module):
+    """The seam for context parallelism: causal attention of q over k, v for tokens at
+    ``positions`` (s,). Here every token of the sequence is present, in order, so causality is
+    plain ``is_causal``; a context-parallel core receives a rank's part of the sequence.
+
+    This is what selective recomputation recomputes (``recompute``): its inputs are kept, its
+    inner activations are not (scaled_dot_product_attention never stores the s×s scores anyway).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.recompute = False  # selective recomputation, set by Llama.set_recompute
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(attention_core, q, k, v, use_reentrant=False)
+        return attention_core(q, k, v)
 
 
 class Attention(nn.Module):
@@ -69,19 +91,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        self.recompute_core = False  # selective recomputation, set by the trainer
+        self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights, so a strategy that slices heads needs no other change.
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(attention_core, q, k, v, use_reentrant=False)
-        else:
-            out = attention_core(q, k, v)
+        out = self.core(q, k, v, positions)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -96,23 +115,28 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward block of layer ``layer``: the seam where experts replace the dense MLP."""
+    return SwiGLU(cfg)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
-        self.recompute = False  # full recomputation of this block, set by the trainer
+        self.mlp = make_mlp(cfg, layer)
+        self.recompute = False  # full recomputation of this block, set by Llama.set_recompute
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, positions, use_reentrant=False)
+        return self._forward(x, cos, sin, positions)
 
 
 class Llama(nn.Module):
@@ -124,7 +148,7 @@ class Llama(nn.Module):
             raise ValueError("model.vocab_size is not set (the trainer takes it from the tokenizer)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -155,19 +179,25 @@ class Llama(nn.Module):
         """none | selective (the attention core of every block) | full (every block)."""
         for block in self.blocks:
             block.recompute = mode == "full"
-            block.attn.recompute_core = mode == "selective"
+            block.attn.core.recompute = mode == "selective"
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.norm(x)
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks=None) -> torch.Tensor:
+        """The block loop, over ``blocks`` (default: all of them; a pipeline stage passes its
+        own), for hidden states ``x`` of the tokens at ``positions`` (s,)."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for block in self.blocks if blocks is None else blocks:
+            x = block(x, cos, sin, positions)
+        return x
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) → logits (batch, seq, vocab)."""
-        return self.head(self.hidden_states(tokens))
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.norm(self.run_blocks(self.embed(tokens), positions))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) → logits (batch, seq, vocab); ``positions`` (seq,) of the tokens
+        in their sequence, 0..seq−1 unless a strategy holds another part of it."""
+        return self.head(self.hidden_states(tokens, positions))
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8,

@@ -63,9 +63,10 @@ class StageModule(nn.Module):
     def forward(self, hidden: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The next stage's input, or on the last stage the logits. ``seq_len``: the tokens'
         length (the hidden state holds fewer positions under sequence parallelism)."""
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        positions = torch.arange(seq_len, device=hidden.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for block in self.blocks.values():
-            hidden = block(hidden, cos, sin)
+            hidden = block(hidden, cos, sin, positions)
         if self.last:
             return self.head(self.norm(hidden))
         return hidden
