@@ -64,7 +64,7 @@ from threefold.config import Config
 from threefold.models.llama import Llama, cross_entropy
 from threefold.train import checkpoint
 from threefold.train.engine import Engine, build_adamw
-from threefold.train.shards import MOMENTS
+from threefold.parallel.placements import MOMENTS
 from threefold.train.trainer import split_micro_batches
 
 from common import fresh_model, join_gloo, preset_config, spawn_ranks, step_at_lr, train_step
@@ -411,7 +411,7 @@ def one_process(cfg: Config, repeats: int, folder: Path, console: Console) -> tu
 def zero3(cfg: Config, repeats: int, folder: Path, keep: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from threefold.parallel import build_engine
+    from threefold.train.engine import build_engine
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

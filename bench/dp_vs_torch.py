@@ -106,7 +106,7 @@ class TorchPeer:
 
 # --- one rank ----------------------------------------------------------------------------------
 def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
-    from threefold.parallel import build_engine
+    from threefold.train.engine import build_engine
 
     rank, world = dist.get_rank(), dist.get_world_size()
     contenders = {"threefold": build_engine(fresh_model(cfg), cfg), "torch": TorchPeer(kind, fresh_model(cfg), cfg),

@@ -1,7 +1,7 @@
 """Our pipeline parallelism against ``torch.distributed.pipelining``, at pp=4, in one run.
 
 Four gloo processes (one thread each) build the same model from the same seed twice: once as
-our ``PipelineEngine`` (schedule.py's actions run by runtime.py), once as PyTorch's
+our engine (schedule.py's actions run by runtime.py), once as PyTorch's
 ``PipelineStage``s, cut into the same stages (our ``partition``), driven by PyTorch's schedule.
 Three pairs, each on the same micro-batches:
 
@@ -116,12 +116,9 @@ class TorchPipeline:
 
 
 def our_pipeline(plain: Llama, cfg: Config):
-    from threefold.distributed.comm import Comm
-    from threefold.distributed.mesh import ParallelMesh
-    from threefold.parallel.pipeline.engine import PipelineEngine
+    from threefold.train.engine import build_engine
 
-    mesh = ParallelMesh.from_config(cfg.parallel)
-    engine = PipelineEngine(plain, cfg, mesh, Comm(mesh))
+    engine = build_engine(plain, cfg)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         micro_batches = list(zip(inputs.split(cfg.train.micro_batch), targets.split(cfg.train.micro_batch)))

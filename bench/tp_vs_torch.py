@@ -111,14 +111,11 @@ class TorchStep:
 
 
 def run_mode(cfg: Config, device_mesh, warmup: int, steps: int) -> dict:
-    from threefold.distributed.comm import Comm
-    from threefold.distributed.mesh import ParallelMesh
-    from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
+    from threefold.train.engine import build_engine
 
     plain = fresh_model(cfg)
     theirs = TorchStep(torch_tensor_parallel(copy.deepcopy(plain), device_mesh, cfg.parallel.sequence_parallel), cfg)
-    mesh = ParallelMesh.from_config(cfg.parallel)
-    ours = build_tensor_parallel_engine(plain, cfg, mesh, Comm(mesh))
+    ours = build_engine(plain, cfg)
     # one micro-batch a step (micro_batch = global_batch): the whole batch goes to forward_backward at once
     out = alternate_steps(cfg, {"ours": lambda inputs, targets: train_step(ours, [(inputs, targets)], cfg),
                                 "torch": theirs}, warmup, steps)

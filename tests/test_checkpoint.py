@@ -27,11 +27,12 @@ from equivalence import global_batches, train_steps
 from test_train import TINY as TRAINER_TINY
 from test_train import config as trainer_config
 from test_train import corpus  # noqa: F401  (the corpus fixture)
-from threefold.config import ConfigError, load_config
+from threefold.config import ConfigError
+from threefold.configure import load_config
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import Engine
-from threefold.train.shards import region
+from threefold.parallel.placements import region
 
 BEFORE, AFTER = 3, 3  # steps on the saving layout, then on the loading one
 TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.vocab_size=63",
@@ -58,7 +59,7 @@ def new_engine(cfg):
     model.init_weights(cfg.train.seed)
     if cfg.parallel.world_size == 1:
         return Engine(model, cfg)
-    from threefold.parallel import build_engine
+    from threefold.train.engine import build_engine
 
     return build_engine(model, cfg)
 

@@ -2,7 +2,7 @@
 prediction equals the measurement to the byte."""
 import json
 
-from threefold.config import load_config
+from threefold.configure import load_config
 from threefold.plan import compare as cmp
 from threefold.plan.calibrate import PROFILE_KEYS, save_profile
 from threefold.train.trainer import train

@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from threefold.cli import main
-from threefold.config import ConfigError, load_config
+from threefold.config import ConfigError
+from threefold.configure import load_config
 
 
 def write(tmp_path, text):

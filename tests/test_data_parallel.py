@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from equivalence import global_batches, my_micro_batches, train_reference, train_steps
-from threefold.config import load_config
+from threefold.configure import load_config
 from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
 from threefold.train.engine import Engine
@@ -40,7 +40,7 @@ def make_config(dp: int = 1, zero: int = 0, *extra: str):
 
 
 def new_engine(cfg):
-    from threefold.parallel import build_engine
+    from threefold.train.engine import build_engine
 
     model = Llama(cfg.model)
     model.init_weights(cfg.train.seed)

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from threefold.config import ConfigError, ParallelConfig, load_config
+from threefold.config import ConfigError, ParallelConfig
+from threefold.configure import load_config
 from threefold.distributed.comm import ring_bytes
 from threefold.distributed.launch import relaunch, torchrun_args, without_nproc
 from threefold.distributed.mesh import AXES, ParallelMesh
@@ -40,7 +41,7 @@ def test_world_of_one_needs_no_process_group():
     mesh = ParallelMesh.from_config(ParallelConfig())
     assert mesh.world_size == 1 and mesh.group("dp") is None and mesh.size("dp", "cp") == 1
     from threefold.models.llama import Llama
-    from threefold.parallel import build_engine
+    from threefold.train.engine import build_engine
     from threefold.train.engine import Engine
 
     cfg = load_config(None, ["model.layers=1", "model.hidden=32", "model.heads=2", "model.vocab_size=64"])

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from equivalence import global_batches, my_micro_batches, train_reference, train_steps
-from threefold.config import ConfigError, load_config
+from threefold.config import ConfigError
+from threefold.configure import load_config
 from threefold.models.llama import Llama
 from threefold.plan import costs
 from threefold.train.engine import Engine
@@ -40,15 +41,12 @@ def make_config(tp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False, *extr
 
 
 def new_engine(cfg):
-    from threefold.distributed.comm import Comm
-    from threefold.distributed.mesh import ParallelMesh
-    from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
+    from threefold.train.engine import build_engine
 
     model = Llama(cfg.model)
     model.init_weights(cfg.train.seed)
     model.set_recompute(cfg.train.recompute)
-    mesh = ParallelMesh.from_config(cfg.parallel)
-    return build_tensor_parallel_engine(model, cfg, mesh, Comm(mesh))
+    return build_engine(model, cfg)
 
 
 # --- functions the workers run ------------------------------------------------------------------

@@ -3,6 +3,11 @@
 A run is described by a TOML file with sections ``[model] [parallel] [train] [data]``;
 ``--set section.key=value`` overrides any key. Every bad input raises ``ConfigError`` with
 one line that names the key and the problem; the CLI prints it and exits with code 2.
+
+This file is a leaf: it imports nothing from the package and validates its own fields only.
+``threefold.configure.load_config`` is what commands call: it reads the file, applies a preset
+(models/presets.py), and asks each strategy whether it can run the layout (parallel/layout.py),
+all before any process starts.
 """
 from __future__ import annotations
 
@@ -77,7 +82,7 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the registry's names (parallel/pipeline/schedule.py)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class ParallelConfig:
     microbatches: int | None = None  # None: global_batch / (dp · micro_batch)
     virtual_stages: int = 1
     bucket_mb: float = 25.0
+    overlap_grad_reduce: bool = True  # reduce each gradient bucket as soon as its last gradient is in
     timeout_s: float = 300.0  # collectives that wait longer than this fail instead of hanging
 
     @property
@@ -197,14 +203,6 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
-        for axis, name in (("cp", "context"), ("ep", "expert")):
-            if getattr(p, axis) > 1:
-                raise ConfigError(f"parallel.{axis}: {name} parallelism is not in the engine yet (the planner models it)")
-        check_tensor_parallel(self.model, p)
-        if p.pp > 1:  # refused here, before any process starts, in one line
-            from threefold.parallel.pipeline.partition import check_pipeline
-
-            check_pipeline(self)
         if t.global_batch % (p.dp * t.micro_batch):
             raise ConfigError(
                 f"train.global_batch: {t.global_batch} is not divisible by parallel.dp × train.micro_batch "
@@ -222,26 +220,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise ConfigError, one line, for a model that ``parallel.tp`` cannot split."""
-    t = parallel.tp
-    if t == 1:
-        return
-    if model.heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} "
-                          "(each rank computes whole heads)")
-    if model.n_kv_heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
-                          "tensor parallelism splits them, it does not replicate them")
-    if model.ffn_hidden % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
-    if model.vocab_size is not None and model.vocab_size < t:
-        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens "
-                          "(model.vocab_size)")
-    if parallel.sequence_parallel and model.seq_len % t:
-        raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
@@ -320,8 +298,10 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Read a TOML file (optional), apply a preset, apply ``--set`` overrides, validate."""
+def read_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                preset_of: typing.Callable[[str], ModelConfig] | None = None) -> Config:
+    """Read a TOML file (optional), start from the preset it names (``preset_of(name)``),
+    apply ``--set`` overrides, validate every field."""
     values: dict = {}
     if path is not None:
         path = Path(path)
@@ -337,10 +317,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         override_values.setdefault(section, {})[key] = value
     preset = (override_values.get("model", {}).get("preset") or values.get("model", {}).get("preset"))
     cfg = Config()
-    if preset:
-        from threefold.models.presets import get_preset
-
-        cfg.model = get_preset(str(preset))
+    if preset and preset_of is not None:
+        cfg.model = preset_of(str(preset))
     apply_values(cfg, values, origin=str(path) if path else "config")
     apply_values(cfg, override_values, origin="--set")
     return cfg.validate()

@@ -1,37 +1,14 @@
-"""Parallel strategies, each a transformation of the plain model in its own file.
+"""Parallel strategies, each a transformation of model parts in its own file.
 
-``build_engine`` is the one entry point the trainer uses: it joins the job's process group,
-builds the mesh, and wraps the model in the engine of the requested layout.
+Applied in this order by the engine (threefold/train/engine.py, ``build_engine``):
+
+  1. tensor_parallel.apply_tp   tensor (and sequence) parallelism from the plan table;
+  2. pipeline/stages.py         the pipeline split into this rank's stage modules;
+  3. gradient synchronisation   per model part: data_parallel.BucketGradSync (DDP, ZeRO-1/2)
+                                or fsdp.ShardedGradSync (ZeRO-3), reducing over dp.
+
+Each records where the tensors it cuts sit in the full model (placements.py). layout.py checks,
+before any process starts, that every strategy can run the requested layout. This package
+imports nothing from the planner or the trainer; this file imports nothing, so the torch-free
+checks load fast.
 """
-from __future__ import annotations
-
-from threefold.config import Config
-from threefold.distributed.comm import Comm
-from threefold.distributed.mesh import ParallelMesh
-from threefold.models.llama import Llama
-from threefold.train.engine import Engine
-
-
-def build_engine(model: Llama, cfg: Config) -> Engine:
-    """The engine for ``cfg.parallel`` on this rank. Every rank passes the same full model
-    (built from the same seed); each strategy keeps its part of it."""
-    mesh = ParallelMesh.from_config(cfg.parallel)
-    if mesh.world_size == 1:
-        return Engine(model, cfg)
-    model.to(mesh.device)
-    comm = Comm(mesh)
-    if cfg.parallel.pp > 1:  # pp × dp (zero 0, 1) × tp on one mesh
-        from threefold.parallel.pipeline.engine import PipelineEngine
-
-        return PipelineEngine(model, cfg, mesh, comm)
-    if cfg.parallel.tp > 1:
-        from threefold.parallel.tensor_parallel import build_tensor_parallel_engine
-
-        return build_tensor_parallel_engine(model, cfg, mesh, comm)
-    if cfg.parallel.zero == 3:
-        from threefold.parallel.fsdp import FullyShardedEngine
-
-        return FullyShardedEngine(model, cfg, mesh, comm)
-    from threefold.parallel.data_parallel import DataParallelEngine
-
-    return DataParallelEngine(model, cfg, mesh, comm)

@@ -36,6 +36,19 @@ The optimizer is torch's own AdamW, run on this rank's chunks: one view per (buc
 group), matrices' chunks shaped as 1×k rows so ``engine.build_adamw`` puts them in the
 weight-decay group. AdamW is elementwise, so this is the same arithmetic as AdamW on the
 full tensors.
+
+Which micro-batch is the last is said, not guessed: the driver calls ``last_microbatch()``
+before the backward of the step's last micro-batch on these parameters (the plain loop before
+its last backward, the pipeline runtime before each stage's last B, or W under ZB-H1), as
+nanoGPT's ``require_backward_grad_sync`` and Megatron's ``is_last_microbatch`` do. Each bucket
+is then reduced as soon as its last gradient of the step has arrived, so in a pipeline the
+reductions run during the drain (Megatron's overlap-grad-reduce). ``overlap=False`` keeps the
+old order, every reduction after the whole backward, for the benchmark that compares the two.
+
+The engine drives a ``BucketGradSync`` (and ZeRO-3's ``ShardedGradSync`` in fsdp.py, which has
+the same methods) through: ``start_step``, ``last_microbatch``, ``finish``, ``grad_shards``,
+``after_optimizer_step``, ``zero_grad``, ``optimizer_params``, ``weight_shards``,
+``moment_shards``, ``held`` and ``isolated_grad``.
 """
 from __future__ import annotations
 
@@ -44,11 +57,9 @@ import math
 import torch
 from torch import nn
 
-from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
-from threefold.train.engine import Engine, build_adamw, init_adam_state, scale_to_norm, tensor_bytes
-from threefold.train.shards import MOMENTS, flat_layout_shards
+from threefold.parallel.placements import MOMENTS, Placement, Shard, flat_layout_shards, whole_shards
 
 
 def decay_first(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -113,74 +124,20 @@ class FlatLayout:
         return parts
 
 
-def sharded_adamw(layouts, param_chunks, grad_chunks, cfg: Config) -> tuple[torch.optim.AdamW, list[dict]]:
-    """torch AdamW over this rank's chunks, with the same groups and settings as the single-process
-    engine. Adam's moments are created here, as views into one flat buffer per chunk, so that a
-    checkpoint finds them laid out like the chunk; returns (optimizer, [{moment: flat buffer}])."""
-    named, moments, states = [], [], []
-    for i, (layout, params, grads) in enumerate(zip(layouts, param_chunks, grad_chunks)):
-        flats = {kind: torch.zeros_like(params) for kind in MOMENTS}
-        moments.append(flats)
-        views = zip(layout.decay_split(params), layout.decay_split(grads),
-                    *(layout.decay_split(flat) for flat in flats.values()))
-        for (kind, p), (_, g), *moment_views in views:
-            p.requires_grad_()  # marks it trainable for build_adamw; autograd never sees it
-            p.grad = g  # a view: the optimizer always reads the current reduced gradient
-            named.append((f"{i}.{kind}", p))
-            states.append((p, {k: v for k, (_, v) in zip(MOMENTS, moment_views)}))
-    optimizer = build_adamw(named, cfg)
-    for p, state in states:
-        init_adam_state(optimizer, p, **state)
-    return optimizer, moments
-
-
-class DataParallelBase(Engine):
-    """What every data-parallel engine shares: the mesh, counted communication, the loss
-    averaged over replicas, and gradient clipping by the global norm."""
-
-    sharded_grads = False  # True when each rank holds only its chunk of the reduced gradient
-
-    def __init__(self, model: nn.Module, cfg: Config, mesh: ParallelMesh, comm: Comm):
-        super().__init__(model, cfg)
-        self.mesh, self.comm = mesh, comm
-        self.rank, self.world_size = mesh.rank, mesh.world_size
-        self.dp_rank, self.dp_size = mesh.coord("dp"), mesh.size("dp")
-
-    @property
-    def device(self) -> torch.device:
-        return self.mesh.device  # ZeRO-3 leaves the model without parameters between steps
-
-    def mean_over_dp(self, local_mean: float) -> float:
-        """The loss of the global batch: every replica ran the same number of tokens, so it is
-        the mean of the replicas' means. A scalar, counted under the "scalar" tag."""
-        loss = torch.tensor([local_mean], dtype=torch.float64, device=self.mesh.device)
-        self.comm.all_reduce(loss, "dp", tag="scalar")
-        return loss.item() / self.dp_size
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        """The reduced gradient as this rank holds it: all of it, or its chunks when sharded."""
-        raise NotImplementedError
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        grads = self.reduced_grads()
-        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        if self.sharded_grads:  # the chunks of all ranks together make up the gradient
-            self.comm.all_reduce(squares, "dp", tag="scalar")
-        return scale_to_norm(grads, squares, max_norm)
-
-    def comm_bytes(self) -> dict[str, int]:
-        return self.comm.ledger.take()
-
-    def barrier(self) -> None:
-        self.comm.barrier()
-
-    def shutdown(self) -> None:
-        self.mesh.shutdown()
-
-    def optimizer_state_bytes(self) -> int:
-        """Adam's moments held by this rank (step counters left out, as in Engine.memory_bytes)."""
-        return tensor_bytes(v for s in self.optimizer.state.values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim() > 0)
+def chunk_optimizer_params(layout: FlatLayout, params: torch.Tensor, grads: torch.Tensor, name: str) -> tuple[list, dict]:
+    """This rank's chunk of a flat buffer as optimizer parameters: one view per decay group
+    (``FlatLayout.decay_split``), each with its reduced gradient (a view, so the optimizer always
+    reads the current one) and Adam's moments as views into one flat buffer per moment, made
+    here so that a checkpoint finds them laid out like the chunk. Returns
+    ([(name, parameter view, {moment: view})], {moment: flat buffer})."""
+    flats = {kind: torch.zeros_like(params) for kind in MOMENTS}
+    entries = []
+    views = zip(layout.decay_split(params), layout.decay_split(grads), *(layout.decay_split(f) for f in flats.values()))
+    for (kind, p), (_, g), *moment_views in views:
+        p.requires_grad_()  # marks it trainable for build_adamw; autograd never sees it
+        p.grad = g
+        entries.append((f"{name}.{kind}", p, {k: v for k, (_, v) in zip(MOMENTS, moment_views)}))
+    return entries, flats
 
 
 class Bucket:
@@ -207,6 +164,11 @@ class Bucket:
         self.in_flight: tuple[torch.Tensor, torch.Tensor] | None = None  # zero 2: (input, output) of it
         self._slots: dict[int, torch.Tensor] = {}
 
+    @property
+    def reduced(self) -> torch.Tensor:
+        """The reduced gradient as this rank holds it: the whole buffer (zero 0) or its chunk."""
+        return self.grad_flat if self.grad_chunk is None else self.grad_chunk
+
     def collect(self, p: nn.Parameter) -> None:
         """zero 2: copy ``p``'s gradient into the bucket and let autograd's copy go."""
         if self.grad_flat is None:
@@ -216,12 +178,12 @@ class Bucket:
         p.grad = None
 
 
-def make_buckets(model: nn.Module, mesh: ParallelMesh, bucket_mb: float, zero: int) -> list[Bucket]:
-    """Fill buckets of at most ``bucket_mb`` MiB (a larger parameter gets its own) in reverse
-    order of the parameters, which is the order backward produces their gradients."""
+def bucket_groups(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Buckets of at most ``bucket_mb`` MiB (a larger parameter gets its own) in reverse order
+    of the parameters, which is the order backward produces their gradients."""
     cap = bucket_mb * 2**20
     groups, current, size = [], [], 0
-    for p in reversed(list(model.parameters())):
+    for p in reversed(params):
         nbytes = p.numel() * 4
         if current and size + nbytes > cap:
             groups.append(current)
@@ -230,81 +192,51 @@ def make_buckets(model: nn.Module, mesh: ParallelMesh, bucket_mb: float, zero: i
         size += nbytes
     if current:
         groups.append(current)
-    return [Bucket(params, mesh, zero) for params in groups]
+    return groups
 
 
-class BucketedEngine(DataParallelBase):
-    """What every engine over flat gradient buckets (zero 0, 1, 2) does after the backward; the
-    data-parallel engine below and the pipeline engine share it."""
+class BucketGradSync:
+    """zero 0 (DDP), 1 and 2 over ``named_params`` (plain-model key, parameter), reduced over
+    the dp axis; see the module docstring. ``isolated`` parameters get a bucket of their own
+    (the tied embedding of a pipeline, whose reduced gradient then crosses the pipeline)."""
 
-    def reduced_grads(self) -> list[torch.Tensor]:
-        return [b.grad_flat if self.zero == 0 else b.grad_chunk for b in self.buckets]
-
-    def optimizer_step(self, lr: float) -> None:
-        super().optimizer_step(lr)
-        if self.sharded_grads:  # each rank updated its chunk; gather everyone's into every replica
-            gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
-                       for b in self.buckets]
-            for pending in gathers:
-                pending.wait()
-
-    def zero_grad(self) -> None:
-        # zero 0/1: zero the buffers in place, so p.grad stay views into them.
-        for bucket in self.buckets:
-            (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
-
-    def moment_shards(self):
-        """zero 0: whole (Engine's). zero 1, 2: the moments of this rank's chunk of each bucket
-        (the weights are whole on every replica either way)."""
-        if not self.sharded_grads:
-            return super().moment_shards()
-        keys = {id(p): key for key, p in self.named_local_parameters()}
-        return [shard for bucket, moments in zip(self.buckets, self.moment_chunks)
-                for shard in flat_layout_shards(bucket.layout, [keys[id(p)] for p in bucket.params], moments,
-                                                self.placement)]
-
-
-class DataParallelEngine(BucketedEngine):
-    """zero 0 (DDP), 1 and 2; see the module docstring."""
-
-    def __init__(self, model: nn.Module, cfg: Config, mesh: ParallelMesh, comm: Comm):
-        self.zero = cfg.parallel.zero
-        if self.zero not in (0, 1, 2):
-            raise ValueError(f"DataParallelEngine handles zero 0, 1 and 2, not {self.zero} (see fsdp.py)")
-        self.buckets = make_buckets(model, mesh, cfg.parallel.bucket_mb, self.zero)
-        super().__init__(model, cfg, mesh, comm)  # zero 0: torch AdamW over the model's parameters
-        self.sharded_grads = self.zero > 0
-        if self.sharded_grads:
-            self.optimizer, self.moment_chunks = sharded_adamw(
-                [b.layout for b in self.buckets], [b.layout.own(b.param_flat) for b in self.buckets],
-                [b.grad_chunk for b in self.buckets], cfg)
-        self._micro_batches = self._forwards = 0
-        # Counting forward passes tells the hooks which backward belongs to the last micro-batch.
-        model.register_forward_pre_hook(self._count_forward)
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement],
+                 mesh: ParallelMesh, comm: Comm, zero: int, bucket_mb: float, overlap: bool = True,
+                 isolated: tuple[nn.Parameter, ...] = ()):
+        if zero not in (0, 1, 2):
+            raise ValueError(f"BucketGradSync handles zero 0, 1 and 2, not {zero} (see fsdp.py)")
+        self.mesh, self.comm, self.zero, self.overlap = mesh, comm, zero, overlap
+        self.key_of = {id(p): key for key, p in named_params}
+        self.keys = [key for key, _ in named_params]  # the plain-model keys synchronised here
+        self.placements = placements
+        rest = [p for _, p in named_params if all(p is not q for q in isolated)]
+        self.buckets = [Bucket(group, mesh, zero) for group in bucket_groups(rest, bucket_mb)]
+        self.buckets += [Bucket([p], mesh, zero) for p in isolated]
+        self.is_last = False
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_ready(bucket, p))
 
     # --- the step -----------------------------------------------------------------------------
-    def forward_backward(self, micro_batches) -> float:
-        self._micro_batches, self._forwards = len(micro_batches), 0
-        local_mean = super().forward_backward(micro_batches)  # the hooks launch the reductions
-        self._finish_reductions()
-        return self.mean_over_dp(local_mean)
+    def start_step(self) -> None:
+        self.is_last = False
 
-    def _count_forward(self, module, args) -> None:
-        if torch.is_grad_enabled():
-            self._forwards += 1
+    def last_microbatch(self) -> None:
+        """The next backward on these parameters is the step's last."""
+        self.is_last = True
 
     def _gradient_ready(self, bucket: Bucket, p: nn.Parameter) -> None:
-        if self.zero < 2 and self._forwards < self._micro_batches:
+        if self.zero < 2 and not self.is_last:
             return  # an earlier micro-batch: keep accumulating the full gradient locally
         if self.zero == 2:
             bucket.collect(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0
-            self._launch(bucket)
+            if self.overlap or self.zero == 2:
+                self._launch(bucket)
+            else:
+                bucket.pending = "after backward"
 
     def _launch(self, bucket: Bucket) -> None:
         if self.zero == 0:
@@ -312,13 +244,13 @@ class DataParallelEngine(BucketedEngine):
         elif self.zero == 1:  # in place: this rank's chunk of the buffer receives the sum
             bucket.pending = self.comm.reduce_scatter(bucket.grad_chunk, bucket.grad_flat, "dp", async_op=True)
         else:
-            self._finish(bucket)  # the previous micro-batch's reduce-scatter of this bucket
+            self._wait(bucket)  # the previous micro-batch's reduce-scatter of this bucket
             partial = torch.empty_like(bucket.grad_chunk)
             bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, "dp", async_op=True)
             bucket.in_flight = (bucket.grad_flat, partial)
             bucket.grad_flat = None  # the next micro-batch collects into a fresh buffer
 
-    def _finish(self, bucket: Bucket) -> None:
+    def _wait(self, bucket: Bucket) -> None:
         if bucket.pending is None:
             return
         bucket.pending.wait()
@@ -327,18 +259,118 @@ class DataParallelEngine(BucketedEngine):
             bucket.grad_chunk.add_(bucket.in_flight[1])
             bucket.in_flight = None
 
-    def _finish_reductions(self) -> None:
+    def finish(self) -> None:
+        """Wait for every reduction of the step and turn the sums into means over the replicas."""
         unreduced = [b for b in self.buckets if b.pending is None or b.ready]
         if unreduced:
             raise RuntimeError(f"{len(unreduced)} gradient buckets were not reduced in the last micro-batch: "
                                f"data parallelism needs every parameter to receive a gradient")
         for bucket in self.buckets:
-            self._finish(bucket)
-            # Sum → mean over the replicas (n is a power of two in practice, so this is exact).
-            (bucket.grad_flat if self.zero == 0 else bucket.grad_chunk).div_(self.dp_size)
+            if bucket.pending == "after backward":
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self._wait(bucket)
+            bucket.reduced.div_(self.mesh.size("dp"))  # n is a power of two in practice: exact
 
-    # --- what this rank holds -----------------------------------------------------------------
-    def memory_bytes(self) -> dict[str, int]:
-        grads = [b.grad_flat if self.zero < 2 else b.grad_chunk for b in self.buckets]
-        return {"params": tensor_bytes(b.param_flat for b in self.buckets), "grads": tensor_bytes(grads),
-                "optimizer": self.optimizer_state_bytes()}
+    def after_optimizer_step(self) -> None:
+        """zero 1, 2: each rank updated its chunk; gather everyone's into every replica."""
+        if self.zero == 0:
+            return
+        gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
+                   for b in self.buckets]
+        for pending in gathers:
+            pending.wait()
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:  # zero 0/1: in place, so p.grad stay views into the buffers
+            (bucket.grad_flat if self.zero < 2 else bucket.grad_chunk).zero_()
+
+    def isolated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The reduced gradient of an isolated parameter, as this rank holds it."""
+        return next(b.reduced for b in self.buckets if len(b.params) == 1 and b.params[0] is p)
+
+    # --- what the optimizer, the norm, checkpoints and the memory meter see -------------------
+    def _keys(self, bucket: Bucket) -> tuple[list[str], list[Placement]]:
+        keys = [self.key_of[id(p)] for p in bucket.params]
+        return keys, [self.placements[k] for k in keys]
+
+    def optimizer_params(self) -> list[tuple[str, torch.Tensor, dict | None]]:
+        """zero 0: the parameters themselves (AdamW makes their moments); 1, 2: chunk views."""
+        if self.zero == 0:
+            return [(self.key_of[id(p)], p, None) for b in self.buckets for p in b.params]
+        entries, self.moment_flats = [], []
+        for i, b in enumerate(self.buckets):
+            found, flats = chunk_optimizer_params(b.layout, b.layout.own(b.param_flat), b.grad_chunk, f"bucket{i}")
+            entries += found
+            self.moment_flats.append(flats)
+        return entries
+
+    def grad_shards(self) -> list[Shard]:
+        if self.zero == 0:
+            return [s for b in self.buckets for p, key in zip(b.params, self._keys(b)[0])
+                    for s in whole_shards(f"grad/{key}", p.grad, self.placements[key])]
+        return [s for b in self.buckets for s in flat_layout_shards(b.layout, *self._keys(b), {"grad": b.grad_chunk})]
+
+    def weight_shards(self) -> list[Shard]:
+        """The weights are whole on every replica (zero 0, 1, 2)."""
+        return [s for b in self.buckets for p, key in zip(b.params, self._keys(b)[0])
+                for s in whole_shards(f"model/{key}", p.data, self.placements[key])]
+
+    def moment_shards(self, state_of) -> list[Shard]:
+        """zero 0: each parameter's moments whole (``state_of(p)``: its AdamW state, made if
+        missing); zero 1, 2: the moments of this rank's chunk of each bucket."""
+        if self.zero == 0:
+            return [s for b in self.buckets for p, key in zip(b.params, self._keys(b)[0])
+                    for m in MOMENTS for s in whole_shards(f"{m}/{key}", state_of(p)[m], self.placements[key])]
+        return [s for b, flats in zip(self.buckets, self.moment_flats)
+                for s in flat_layout_shards(b.layout, *self._keys(b), flats)]
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps for these parameters (for the memory meter)."""
+        return {"params": [b.param_flat for b in self.buckets],
+                "grads": [b.grad_flat if self.zero < 2 else b.grad_chunk for b in self.buckets]}
+
+
+class LocalGradSync:
+    """No data parallelism (dp = 1): gradients stay where autograd accumulates them, and the
+    optimizer updates the parameters themselves. The same methods as ``BucketGradSync``."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement]):
+        self.named, self.placements = named_params, placements
+        self.keys = [key for key, _ in named_params]
+
+    def start_step(self) -> None:
+        pass
+
+    def last_microbatch(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+    def isolated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return p.grad
+
+    def optimizer_params(self) -> list[tuple[str, torch.Tensor, dict | None]]:
+        return [(key, p, None) for key, p in self.named]
+
+    def grad_shards(self) -> list[Shard]:
+        return [s for key, p in self.named if p.grad is not None
+                for s in whole_shards(f"grad/{key}", p.grad, self.placements[key])]
+
+    def weight_shards(self) -> list[Shard]:
+        return [s for key, p in self.named for s in whole_shards(f"model/{key}", p.data, self.placements[key])]
+
+    def moment_shards(self, state_of) -> list[Shard]:
+        return [s for key, p in self.named for m in MOMENTS
+                for s in whole_shards(f"{m}/{key}", state_of(p)[m], self.placements[key])]
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [p for _, p in self.named], "grads": [p.grad for _, p in self.named]}

@@ -27,40 +27,37 @@ reduce-scatter is in flight: the next unit's finishes it first, bounding the ful
 alive at any time to about two units'.
 
 The optimizer is torch's AdamW on this rank's chunks, exactly as in ZeRO-1/2
-(``sharded_adamw``); gradient clipping all-reduces the squared norm of the chunks.
+(``chunk_optimizer_params``); gradient clipping all-reduces the squared norm of the chunks.
+
+``ShardedGradSync`` applies this to one model part: the whole model, or one pipeline stage (its
+root unit is then what the stage holds outside its blocks: the embedding on the first stage,
+the final norm and head on the last). The pipeline runtime embeds the tokens before it calls
+the stage, so the root is gathered before the first of the two forwards and freed after the
+stage's. A tied embedding shared by two stages is a unit of its own on both, so that their
+reduced chunks line up and can be summed across the pipeline. The units reduce-scatter every
+micro-batch's gradients, so nothing here depends on which micro-batch is the last.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from threefold.config import Config
 from threefold.distributed.comm import Comm, Pending
 from threefold.distributed.mesh import ParallelMesh
-from threefold.models.llama import Llama
-from threefold.parallel.data_parallel import DataParallelBase, FlatLayout, decay_first, sharded_adamw
-from threefold.train.engine import tensor_bytes
-from threefold.train.shards import flat_layout_shards
+from threefold.parallel.data_parallel import FlatLayout, chunk_optimizer_params, decay_first
+from threefold.parallel.placements import Placement, Shard, flat_layout_shards
 
 
 class ShardedUnit:
-    """Some modules' parameters, sharded over dp: the persistent chunk, and the full buffer
-    that exists only while the unit computes."""
+    """Some parameters, sharded over dp: the persistent chunk, and the full buffer that exists
+    only while the unit computes. ``uses``: every (module, attribute) that holds each one (a
+    tied weight has two)."""
 
-    def __init__(self, named_modules: list[tuple[str, nn.Module]], mesh: ParallelMesh):
-        # Every use of every parameter as (module, attribute, state-dict key): a tied weight has two.
-        uses: dict[int, list[tuple[nn.Module, str, str]]] = {}
-        params: dict[int, nn.Parameter] = {}
-        for prefix, module in named_modules:
-            for name, sub in module.named_modules(prefix=prefix):
-                for attr, p in sub._parameters.items():
-                    if p is not None:
-                        params.setdefault(id(p), p)
-                        uses.setdefault(id(p), []).append((sub, attr, f"{name}.{attr}"))
-        ordered = decay_first(list(params.values()))
-        self.uses = [uses[id(p)] for p in ordered]
-        self.layout = FlatLayout([p.shape for p in ordered], mesh.size("dp"), mesh.coord("dp"))
-        full = self.layout.pack(ordered, mesh.device)
+    def __init__(self, params: list[nn.Parameter], uses: dict[int, list[tuple[nn.Module, str]]], mesh: ParallelMesh):
+        self.params = decay_first(params)  # the original parameters, kept only for their keys
+        self.uses = [uses[id(p)] for p in self.params]
+        self.layout = FlatLayout([p.shape for p in self.params], mesh.size("dp"), mesh.coord("dp"))
+        full = self.layout.pack(self.params, mesh.device)
         self.chunk = self.layout.own(full).clone()  # fp32 master weights: all this rank keeps
         self.grad_chunk = torch.zeros_like(self.chunk)
         # The full buffer is a leaf of every graph: the weights are views of it, so autograd
@@ -68,7 +65,7 @@ class ShardedUnit:
         self.full = full.requires_grad_()
         self.nbytes = full.untyped_storage().nbytes()
         for module_uses in self.uses:
-            for module, attr, _ in module_uses:
+            for module, attr in module_uses:
                 del module._parameters[attr]  # the original parameter goes; install() sets a view
         self.gather: Pending | None = None
         self.gathered = False
@@ -77,7 +74,7 @@ class ShardedUnit:
     def install(self) -> None:
         """Point the modules' weights at views of the full buffer (graph-connected to it)."""
         for view, module_uses in zip(self.layout.views(self.full), self.uses):
-            for module, attr, _ in module_uses:
+            for module, attr in module_uses:
                 setattr(module, attr, view)
 
     def free(self) -> None:
@@ -85,24 +82,41 @@ class ShardedUnit:
         self.gathered = False
 
 
-class FullyShardedEngine(DataParallelBase):
-    """zero 3: every state sharded, parameters gathered unit by unit (see the module docstring)."""
+def parameter_uses(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[tuple[nn.Module, str]]]]:
+    """The distinct parameters under ``module`` and every (sub-module, attribute) holding each."""
+    params: dict[int, nn.Parameter] = {}
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is not None:
+                params.setdefault(id(p), p)
+                uses.setdefault(id(p), []).append((sub, attr))
+    return list(params.values()), uses
 
-    sharded_grads = True
 
-    def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
-        super().__init__(model, cfg, mesh, comm)
-        self.state_keys = list(model.state_dict().keys())  # the plain model's, for checkpoints
-        self.units = [ShardedUnit([(n, m) for n, m in model.named_children() if n != "blocks"], mesh)]
-        self.units += [ShardedUnit([(f"blocks.{i}", block)], mesh) for i, block in enumerate(model.blocks)]
-        self.root, self.blocks = self.units[0], self.units[1:]
-        self.optimizer, self.moment_chunks = sharded_adamw(
-            [u.layout for u in self.units], [u.chunk for u in self.units], [u.grad_chunk for u in self.units], cfg)
+class ShardedGradSync:
+    """zero 3 over one model part (see the module docstring). ``part`` has ``blocks`` (a list or
+    dict of blocks) and optionally ``embed``; ``isolated`` parameters get units of their own."""
+
+    def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
+                 mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = ()):
+        self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
+        self.keys = list(key_of.values())  # the plain-model keys synchronised here
+        params, uses = parameter_uses(part)
+        blocks = list(part.blocks.values() if isinstance(part.blocks, nn.ModuleDict) else part.blocks)
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        alone = {id(p) for p in isolated}
+        root = [p for p in params if id(p) not in in_blocks and id(p) not in alone]
+        self.roots = [ShardedUnit(group, uses, mesh) for group in ([root] if root else []) + [[p] for p in isolated]]
+        self.blocks = [ShardedUnit(list(block.parameters()), uses, mesh) for block in blocks]
+        self.units = self.roots + self.blocks
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
-        model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward)
-        for i, block in enumerate(model.blocks):
+        part.register_forward_pre_hook(self._root_pre_forward)
+        if getattr(part, "embed", None) is not None:
+            part.embed.register_forward_pre_hook(self._root_pre_forward)  # the runtime embeds first
+        part.register_forward_hook(self._root_post_forward)
+        for i, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda m, a, i=i: self._block_pre_forward(i))
             block.register_forward_hook(lambda m, a, out, i=i: self._block_post_forward(i, out))
         for unit in self.units:
@@ -124,9 +138,14 @@ class FullyShardedEngine(DataParallelBase):
 
     # --- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
+        if any(u.gathered for u in self.roots):
+            return  # the embedding's hook already gathered them for this forward
         self.tag = None if torch.is_grad_enabled() else "eval"
-        self._wait_gather(self.root)
-        self.root.install()
+        for unit in self.roots:
+            self._start_gather(unit)
+        for unit in self.roots:
+            self._wait_gather(unit)
+            unit.install()
         if self.blocks:
             self._start_gather(self.blocks[0])
 
@@ -139,18 +158,21 @@ class FullyShardedEngine(DataParallelBase):
     def _block_post_forward(self, i: int, out: torch.Tensor) -> None:
         self.blocks[i].free()
         if out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._pre_backward(self.blocks[i], self.blocks[i - 1] if i else None))
+            previous = self.blocks[i - 1] if i else None
+            out.register_hook(lambda grad, i=i: self._pre_backward([self.blocks[i]], previous))
 
     def _root_post_forward(self, module, args, out: torch.Tensor) -> None:
-        self.root.free()
-        if out.requires_grad:
+        for unit in self.roots:
+            unit.free()
+        if out.requires_grad and self.roots:
             last = self.blocks[-1] if self.blocks else None
-            out.register_hook(lambda grad: self._pre_backward(self.root, last))
+            out.register_hook(lambda grad: self._pre_backward(self.roots, last))
 
     # --- backward ----------------------------------------------------------------------------
-    def _pre_backward(self, unit: ShardedUnit, next_unit: ShardedUnit | None) -> None:
-        """The unit's backward is about to run: gather its weights again, prefetch the next."""
-        self._wait_gather(unit)
+    def _pre_backward(self, units: list[ShardedUnit], next_unit: ShardedUnit | None) -> None:
+        """The units' backward is about to run: gather their weights again, prefetch the next."""
+        for unit in units:
+            self._wait_gather(unit)
         if next_unit is not None:
             self._start_gather(next_unit)
 
@@ -168,59 +190,56 @@ class FullyShardedEngine(DataParallelBase):
             return
         unit, pending, out, _grad = self.reducing  # _grad: kept alive until the collective is done
         pending.wait()
-        unit.grad_chunk.add_(out, alpha=1.0 / self.dp_size)  # sum → mean over replicas
+        unit.grad_chunk.add_(out, alpha=1.0 / self.mesh.size("dp"))  # sum → mean over replicas
         self.reducing = None
 
-    def forward_backward(self, micro_batches) -> float:
-        local_mean = super().forward_backward(micro_batches)
-        self._finish_reduce()
-        return self.mean_over_dp(local_mean)
+    # --- the step, as the engine drives it -----------------------------------------------------
+    def start_step(self) -> None:
+        pass
 
-    # --- the rest of the step ----------------------------------------------------------------
-    def reduced_grads(self) -> list[torch.Tensor]:
-        return [u.grad_chunk for u in self.units]
+    def last_microbatch(self) -> None:
+        pass  # every micro-batch's gradients are reduce-scattered as they arrive
+
+    def finish(self) -> None:
+        self._finish_reduce()
+
+    def after_optimizer_step(self) -> None:
+        pass  # the chunks are the weights; the next forward gathers them
 
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad_chunk.zero_()
 
-    def parameter_storages(self) -> set[int]:
+    def isolated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return next(u.grad_chunk for u in self.units if len(u.params) == 1 and u.params[0] is p)
+
+    # --- what the optimizer, the norm, checkpoints and the memory meter see -------------------
+    def _keys(self, unit: ShardedUnit) -> tuple[list[str], list[Placement]]:
+        keys = [self.key_of[id(p)] for p in unit.params]
+        return keys, [self.placements[k] for k in keys]
+
+    def optimizer_params(self) -> list[tuple[str, torch.Tensor, dict | None]]:
+        entries, self.moment_flats = [], []
+        for i, unit in enumerate(self.units):
+            found, flats = chunk_optimizer_params(unit.layout, unit.chunk, unit.grad_chunk, f"unit{i}")
+            entries += found
+            self.moment_flats.append(flats)
+        return entries
+
+    def grad_shards(self) -> list[Shard]:
+        return [s for u in self.units for s in flat_layout_shards(u.layout, *self._keys(u), {"grad": u.grad_chunk})]
+
+    def weight_shards(self) -> list[Shard]:
+        return [s for u in self.units for s in flat_layout_shards(u.layout, *self._keys(u), {"model": u.chunk})]
+
+    def moment_shards(self, state_of) -> list[Shard]:
+        return [s for u, flats in zip(self.units, self.moment_flats)
+                for s in flat_layout_shards(u.layout, *self._keys(u), flats)]
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [u.chunk for u in self.units], "grads": [u.grad_chunk for u in self.units]}
+
+    def gathered_storages(self) -> set[int]:
         """Storages that hold gathered parameters right now: the activation meter must not
         count the weights autograd saves as activations (they move with every gather)."""
         return {u.full.untyped_storage().data_ptr() for u in self.units if u.full.untyped_storage().nbytes()}
-
-    def memory_bytes(self) -> dict[str, int]:
-        return {"params": tensor_bytes(u.chunk for u in self.units),
-                "grads": tensor_bytes(u.grad_chunk for u in self.units),
-                "optimizer": self.optimizer_state_bytes()}
-
-    def weight_shards(self):
-        """This rank's chunk of each unit's weights."""
-        return self._unit_shards([{"model": unit.chunk} for unit in self.units])
-
-    def moment_shards(self):
-        """This rank's chunk of each unit's moments."""
-        return self._unit_shards(self.moment_chunks)
-
-    def _unit_shards(self, chunks: list[dict[str, torch.Tensor]]):
-        # A tied weight goes under its first key, the embedding's.
-        return [shard for unit, flats in zip(self.units, chunks)
-                for shard in flat_layout_shards(unit.layout, [uses[0][2] for uses in unit.uses], flats, self.placement)]
-
-    # --- full states, for checkpoints and generation (collectives: every rank calls them) ----
-    @torch.no_grad()
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        state = dict(self.model.state_dict())  # what is not sharded (persistent buffers, if any)
-        for unit in self.units:
-            full = torch.empty(unit.layout.padded, device=self.mesh.device)
-            self.comm.all_gather(full, unit.chunk, "dp", tag="checkpoint")
-            for view, module_uses in zip(unit.layout.views(full), unit.uses):
-                for _, _, key in module_uses:
-                    state[key] = view.clone()
-        return {key: state[key] for key in self.state_keys}
-
-    def plain_model(self) -> nn.Module:
-        plain = Llama(self.cfg.model).to(self.mesh.device)
-        plain.load_state_dict(self.model_state_dict())
-        return plain
-

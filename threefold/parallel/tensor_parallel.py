@@ -47,14 +47,14 @@ Under "tp.loss": per micro-batch, an all-reduce of 3 fp32 numbers per token. Und
 "tp.norm_grads" (SP only): once per step, the norm gains' gradients this rank holds, summed
 over tp (each rank saw only its part of the sequence).
 
-Composition: ``parallelize`` first, then the data-parallel engine (DDP, ZeRO-1/2, or ZeRO-3)
-wraps the tp-sharded model over the dp axis — it shards and reduces whatever local parameters
-it is given. What tp adds to it (the loss, the gradient norm, full checkpoints) is in
-``TensorParallelism`` and ``VocabParallelLoss`` below.
+Composition: ``apply_tp`` is the first transformation of the plain model (train/engine.py
+applies them in order). It returns each parameter's ``Placement`` (the slice it keeps, or
+replicated; with SP the norm gains' gradients are partial sums over tp), from which the
+gradient norm, the full state dict and the checkpoint pieces are computed for every layout
+(placements.py); the engine's loss is ``vocab_parallel_cross_entropy``.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -64,14 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from threefold.config import Config, ConfigError, check_tensor_parallel
+from threefold.config import ConfigError
 from threefold.distributed.comm import Comm
-from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama
-from threefold.parallel.data_parallel import DataParallelEngine
-from threefold.parallel.fsdp import FullyShardedEngine
-from threefold.train.engine import Engine, scale_to_norm
-from threefold.train.shards import Placement, tensor_parallel_placement
+from threefold.parallel.placements import Placement
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,32 +368,27 @@ def leave_tensor_parallel(partial: torch.Tensor, tp: TensorParallelGroup) -> tor
 # The plan: module name → style
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Split:
-    """How a parameter of the plain model is cut over tp: along ``dim`` (None: replicated);
-    ``size`` is its length along ``dim`` in the plain model (the shards may hold padding)."""
-    dim: int | None
-    size: int = 0
-
-
 class Slicer:
-    """Applies styles to one model: cuts parameters (a tied one once) and records each split."""
+    """Applies styles to one model: cuts parameters (a tied one once) and records each placement."""
 
     def __init__(self, tp: TensorParallelGroup):
         self.tp = tp
-        self.splits: dict[str, Split] = {}  # state-dict key → split
+        self.placements: dict[str, Placement] = {}  # state-dict key → where this rank's tensor sits
         self._shards: dict[int, nn.Parameter] = {}  # id of a plain parameter → its shard
 
     def slice(self, key: str, param: nn.Parameter, dim: int | None, pad: bool = False) -> nn.Parameter:
-        """This rank's slice of ``param`` along ``dim`` (None: the parameter itself)."""
-        size = param.shape[dim] if dim is not None else 0
-        self.splits[key] = Split(dim, size)
+        """This rank's slice of ``param`` along ``dim`` (None: the parameter itself, replicated;
+        under SP its gradient is a partial sum over tp, each rank having seen part of the sequence)."""
+        full = tuple(param.shape)
         if dim is None:
+            self.placements[key] = Placement(full, partial=("tp",) if self.tp.sequence_parallel else ())
             return param
         if id(param) not in self._shards:
-            if size % self.tp.size and not pad:
-                raise ConfigError(f"parallel.tp: {self.tp.size} does not divide {key} along dimension {dim} ({size})")
+            if full[dim] % self.tp.size and not pad:
+                raise ConfigError(f"parallel.tp: {self.tp.size} does not divide {key} along dimension {dim} ({full[dim]})")
             self._shards[id(param)] = nn.Parameter(rank_slice(param.detach(), dim, self.tp).clone())
+        local = self._shards[id(param)].shape[dim]
+        self.placements[key] = Placement(full, dim, self.tp.rank * local, sharded=("tp",))
         return self._shards[id(param)]
 
 
@@ -439,7 +430,7 @@ class VocabParallel:
 
 class Replicated:
     """Every rank holds the whole module (the norms). With SP it runs on this rank's part of the
-    sequence, so its gradient is a partial sum: TensorParallelism sums it over tp."""
+    sequence, so its gradient is a partial sum over tp (recorded in its placement)."""
 
     def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
         for attr, param in module.named_parameters(recurse=False):
@@ -481,11 +472,11 @@ TENSOR_PARALLEL_PLAN: dict[str, list] = {
 }
 
 
-def parallelize(model: Llama, tp: TensorParallelGroup,
-                plan: dict[str, list] = TENSOR_PARALLEL_PLAN) -> dict[str, Split]:
+def apply_tp(model: Llama, tp: TensorParallelGroup,
+             plan: dict[str, list] = TENSOR_PARALLEL_PLAN) -> dict[str, Placement]:
     """Transform the plain ``model`` in place into this rank's tensor-parallel part of it.
 
-    Returns how each parameter (by state-dict key) was split, for gathering the plain model back.
+    Returns where each parameter (by state-dict key) now sits in the full model.
     """
     slicer = Slicer(tp)
     for pattern, styles in plan.items():
@@ -496,109 +487,7 @@ def parallelize(model: Llama, tp: TensorParallelGroup,
                     module = style.apply(name, module, slicer)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, module)
-    uncovered = [key for key in model.state_dict() if key not in slicer.splits]
+    uncovered = [key for key in model.state_dict() if key not in slicer.placements]
     if uncovered:
         raise ValueError(f"the tensor-parallel plan covers no style for {', '.join(uncovered)}")
-    for key, split in slicer.splits.items():
-        # The engine's gradient norm relies on it: vectors are replicated, matrices are split.
-        param = model.get_parameter(key)
-        if (param.dim() == 1) != (split.dim is None):
-            raise ValueError(f"{key}: the tensor-parallel engine expects vectors replicated and matrices split")
-    return slicer.splits
-
-
-# ---------------------------------------------------------------------------------------------
-# The engines: a data-parallel engine over the tp-sharded model, plus what tp adds
-# ---------------------------------------------------------------------------------------------
-
-class VocabParallelLoss(Engine):
-    """The vocab-parallel loss in place of the plain one: each rank holds a slice of the logits."""
-
-    tp: TensorParallelGroup
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp)
-
-
-class TensorParallelism:
-    """What tensor parallelism adds to a data-parallel engine (first in the bases, so it wraps it)."""
-
-    def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm):
-        check_tensor_parallel(cfg.model, cfg.parallel)
-        self.tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), cfg.parallel.sequence_parallel,
-                                      cfg.model.vocab_size)
-        self.splits = parallelize(model, self.tp)
-        super().__init__(model, cfg, mesh, comm)
-
-    def forward_backward(self, micro_batches) -> float:
-        loss = super().forward_backward(micro_batches)
-        if self.tp.sequence_parallel:
-            self._sum_replicated_grads()
-        return loss
-
-    def _optimizer_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients as the optimizer sees them: matrices (and ZeRO's 1×k chunks of
-        them) are tp shards; vectors are norm gains, the same parameter on every tp rank."""
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-    def _sum_replicated_grads(self) -> None:
-        """SP: each rank's norm gains saw only its part of the sequence; sum their gradients."""
-        grads = [g for g in self._optimizer_grads() if g.dim() == 1]
-        if not grads:  # a ZeRO chunk holding matrices only (the same on every rank of the tp group)
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.comm.all_reduce(flat, "tp", tag="norm_grads")
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The norm of the whole model's gradient: shards' squares summed over tp, the replicated
-        norm gains counted once, and ZeRO's chunks summed over dp."""
-        grads = self._optimizer_grads()
-        split = torch.zeros((), device=self.mesh.device)
-        replicated = torch.zeros((), device=self.mesh.device)
-        for g in grads:
-            target = split if g.dim() >= 2 else replicated
-            target += g.float().pow(2).sum()
-        self.comm.all_reduce(split, "tp", tag="scalar")
-        squares = split + replicated
-        if self.sharded_grads:
-            self.comm.all_reduce(squares, "dp", tag="scalar")
-        return scale_to_norm(grads, squares, max_norm)
-
-    def placement(self, key: str, local_shape) -> Placement:
-        return tensor_parallel_placement(local_shape, self.splits[key], self.tp.rank)
-
-    # --- full states, keyed and shaped like the plain model (collectives: every rank calls them)
-    @torch.no_grad()
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        local = super().model_state_dict()  # this rank's tp shards, whole over dp
-        return {key: self._gather(value, self.splits[key]) for key, value in local.items()}
-
-    def _gather(self, local: torch.Tensor, split: Split) -> torch.Tensor:
-        if split.dim is None:
-            return local
-        parts = all_gather_stacked(local, self.tp, "checkpoint")
-        return torch.cat(parts.unbind(0), dim=split.dim).narrow(split.dim, 0, split.size).clone()
-
-    def plain_model(self) -> nn.Module:
-        plain = Llama(self.cfg.model).to(self.mesh.device)
-        plain.load_state_dict(self.model_state_dict())
-        return plain
-
-
-class TensorParallelEngine(TensorParallelism, DataParallelEngine, VocabParallelLoss):
-    """Tensor parallelism over tp, and DDP / ZeRO-1 / ZeRO-2 of the tp-sharded model over dp."""
-
-
-class FullyShardedTensorParallelEngine(TensorParallelism, FullyShardedEngine, VocabParallelLoss):
-    """Tensor parallelism over tp, and ZeRO-3 of the tp-sharded model over dp."""
-
-
-def build_tensor_parallel_engine(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> Engine:
-    """The engine for tp > 1 (any dp, any ZeRO stage). ``model`` is the full plain model."""
-    if mesh.size("dp") == 1 and cfg.parallel.zero:
-        # ZeRO over one replica shards nothing: plain gradients and optimizer, same arithmetic.
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=0))
-    engine_class = FullyShardedTensorParallelEngine if cfg.parallel.zero == 3 else TensorParallelEngine
-    return engine_class(model, cfg, mesh, comm)
+    return slicer.placements

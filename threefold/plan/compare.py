@@ -27,7 +27,8 @@ from pathlib import Path
 
 import click
 
-from threefold.config import Config, ConfigError, load_config
+from threefold.config import Config, ConfigError
+from threefold.configure import load_config
 from threefold.plan import costs
 
 BULK_AXES = ("dp", "tp", "pp")
@@ -69,7 +70,7 @@ def rank_zero(cfg: Config) -> RankZero:
     import torch
 
     from threefold.models.llama import Llama
-    from threefold.parallel.pipeline.engine import StageModule
+    from threefold.parallel.pipeline.stages import StageModule
     from threefold.parallel.pipeline.partition import partition
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import peak_in_flight
@@ -78,9 +79,9 @@ def rank_zero(cfg: Config) -> RankZero:
     with torch.device("meta"):
         model = Llama(cfg.model)
         if p.tp > 1:
-            from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
+            from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
 
-            parallelize(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
+            apply_tp(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
     if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
         held, blocks, last, peak = [model], [cfg.model.layers], True, (cfg.model.layers, 1)
     else:

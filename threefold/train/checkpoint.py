@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import load_tokenizer, save_tokenizer
-from threefold.train.shards import Placement, Shard, whole_shards
+from threefold.parallel.placements import Placement, Shard, whole_shards
 
 FORMAT = "threefold-checkpoint-2"
 

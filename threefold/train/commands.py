@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from threefold.config import ConfigError, load_config
+from threefold.config import ConfigError
+from threefold.configure import load_config
 
 
 @click.command()

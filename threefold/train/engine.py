@@ -1,25 +1,51 @@
-"""The engine: how one rank turns micro-batches into an optimizer step.
+"""The engine: how one rank turns micro-batches into an optimizer step, for every layout.
 
-``Engine`` is the single-process engine. Each parallel strategy provides a subclass that
-changes where gradients are reduced, which states are sharded and how the model is split,
-while the trainer loop (``threefold/train/trainer.py``) stays the same:
+One ``Engine`` serves every layout. ``build_engine`` (or ``Engine(model, cfg, mesh, comm)``)
+transforms the plain model, which every rank built from the same seed, in one documented order:
+
+  1. tensor (and sequence) parallelism   parallel/tensor_parallel.apply_tp, from the plan table;
+  2. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
+  3. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
+                                         fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=1);
+
+then assembles the parts, their gradient synchronisation, one torch AdamW over what each rank
+updates, and a driver: the plain micro-batch loop, or the pipeline runtime playing this rank's
+actions of the schedule. Every local tensor has a ``Placement`` (placements.py), written by
+the transformation that cut it, from which the gradient norm, the full state dict and the
+checkpoint pieces are computed once for all layouts. The trainer loop
+(``threefold/train/trainer.py``) is the same for all:
 
     loss = engine.forward_backward(micro_batches)   # mean loss over this step's global batch
     norm = engine.clip_grad_norm(max_norm)           # global norm, before clipping
     engine.optimizer_step(lr)
     engine.zero_grad()
+
+A step: each part's gradient synchronisation is told which backward is the step's last (the
+plain loop says so before its last micro-batch, the runtime before each stage's last B, or W);
+each bucket is reduced over dp as soon as its last gradient is in, so under a pipeline the
+reductions run during the drain. Then, in this order: the waits and the means over dp; the
+tied embedding's reduced gradient summed between the first and the last stage (pp, "tied");
+gradients that are partial sums (sequence parallelism's norm gains) summed over tp; the loss
+summed over pp and averaged over dp ("scalar").
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from threefold.config import Config
+from threefold.distributed.comm import Comm
+from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy
-from threefold.train.shards import MOMENTS, Placement, Shard, key_of, region, whole_shards
+from threefold.parallel.data_parallel import BucketGradSync, LocalGradSync
+from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, region, \
+    sum_partial_grads
 
 
 def decay_groups(named_params) -> tuple[list, list]:
@@ -69,44 +95,142 @@ def autocast(dtype: str):
     return contextlib.nullcontext()
 
 
-def scale_to_norm(grads, squares: torch.Tensor, max_norm: float) -> float:
-    """Scale ``grads`` so that their global L2 norm, √``squares`` summed over every rank, is at
-    most ``max_norm`` (0: no clipping); return the norm before. Every engine clips through here."""
-    norm = squares.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-    return norm.item()
-
-
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def named_plain_parameters(part: nn.Module, tied: bool) -> list[tuple[str, nn.Parameter]]:
+    """A part's parameters under the plain model's keys; a tied weight is "embed.weight" even
+    where only the head holds it (the last pipeline stage)."""
+    return [("embed.weight" if tied and key == "head.weight" else key, p) for key, p in part.named_parameters()]
+
+
+def build_engine(model: Llama, cfg: Config) -> "Engine":
+    """The engine for ``cfg.parallel`` on this rank: joins the job's process group (creating it
+    under torchrun), builds the mesh, and transforms the full plain ``model`` every rank built
+    from the same seed into this rank's part of it."""
+    mesh = ParallelMesh.from_config(cfg.parallel)
+    return Engine(model, cfg, mesh, Comm(mesh))
+
+
 class Engine:
-    """Single process: plain forward/backward, gradient accumulation, torch AdamW."""
+    """One rank of any layout; see the module docstring. Without a mesh: one process."""
 
-    # Where this rank sits; parallel engines set these from their mesh.
-    rank = 0
-    world_size = 1
-    dp_rank = 0
-    dp_size = 1
-
-    def __init__(self, model: nn.Module, cfg: Config):
-        self.model = model
+    def __init__(self, model: Llama, cfg: Config, mesh: ParallelMesh | None = None, comm: Comm | None = None):
         self.cfg = cfg
-        self.optimizer = build_adamw(model.named_parameters(), cfg)
+        self.mesh = mesh = mesh or ParallelMesh({})
+        self.comm = comm = comm or Comm(mesh)
+        p = cfg.parallel
+        self.rank, self.world_size = mesh.rank, mesh.world_size
+        self.dp_rank, self.dp_size = mesh.coord("dp"), mesh.size("dp")
+        self.pp, self.pp_rank = mesh.size("pp"), mesh.coord("pp")
         self.activation_meter = None  # set by the trainer: counts bytes saved for backward
+        self.tied = cfg.model.tie_embeddings
+        self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # the plain model's
+        model.to(mesh.device)
+        self.placements = {k: Placement(shape) for k, shape in self.shapes.items()}
 
+        # 1. tensor (and sequence) parallelism
+        self.tp = None
+        self.loss_fn = cross_entropy
+        if mesh.size("tp") > 1:
+            from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp, vocab_parallel_cross_entropy
+
+            self.tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel,
+                                          cfg.model.vocab_size)
+            self.placements.update(apply_tp(model, self.tp))
+            self.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
+
+        # 2. pipeline: this rank's stages (one part per stage), or the whole model as one part
+        self.schedule = self.runtime = None
+        self.tied_param = None  # pipeline with tied embeddings: the copy this rank's end stage holds
+        if self.pp > 1:
+            from threefold.parallel.pipeline.partition import partition
+            from threefold.parallel.pipeline.schedule import build_schedule
+            from threefold.parallel.pipeline.stages import stage_modules
+
+            self.schedule = build_schedule(p.schedule, self.pp, cfg.microbatches, p.virtual_stages)
+            self.parts = stage_modules(model, partition(cfg.model, self.pp, p.virtual_stages),
+                                       self.schedule.stages_of(self.pp_rank))
+            if self.tied:
+                ends = ([m.embed for m in self.parts.values() if m.first] +
+                        [m.head for m in self.parts.values() if m.last])
+                self.tied_param = ends[0].weight if ends else None
+                self.tied_stage = next((st for st, m in self.parts.items() if m.first or m.last), None)
+                if not any(m.first for m in self.parts.values()):  # the last stage's copy: counted once, by stage 0
+                    for key in ("embed.weight", "head.weight"):
+                        self.placements[key] = dataclasses.replace(self.placements[key], duplicate=True)
+            self.model = nn.ModuleList(self.parts.values())
+        else:
+            self.parts = {0: model}
+            self.model = model
+
+        # 3. gradient synchronisation over dp, per part
+        zero = p.zero if self.dp_size > 1 else 0  # ZeRO over one replica shards nothing
+        isolated = (self.tied_param,) if self.tied_param is not None else ()
+        self.syncs = {}
+        for stage, part in self.parts.items():
+            named = named_plain_parameters(part, self.tied)
+            alone = tuple(q for q in isolated if any(q is r for _, r in named))
+            if self.dp_size == 1:
+                self.syncs[stage] = LocalGradSync(named, self.placements)
+            elif zero == 3:
+                from threefold.parallel.fsdp import ShardedGradSync
+
+                self.syncs[stage] = ShardedGradSync(part, {id(q): k for k, q in named}, self.placements, mesh, comm,
+                                                    isolated=alone)
+            else:
+                self.syncs[stage] = BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb,
+                                                   overlap=p.overlap_grad_reduce, isolated=alone)
+
+        # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks)
+        entries = [e for sync in self.syncs.values() for e in sync.optimizer_params()]
+        self.optimizer = build_adamw([(name, q) for name, q, _ in entries], cfg)
+        for _, q, moments in entries:
+            if moments is not None:
+                init_adam_state(self.optimizer, q, **moments)
+
+        # the driver
+        if self.schedule is not None:
+            self._build_runtime()
+
+    def _build_runtime(self) -> None:
+        from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
+
+        wire = None
+        if self.tp is not None and not self.tp.sequence_parallel:
+            wire = ScatterGather(self.comm, self.tp.size, self.tp.rank)  # each tp rank sends its 1/tp
+        self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.parts, self.comm, self.loss_fn,
+                                       self._compute_context, wire=wire,
+                                       before_last_backward=lambda stage: self.syncs[stage].last_microbatch())
+        self.last_timeline: dict | None = None
+        if self.cfg.microbatches < self.pp and self.rank == 0:
+            from threefold.plan.simulate import ActionCosts, simulate
+
+            chunk = 1.0 / self.schedule.virtual_stages
+            bubble = simulate(self.schedule, ActionCosts(chunk, 2 * chunk, chunk)).bubble_fraction
+            warnings.warn(f"parallel.microbatches: {self.cfg.microbatches} micro-batches for {self.pp} pipeline "
+                          f"ranks; {self.schedule.name} is predicted to idle {bubble:.0%} of the time "
+                          f"(use at least {self.pp})", stacklevel=3)
+
+    # --- where this rank sits -----------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         """Where this rank computes: batches are moved here."""
-        return next(self.model.parameters()).device
+        return self.mesh.device
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that prints, writes metrics and saves the model."""
+        return self.rank == 0
 
     def parameter_storages(self) -> set[int]:
-        """Storages holding parameters now; the activation meter leaves them out."""
-        return {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        """Storages holding parameters now (ZeRO-3: the gathered units); the activation meter
+        leaves them out."""
+        found = {q.untyped_storage().data_ptr() for q in self.model.parameters()}
+        for sync in self.syncs.values():
+            found |= getattr(sync, "gathered_storages", set)()
+        return found
 
     def forward_context(self):
         """Wrap each micro-batch's forward in this, so the activation meter sees it."""
@@ -114,90 +238,197 @@ class Engine:
             return contextlib.nullcontext()
         return self.activation_meter.forward_pass()
 
-    @property
-    def is_main(self) -> bool:
-        """The rank that prints, writes metrics and saves the model."""
-        return self.rank == 0
+    @contextlib.contextmanager
+    def _compute_context(self):
+        with self.forward_context(), autocast(self.cfg.train.dtype):
+            yield
 
     def comm_bytes(self) -> dict[str, int]:
-        """Bytes this rank sent per mesh axis since the last call (a single process sends none)."""
-        return {}
-
-    def step_timeline(self) -> dict | None:
-        """The last step's measured pipeline timeline for the metrics file (pipeline engines:
-        per pipeline rank, each action's start, end, kind, micro-batch and stage); None otherwise."""
-        return None
+        """Bytes this rank sent per mesh axis since the last call."""
+        return self.comm.ledger.take()
 
     def barrier(self) -> None:
-        """Wait for every rank (nothing to wait for on one process)."""
+        self.comm.barrier()
 
     def shutdown(self) -> None:
-        """Release process groups and background work."""
+        """Release process groups."""
+        self.mesh.shutdown()
 
     # --- the step -------------------------------------------------------------------------
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss; tensor parallelism swaps in its vocab-parallel form."""
-        return cross_entropy(logits, targets)
-
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Accumulate gradients of the mean loss over all micro-batches; return that mean.
+        """Accumulate gradients of the mean loss over this step's global batch; return that mean.
 
         Every micro-batch holds the same number of tokens, so the mean of micro-batch means
         is the mean over all tokens of the batch, as one big batch would compute it.
         """
-        total = torch.zeros(())
-        for inputs, targets in micro_batches:
-            with self.forward_context(), autocast(self.cfg.train.dtype):
-                loss = self.loss(self.model(inputs), targets)
+        for sync in self.syncs.values():
+            sync.start_step()
+        if self.runtime is None:
+            loss_sum = self._plain_loop(micro_batches)
+        else:
+            loss_sum, timeline = self.runtime.run(micro_batches, self.activation_shape(micro_batches[0][0]))
+            self.last_timeline = self._gather_timeline(timeline)
+        for sync in self.syncs.values():
+            sync.finish()
+        self._sum_tied_grads()
+        sum_partial_grads(self.grad_shards(), self.comm)
+        if self.runtime is not None:
+            self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
+        return self._mean_over_dp(loss_sum.item() / len(micro_batches))
+
+    def _plain_loop(self, micro_batches) -> torch.Tensor:
+        model, sync = self.parts[0], self.syncs[0]
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            if i == len(micro_batches) - 1:
+                sync.last_microbatch()
+            with self._compute_context():
+                loss = self.loss_fn(model(inputs), targets)
             (loss / len(micro_batches)).backward()
             total += loss.detach().float()
-        return (total / len(micro_batches)).item()
+        return total
+
+    def _mean_over_dp(self, local_mean: float) -> float:
+        """The loss of the global batch: every replica ran the same number of tokens, so it is
+        the mean of the replicas' means. A scalar, counted under the "scalar" tag."""
+        if self.dp_size == 1:
+            return local_mean
+        loss = torch.tensor([local_mean], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(loss, "dp", tag="scalar")
+        return loss.item() / self.dp_size
+
+    def _sum_tied_grads(self) -> None:
+        """First and last stage each hold the tied weight and a part of its reduced gradient (from
+        the embedding, from the head): exchange and add; a + b = b + a, so both copies stay equal."""
+        if self.tied_param is None:
+            return
+        grad = self.syncs[self.tied_stage].isolated_grad(self.tied_param)
+        peer = self.schedule.rank_of(self.schedule.num_stages - 1) if self.pp_rank == 0 else 0
+        theirs = torch.empty_like(grad)
+        receive = self.comm.recv(theirs, "pp", peer, tag="tied")
+        send = self.comm.send(grad, "pp", peer, tag="tied")
+        receive.wait()
+        send.wait()
+        grad.add_(theirs)
+
+    def activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
+        """What crosses a stage boundary: (batch, positions, hidden); under sequence parallelism
+        each tp rank holds, and sends, its 1/tp of the positions."""
+        batch, seq = tokens.shape
+        if self.tp is not None and self.tp.sequence_parallel:
+            seq //= self.tp.size
+        return batch, seq, self.cfg.model.hidden
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches`` without touching gradients (every rank sees all batches)."""
         self.model.eval()
-        losses = []
-        for inputs, targets in batches:
+        if self.runtime is not None:
+            losses = self.runtime.forward_only(batches, self.activation_shape(batches[0][0]))
+            self.comm.all_reduce(losses, "pp", tag="eval")
+        else:
             with autocast(self.cfg.train.dtype):
-                losses.append(self.loss(self.model(inputs), targets).float())
+                losses = torch.stack([self.loss_fn(self.parts[0](x), y).float() for x, y in batches])
         self.model.train()
-        return torch.stack(losses).mean().item()
+        return losses.mean().item()
 
-    def grad_norm_squared(self) -> torch.Tensor:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    def grad_shards(self) -> list[Shard]:
+        """This rank's pieces of the reduced gradient ("grad/<key>"), placed in the full model."""
+        return [s for sync in self.syncs.values() for s in sync.grad_shards()]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return scale_to_norm(grads, self.grad_norm_squared(), max_norm)
+        """Scale gradients so their global L2 norm is at most ``max_norm`` (0: no clipping);
+        return the norm before."""
+        norm = grad_norm(self.grad_shards(), self.mesh, self.comm)
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for sync in self.syncs.values():
+                for g in sync.held()["grads"]:
+                    if g is not None:
+                        g.mul_(coef)
+        return norm.item()
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        for sync in self.syncs.values():
+            sync.after_optimizer_step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for sync in self.syncs.values():
+            sync.zero_grad()
 
-    # --- what this rank holds --------------------------------------------------------------
+    # --- the measured timeline ----------------------------------------------------------------
+    def _gather_timeline(self, timeline) -> dict:
+        """Every pipeline rank's timeline of this step (all ranks of this rank's pp group take
+        part), times in seconds from the earliest start. perf_counter is one clock for all
+        processes of a machine; across machines the ranks' clocks are not aligned."""
+        from threefold.parallel.pipeline.schedule import Kind
+
+        kinds = list(Kind)
+        longest = max(len(actions) for actions in self.schedule.actions)
+        mine = torch.full((longest, 5), math.nan, dtype=torch.float64)  # NaN rows: padding to the longest
+        mine[:len(timeline)] = torch.tensor([[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage]
+                                             for a in timeline], dtype=torch.float64)
+        everyone = torch.empty(self.pp * longest * 5, dtype=torch.float64)
+        self.comm.all_gather(everyone, mine.reshape(-1), "pp", tag="timeline")
+        everyone = everyone.view(self.pp, longest, 5)
+        origin = everyone[..., 0].nan_to_num(math.inf).min().item()
+        ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
+                  for row in rank.tolist() if not math.isnan(row[0])] for rank in everyone]
+        return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
+                "virtual_stages": self.schedule.virtual_stages, "ranks": ranks}
+
+    def step_timeline(self) -> dict | None:
+        """The last step's measured pipeline timeline for the metrics file (per pp rank, every
+        action as [start_s, end_s, kind, micro-batch, stage]); None without a pipeline."""
+        return self.last_timeline if self.runtime is not None else None
+
+    # --- what this rank holds -----------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """Exact bytes of parameters, gradients and optimizer states held by this rank.
 
         Optimizer states are Adam's two moments; the step counters (one scalar per tensor)
         are left out, as every memory model does.
         """
-        params = list({id(p): p for p in self.model.parameters()}.values())
+        held = [sync.held() for sync in self.syncs.values()]
         states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+        return {"params": tensor_bytes(t for h in held for t in h["params"]),
+                "grads": tensor_bytes(t for h in held for t in h["grads"]),
                 "optimizer": tensor_bytes(states)}
 
-    # --- full (unsharded) states, keyed like the plain model --------------------------------
+    # --- layout-independent checkpoints: this rank's pieces of the full states --------------
+    def weight_shards(self) -> list[Shard]:
+        return [s for sync in self.syncs.values() for s in sync.weight_shards()]
+
+    def moment_shards(self) -> list[Shard]:
+        """Adam's moments of what this rank updates (created as AdamW would, if no step ran yet)."""
+        state_of = functools.partial(init_adam_state, self.optimizer)
+        return [s for sync in self.syncs.values() for s in sync.moment_shards(state_of)]
+
+    def checkpoint_shards(self) -> list[Shard]:
+        """This rank's pieces of the weights ("model/<key>") and of Adam's moments
+        ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor; views
+        into the live states, so ``train/checkpoint.py`` saves from them and loads into them."""
+        return self.weight_shards() + self.moment_shards()
+
+    def adam_step(self) -> float:
+        """The optimizer's step count (the same for every tensor: they all step together)."""
+        return max((float(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0.0)
+
+    def set_adam_step(self, step: float) -> None:
+        for q in (q for group in self.optimizer.param_groups for q in group["params"]):
+            init_adam_state(self.optimizer, q)["step"].fill_(step)
+
+    # --- full (unsharded) states, keyed like the plain model (collectives: every rank calls them)
+    @torch.no_grad()
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The plain model's state dict, gathered from every rank's pieces."""
+        alias = {"head.weight": "embed.weight"} if self.tied else {}
+        shapes = {f"model/{k}": shape for k, shape in self.shapes.items() if k not in alias}
+        full = full_tensors(self.weight_shards(), shapes, self.mesh, self.comm)
+        return {k: full[f"model/{alias.get(k, k)}"].clone() for k in self.shapes}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -208,42 +439,8 @@ class Engine:
         for shard in self.weight_shards():
             shard.tensor.copy_(region(state[key_of(shard)], shard.offsets, shard.tensor.shape))
 
-    # --- layout-independent checkpoints: this rank's pieces of the full states --------------
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters this rank holds, under their plain-model keys (a tied weight once)."""
-        return list(self.model.named_parameters())
-
-    def placement(self, key: str, local_shape) -> Placement:
-        """Where this rank's tensor of ``key`` lies in the full one (here: it is the whole)."""
-        return Placement(tuple(local_shape))
-
-    def checkpoint_shards(self) -> list[Shard]:
-        """This rank's pieces of the weights ("model/<key>") and of Adam's moments
-        ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor; views
-        into the live states, so ``train/checkpoint.py`` saves from them and loads into them."""
-        return self.weight_shards() + self.moment_shards()
-
-    def weight_shards(self) -> list[Shard]:
-        """Here: every parameter whole."""
-        return [shard for key, p in self.named_local_parameters()
-                for shard in whole_shards(f"model/{key}", p.data, self.placement(key, p.shape))]
-
-    def moment_shards(self) -> list[Shard]:
-        """Here: each parameter's moments whole (created as AdamW would, if no step ran yet)."""
-        shards = []
-        for key, p in self.named_local_parameters():
-            state = init_adam_state(self.optimizer, p)
-            shards += [s for m in MOMENTS for s in whole_shards(f"{m}/{key}", state[m], self.placement(key, p.shape))]
-        return shards
-
-    def adam_step(self) -> float:
-        """The optimizer's step count (the same for every tensor: they all step together)."""
-        return max((float(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0.0)
-
-    def set_adam_step(self, step: float) -> None:
-        for p in (p for group in self.optimizer.param_groups for p in group["params"]):
-            init_adam_state(self.optimizer, p)["step"].fill_(step)
-
     def plain_model(self) -> nn.Module:
         """A single-device model with the current weights, for generation and export."""
-        return self.model
+        plain = Llama(self.cfg.model).to(self.device)
+        plain.load_state_dict(self.model_state_dict())
+        return plain

@@ -19,7 +19,7 @@ from threefold.data import BatchSampler, prepare_dataset, val_batches
 from threefold.distributed.launch import restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
-from threefold.train.engine import Engine, lr_at
+from threefold.train.engine import build_engine, lr_at
 from threefold.train.metrics import ActivationMeter, MetricsWriter
 
 
@@ -35,15 +35,6 @@ class TrainResult:
     checkpoint: str | None = None
     unigram_entropy: float | None = None
     seconds: float = 0.0
-
-
-def build_engine(model: Llama, cfg: Config) -> Engine:
-    """The plain engine on one process; the parallel strategies otherwise."""
-    if cfg.parallel.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return Engine(model, cfg)
-    from threefold.parallel import build_engine as build_parallel_engine
-
-    return build_parallel_engine(model, cfg)
 
 
 def set_threads(cfg: Config) -> None:

@@ -14,15 +14,15 @@ Interleaved schedules take equal chunks instead, as Megatron does: the schedule 
 micro-batches assuming every chunk costs the same, so each rank's layers must split into
 ``virtual_stages`` equal chunks.
 
-Nothing here imports torch: ``check_pipeline`` runs while a config is read, before any
-process is started.
+Nothing here imports torch: the planner and the layout checks (parallel/layout.py) use it
+before any process is started.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
-from threefold.config import Config, ConfigError, ModelConfig
+from threefold.config import ConfigError, ModelConfig
 from threefold.plan.costs import attention_width, block_param_count
 
 
@@ -34,29 +34,6 @@ class StageSpan:
     blocks: range
     first: bool
     last: bool
-
-
-def check_pipeline(cfg: Config) -> None:
-    """Raise ConfigError, one line, for a pipeline layout the runtime cannot run."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return
-    stages = p.pp * p.virtual_stages
-    if stages > cfg.model.layers:
-        raise ConfigError(f"parallel.pp: pp × virtual_stages = {p.pp} × {p.virtual_stages} = {stages} stages, "
-                          f"more than the model's {cfg.model.layers} layers (each stage needs a block)")
-    if p.schedule == "interleaved":
-        if cfg.model.layers % p.pp or (cfg.model.layers // p.pp) % p.virtual_stages:
-            raise ConfigError(f"parallel.virtual_stages: interleaved splits each rank's layers into equal chunks, "
-                              f"but {cfg.model.layers} layers over pp={p.pp} ranks do not split into "
-                              f"{p.virtual_stages} equal chunks per rank")
-        if cfg.microbatches < p.pp:
-            raise ConfigError(f"parallel.microbatches: interleaved needs at least pp={p.pp} micro-batches per step "
-                              f"(its groups of micro-batches go round the ring of ranks), got {cfg.microbatches}")
-    if p.zero >= 2:
-        raise ConfigError(f"parallel.zero: ZeRO-{p.zero} with pp > 1 is not supported: every micro-batch's backward "
-                          f"adds to the gradients until the schedule ends, so sharding them (and the parameters) "
-                          f"would cost a reduce-scatter (and all-gathers) per micro-batch; use zero 0 or 1")
 
 
 def stage_costs(cfg: ModelConfig) -> tuple[float, float]:

@@ -243,12 +243,16 @@ class PipelineRuntime:
     ``loss_fn(logits, targets)`` is the mean loss of a micro-batch; ``compute_context()`` wraps
     each forward (the activation meter and autocast); ``axis`` is the mesh axis of the pipeline;
     ``wire`` says what crosses a stage boundary (``ScatterGather`` under tp without SP).
+    ``before_last_backward(stage)`` is called just before the action that produces the stage's
+    last weight gradients of the step (its last B, or its last W when the backward is split),
+    so gradient synchronisation can reduce each bucket as soon as it is complete.
     """
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], comm: Comm,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  compute_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 axis: str = "pp", wire: Wire | None = None):
+                 axis: str = "pp", wire: Wire | None = None,
+                 before_last_backward: Callable[[int], None] = lambda stage: None):
         if set(stages) != set(schedule.stages_of(rank)):
             raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, "
                              f"got modules for {sorted(stages)}")
@@ -258,6 +262,9 @@ class PipelineRuntime:
         self.loss_fn, self.compute_context = loss_fn, compute_context
         self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in stages.items()}
         self.releases = send_release_points(schedule, rank)
+        self.before_last_backward = before_last_backward
+        weight_kind = Kind.WEIGHT_GRAD if schedule.split_backward else Kind.BACKWARD
+        self.last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind is weight_kind}
         self.receives_from: dict[int, int] = defaultdict(int)  # peer → how many receives from it
         for action in self.actions:
             if action.kind.is_recv:
@@ -281,6 +288,8 @@ class PipelineRuntime:
             self._post_receive(peer)
         timeline = []
         for index, action in enumerate(self.actions):
+            if self.last_backward.get(action.stage) == index:
+                self.before_last_backward(action.stage)
             start = time.perf_counter()
             self._execute(index, action)
             timeline.append(MeasuredAction(start, time.perf_counter(), action.kind, action.microbatch, action.stage))

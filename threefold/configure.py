@@ -1,0 +1,22 @@
+"""``load_config``: what every command calls to turn a TOML file and ``--set`` overrides into a
+checked ``Config``, before any process starts.
+
+Three steps, each owned by its own module: ``config.read_config`` reads and validates the
+fields (config.py is a leaf), ``models.presets`` supplies a named model size, and
+``parallel.layout.check_layout`` asks each strategy whether it can run the layout. Nothing here
+imports torch.
+"""
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+from threefold.config import Config, read_config
+from threefold.models.presets import get_preset
+from threefold.parallel.layout import check_layout
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    cfg = read_config(path, overrides, preset_of=get_preset)
+    check_layout(cfg)
+    return cfg
