@@ -358,3 +358,39 @@ def test_activation_meter_sees_the_micro_batches_in_flight(distributed, schedule
         # saved by every micro-batch (the rotary tables) counts once, and interleaving gives rank 1
         # a first chunk without the head and a second with it.
         assert many[rank]["peak"] / one[rank]["peak"] == pytest.approx(in_flight[rank], rel=0.05)
+
+
+
+def run_overlap_timestamps(overlap: bool) -> dict:
+    """dp2 × pp2, 1F1B, 8 micro-batches: this rank's dp reductions (absolute launch times, seconds
+    blocked waiting) and the step's pipeline timeline (relative to ``origin_s``, the same clock)."""
+    from equivalence import matrix_config, new_engine
+
+    cfg = matrix_config("parallel.dp=2", "parallel.pp=2", "train.global_batch=32", "parallel.bucket_mb=0.05",
+                        f"parallel.overlap_grad_reduce={str(overlap).lower()}")
+    engine = new_engine(cfg)
+    batch = my_micro_batches(global_batches(cfg, 1)[0], cfg, engine.dp_rank, engine.dp_size)
+    engine.forward_backward(batch)
+    dp = [r for r in engine.comm.ledger.records if r.key == "dp"]
+    engine.shutdown()
+    return {"pp_rank": engine.pp_rank, "launches": sorted(r.started for r in dp),
+            "waited": sum(r.waited for r in dp), "timeline": engine.last_timeline}
+
+
+def test_dp_reduction_overlaps_the_drain(distributed):
+    """The last stage finishes its backwards first; its first bucket is reduced over dp while
+    stage 0 still drains (Megatron's overlap-grad-reduce), not after the whole schedule; with
+    overlap_grad_reduce=false every reduction waits for the rank's last backward."""
+    for overlap in (True, False):
+        results = distributed.run(4, run_overlap_timestamps, overlap)
+        timeline = results[0]["timeline"]
+        stage0_last_backward = timeline["origin_s"] + max(end for _, end, kind, _, _ in timeline["ranks"][0]
+                                                          if kind == "B")
+        last_stage = [r for r in results if r["pp_rank"] == 1]
+        assert all(len(r["launches"]) > 1 for r in results)  # several buckets on every rank
+        first_launch = min(r["launches"][0] for r in last_stage)
+        if overlap:
+            assert first_launch < stage0_last_backward
+        else:
+            assert first_launch > timeline["origin_s"] + max(end for _, end, kind, _, _ in timeline["ranks"][1]
+                                                             if kind == "B")

@@ -363,7 +363,8 @@ class Engine:
     def _gather_timeline(self, timeline) -> dict:
         """Every pipeline rank's timeline of this step (all ranks of this rank's pp group take
         part), times in seconds from the earliest start. perf_counter is one clock for all
-        processes of a machine; across machines the ranks' clocks are not aligned."""
+        processes of a machine; across machines the ranks' clocks are not aligned. ``origin_s``:
+        the earliest start, in ``time.perf_counter()`` seconds (the ledger's clock)."""
         from threefold.parallel.pipeline.schedule import Kind
 
         kinds = list(Kind)
@@ -378,7 +379,7 @@ class Engine:
         ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
                   for row in rank.tolist() if not math.isnan(row[0])] for rank in everyone]
         return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
-                "virtual_stages": self.schedule.virtual_stages, "ranks": ranks}
+                "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks}
 
     def step_timeline(self) -> dict | None:
         """The last step's measured pipeline timeline for the metrics file (per pp rank, every
