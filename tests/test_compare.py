@@ -90,3 +90,37 @@ def test_command_prints_json(tmp_path, corpus, monkeypatch):  # noqa: F811
     assert all(set(row) == {"quantity", "predicted", "measured", "ratio", "formula", "unit"} for row in rows)
     table = CliRunner().invoke(cmp.compare, args, terminal_width=200)
     assert table.exit_code == 0 and "exact" in table.output
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,pp,v,schedule,tie,vocab", [
+    (1, 1, 1, "1f1b", False, 100), (2, 1, 1, "1f1b", True, 101), (4, 1, 1, "1f1b", False, 102),
+    (2, 2, 1, "1f1b", True, 99), (1, 2, 2, "interleaved", True, 100), (2, 4, 1, "zb-h1", False, 103),
+])
+def test_rank_zero_counts_what_the_engine_builds(tp, pp, v, schedule, tie, vocab):
+    """The torch-free count of rank 0's parameters equals the engine's: the plain model on the
+    meta device, tp-sharded by the engine's own plan (vocabulary padded to a multiple of tp),
+    cut into the engine's stage modules, a tied table counted once."""
+    import torch
+
+    from threefold.models.llama import Llama
+    from threefold.parallel.pipeline.engine import StageModule
+    from threefold.parallel.pipeline.schedule import build_schedule, partition
+    from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
+
+    cfg = load_config(None, ["model.preset=tiny", "model.layers=8", f"model.vocab_size={vocab}",
+                             f"model.tie_embeddings={str(tie).lower()}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                             f"parallel.virtual_stages={v}", f"parallel.schedule={schedule}", "train.global_batch=8", "train.micro_batch=1"])
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+        if tp > 1:
+            parallelize(model, TensorParallelGroup(None, 0, tp, False, vocab))
+    if pp == 1:
+        held = [model]
+    else:
+        spans = partition(cfg.model, pp, v)
+        held = [StageModule(model, spans[s]) for s in build_schedule(schedule, pp, cfg.microbatches, v).stages_of(0)]
+    built = {id(q): q.numel() for module in held for q in module.parameters()}
+    assert cmp.rank_zero(cfg).numel == sum(built.values())

@@ -5,8 +5,8 @@ dp rank 0. Each row predicts exactly that rank's figure with the planner's formu
 (threefold/plan/costs.py) and says which formula it used:
 
   model states   costs.model_state_bytes of the parameters rank 0 holds: its stages' blocks
-                 (the engine's partition), its tp shard (the engine's TP plan, applied to the
-                 model on the meta device, so no weights are made), ZeRO over dp;
+                 (the engine's partition), its tp shard (models/sizes.stage_param_count, the
+                 engine's TP plan in numbers), ZeRO over dp;
   activations    costs.block_activation_bytes × the blocks whose activations rank 0 holds at
                  once: its schedule's micro-batches in flight (simulate.peak_in_flight), each
                  with its stage's blocks;
@@ -28,7 +28,10 @@ from pathlib import Path
 import click
 
 from threefold.config import Config, ConfigError, load_config
+from threefold.models.sizes import stage_param_count
+from threefold.parallel.pipeline.schedule import build_schedule, partition
 from threefold.plan import costs
+from threefold.plan.simulate import peak_in_flight
 
 BULK_AXES = ("dp", "tp", "pp")
 
@@ -65,35 +68,21 @@ class RankZero:
 
 
 def rank_zero(cfg: Config) -> RankZero:
-    """Rank 0's share of the model, by the engine's own TP plan and pipeline partition."""
-    import torch
-
-    from threefold.models.llama import Llama
-    from threefold.parallel.pipeline.engine import StageModule
-    from threefold.parallel.pipeline.partition import partition
-    from threefold.parallel.pipeline.schedule import build_schedule
-    from threefold.plan.simulate import peak_in_flight
-
-    p = cfg.parallel
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-        if p.tp > 1:
-            from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
-
-            parallelize(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
+    """Rank 0's share of the model, torch-free: the engine's pipeline partition (the registry's
+    stage placement) and its tp shards (models/sizes.py's counts, the vocabulary padded to a
+    multiple of tp, a tied table counted once where one rank holds both ends)."""
+    p, model = cfg.parallel, cfg.model
     if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
-        held, blocks, last, peak = [model], [cfg.model.layers], True, (cfg.model.layers, 1)
-    else:
-        spans = partition(cfg.model, p.pp, p.virtual_stages)
-        schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
-        stages = schedule.stages_of(0)
-        held = [StageModule(model, spans[s]) for s in stages]
-        blocks = [len(spans[s].blocks) for s in stages]
-        last = any(spans[s].last for s in stages)
-        peak = (peak_in_flight(schedule.actions[0], schedule.split_backward, lambda a: len(spans[a.stage].blocks)),
-                peak_in_flight(schedule.actions[0], schedule.split_backward))
-    params = {id(q): q for module in held for q in module.parameters()}  # a tied weight once
-    return RankZero(sum(q.numel() for q in params.values()), sum(blocks), last, *peak)
+        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
+        return RankZero(numel, model.layers, True, model.layers, 1)
+    spans = partition(model, p.pp, p.virtual_stages)
+    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    held = [spans[s] for s in schedule.stages_of(0)]
+    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
+    blocks_in_flight = peak_in_flight(schedule.actions[0], schedule.split_backward,
+                                      lambda a: len(spans[a.stage].blocks))
+    return RankZero(numel, sum(len(span.blocks) for span in held), any(span.last for span in held),
+                    blocks_in_flight, peak_in_flight(schedule.actions[0], schedule.split_backward))
 
 
 def resolved(cfg: Config) -> Config:
@@ -101,10 +90,9 @@ def resolved(cfg: Config) -> Config:
     if cfg.model.vocab_size is not None:
         return cfg
     from threefold.data import prepare_dataset
-    from threefold.train.trainer import resolve_vocab
 
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)
-    return resolve_vocab(cfg, dataset.tokenizer.vocab_size)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=dataset.tokenizer.vocab_size))
 
 
 def read_steps(metrics_path: str | Path) -> list[dict]:

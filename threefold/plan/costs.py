@@ -12,7 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from threefold.config import SCHEDULES, ConfigError, ModelConfig
+from threefold.config import ConfigError, ModelConfig
+from threefold.models.sizes import attention_width, block_param_count, count_parameters
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
+
+SCHEDULES = schedule_names()  # the registry's order: Layout.schedule indexes it
 
 
 def _scalar_or_array(value):
@@ -30,22 +34,6 @@ def _require_vocab(cfg: ModelConfig) -> int:
     return cfg.vocab_size
 
 
-def attention_width(cfg: ModelConfig) -> tuple[int, int]:
-    """(query width, key/value width): heads·head_dim and kv_heads·head_dim."""
-    return cfg.heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-
-
-def block_param_count(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block, norms and biases included."""
-    h, f = cfg.hidden, cfg.ffn_hidden
-    q, kv = attention_width(cfg)
-    attn = h * q * 2 + h * kv * 2  # wq, wo; wk, wv
-    if cfg.arch == "llama":
-        return attn + 3 * h * f + 2 * h  # SwiGLU's three matrices; two RMSNorm weights
-    # GPT: biases on every linear, two LayerNorms with weight and bias.
-    return attn + (q + 2 * kv + h) + 2 * h * f + (f + h) + 4 * h
-
-
 def embedding_param_count(cfg: ModelConfig) -> int:
     """Parameters of the input embedding lookup tables (tokens, and learned positions for GPT)."""
     v = _require_vocab(cfg)
@@ -57,9 +45,7 @@ def param_count(cfg: ModelConfig) -> int:
     """Exact number of distinct parameters (tied embeddings counted once)."""
     if cfg.arch == "llama":
         _require_vocab(cfg)
-        from threefold.models.sizes import count_parameters  # the model's own count, torch-free
-
-        return count_parameters(cfg)
+        return count_parameters(cfg)  # the model's own count, torch-free
     h, v = cfg.hidden, _require_vocab(cfg)
     head = 0 if cfg.tie_embeddings else v * h
     final_norm = 2 * h  # LayerNorm weight and bias
@@ -279,7 +265,7 @@ class Layout:
         parts.append(RECOMPUTE[int(v["recompute"])])
         if int(v["pp"]) > 1:
             schedule = SCHEDULES[int(v["schedule"])]
-            parts.append(f"{schedule} v={int(v['virtual_stages'])}" if schedule == "interleaved" else schedule)
+            parts.append(f"{schedule} v={int(v['virtual_stages'])}" if SCHEDULE_REGISTRY[schedule].chunked else schedule)
         return " ".join(parts)
 
 
@@ -311,22 +297,18 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
-    if p * v > model.layers:
-        raise ConfigError(f"--pp × --virtual-stages = {p * v} is more than the model's {model.layers} layers")
     if model.seq_len % c:
         raise ConfigError(f"--cp: {c} does not divide the sequence length {model.seq_len}")
     if global_batch % (d * b):
         raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
     if layout.sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel: needs --tp > 1")
-    if (schedule == "interleaved") != (v > 1):
-        raise ConfigError(f"--virtual-stages: {v} with --schedule {schedule}; interleaved needs 2 or more, "
-                          "other schedules 1")
-    microbatches = global_batch // (d * b)
-    if schedule == "interleaved" and microbatches < p:
-        raise ConfigError(f"--schedule interleaved: {microbatches} micro-batches per step is fewer than --pp {p}; "
-                          "each rank would stall while a micro-batch goes round the ring (use 1f1b, or more "
-                          "micro-batches)")
+    if p > 1 or v > 1:
+        check_schedule(schedule, p, global_batch // (d * b), v, model.layers, flags=PLAN_FLAGS)
+
+
+PLAN_FLAGS = {"schedule": "--schedule", "pp": "--pp", "virtual_stages": "--virtual-stages",
+              "microbatches": "--global-batch"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,39 +405,25 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
 
 
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
-    """Idle fraction of a pipeline step at uniform stage costs, in closed form.
-
-    GPipe and 1F1B (p−1)/(m+p−1) (Huang et al. 2019; Narayanan et al. 2021); interleaved 1F1B
-    (p−1)/(v·m+p−1) (Narayanan et al. 2021); ZB-H1 with f = b = w: (p−1)/(3m+p−1), a third of
-    1F1B's bubble time (Qi et al. 2023). ``schedule`` is an index into SCHEDULES or a name.
-    """
+    """Idle fraction of a pipeline step at uniform stage costs: each schedule's closed form from
+    the registry (threefold/parallel/pipeline/schedule.py), 0 without a pipeline. ``schedule`` is
+    an index into SCHEDULES (or an array of them) or a name."""
     if isinstance(schedule, str):
         schedule = _index(SCHEDULES, schedule, "--schedule")
-    slots, work = _bubble_slots(np.asarray(schedule), np.asarray(pp), np.asarray(microbatches),
-                                np.asarray(virtual_stages))
-    return _scalar_or_array(slots / (work + slots))
+    return _scalar_or_array(_per_schedule("bubble", schedule, pp, microbatches, virtual_stages, single=0.0))
 
 
-def interleaved_group(pp, microbatches):
-    """Micro-batches per group of the interleaved schedule, as _interleaved_order in
-    threefold/parallel/pipeline/schedule.py picks them: the smallest divisor of m that is at
-    least p (p when p divides m; m when m < p)."""
-    p, m = (np.array(x, dtype=float) for x in np.broadcast_arrays(pp, np.rint(microbatches)))
-    group = np.array(np.minimum(p, m))
-    search = m % group != 0  # only these need a divisor search; the common case is p | m
-    group[search] = [_interleaved_group(int(a), int(b)) for a, b in zip(p[search], m[search])]
-    return _scalar_or_array(group)
-
-
-@functools.lru_cache(maxsize=None)
-def _interleaved_group(pp: int, m: int) -> int:
-    return next(g for g in range(pp, m + 1) if m % g == 0)
-
-
-def _bubble_slots(schedule, p, m, v):
-    """(idle slots, busy slots) on a rank, a slot being one micro-batch through one model chunk."""
-    idle = np.where(schedule == SCHEDULES.index("zb-h1"), (p - 1) / 3, p - 1)
-    return idle, v * m
+def _per_schedule(form: str, schedule, p, m, v, single: float):
+    """The registry's closed form ``form`` of each layout's schedule, over arrays of layouts;
+    ``single`` where pp = 1 (no pipeline). Each schedule's form is evaluated only on its rows."""
+    schedule, p, m, v = np.broadcast_arrays(np.asarray(schedule), np.asarray(p, dtype=float),
+                                            np.asarray(m, dtype=float), np.asarray(v, dtype=float))
+    out = np.full(schedule.shape, float(single))
+    for index, spec in enumerate(SCHEDULE_REGISTRY.values()):
+        rows = (schedule == index) & (p > 1)
+        if rows.any():
+            out[rows] = getattr(spec, form)(p[rows], m[rows], v[rows])
+    return out
 
 
 def _ring_time(bytes_sent, steps, link_bw, latency):
@@ -477,7 +445,6 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
     full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
-    gpipe, interleaved = schedule == SCHEDULES.index("gpipe"), schedule == SCHEDULES.index("interleaved")
     single_stage = p == 1
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
@@ -490,16 +457,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     coef = activation_coefficients(cfg, work.attention)
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention)
     per_layer = block_activation_bytes(cfg, tokens, t, sp, recompute, work.attention)
-    # Micro-batches whose activations a stage holds at its peak (first stage; last stage).
-    # Interleaved, in groups of g micro-batches: rank 0 runs (v−1)·g + 2(p−1) forward chunks
-    # before its first backward (all v·m if there are fewer), the last rank (v−1)·g.
-    group = interleaved_group(p, m)
-    in_flight_first = np.where(gpipe, m, np.where(interleaved, np.minimum((v - 1) * group + 2 * p - 1, v * m) / v,
-                                                  np.minimum(p, m)))
-    # ZB-H1 defers weight gradients, so every stage keeps 1F1B's first-stage count (Qi et al. 2023).
-    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * group + 1) / v,
-                                                 np.where(schedule == SCHEDULES.index("zb-h1"), np.minimum(p, m), 1)))
-    in_flight_first, in_flight_last = np.where(single_stage, 1, in_flight_first), np.where(single_stage, 1, in_flight_last)
+    # Micro-batches whose activations the first and the last stage hold at their peak: the
+    # schedule's closed forms in the registry; one when there is no pipeline.
+    in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
+    in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
     block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
     block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
@@ -577,11 +538,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pp_bw, pp_lat = link(num_gpus)
     p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
-    idle_slots, busy_slots = _bubble_slots(schedule, p, m, v)
+    bubble = bubble_fraction(schedule, p, m, v)
+    busy_slots = v * m  # a slot: one micro-batch through one model chunk
     mb_s = math_s + memory_bound_s + tp_mb_s + cp_exposed_mb
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
-    bubble_s = idle_slots * slot_s
-    pipeline_s = busy_slots * slot_s + bubble_s
+    busy_s = busy_slots * slot_s
+    bubble_s = busy_s * bubble / (1 - bubble)
+    pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
     share = (replicas - 1) / replicas
@@ -623,7 +586,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,
         mfu=model_flops / (step_s * num_gpus * gpu.peak_flops),
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
-        bubble_fraction=idle_slots / (busy_slots + idle_slots),
+        bubble_fraction=bubble,
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activations_bytes=activations,
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,

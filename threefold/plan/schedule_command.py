@@ -12,13 +12,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from threefold.config import SCHEDULES
-from threefold.parallel.pipeline.schedule import build_schedule
+from threefold.parallel.pipeline.schedule import build_schedule, schedule_names
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
 
 @click.command("schedule")
-@click.option("--schedule", "name", type=click.Choice(SCHEDULES), default="1f1b", show_default=True,
+@click.option("--schedule", "name", type=click.Choice(schedule_names()), default="1f1b", show_default=True,
               help="Pipeline schedule.")
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline ranks.")
 @click.option("--microbatches", type=int, default=8, show_default=True, help="Micro-batches per step.")
@@ -40,7 +39,7 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
              show_actions, as_json, metrics_file):
     """Draw a pipeline schedule and print its bubble fraction and peak activations per rank."""
     if metrics_file:
-        from threefold.parallel.pipeline.runtime import measured_vs_simulated
+        from threefold.plan.measured import measured_vs_simulated
 
         report = measured_vs_simulated(metrics_file, out)
         click.echo(json.dumps(report) if as_json else "\n".join(

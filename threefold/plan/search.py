@@ -6,12 +6,15 @@ which is what makes a full search of GPT-3 175B on 1024 GPUs take a fraction of 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule
 from threefold.plan import costs, report
 from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout, Workload
 
@@ -24,13 +27,33 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _pipelines(layers: int, pp: int) -> list[tuple[int, int]]:
+    """(schedule index, virtual stages) of every registered schedule for ``pp`` ranks: chunked
+    schedules with 2-8 chunks per rank; without a pipeline, 1F1B alone (they are all the same)."""
+    if pp == 1:
+        return [(SCHEDULES.index("1f1b"), 1)]
+    return [(index, v) for index, spec in enumerate(SCHEDULE_REGISTRY.values())
+            for v in (VIRTUAL_STAGES if spec.chunked else (1,)) if pp * v <= layers]
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> bool:
+    """Whether the registry accepts the schedule for this layout (its constraints, one per entry)."""
+    try:
+        check_schedule(SCHEDULES[schedule], pp, microbatches, v, layers)
+    except ConfigError:
+        return False
+    return True
+
+
 def candidate_layouts(work: Workload, num_gpus: int) -> Layout:
     """Every layout that can run the model on ``num_gpus`` GPUs, as arrays.
 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-8 dividing the sequence; DP fills the rest. Then every ZeRO stage,
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
-    (interleaved with 2-8 chunks per rank; pipelines only when PP > 1).
+    (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
+    rank; pipelines only when PP > 1).
     """
     cfg = work.model
     grids = []
@@ -41,14 +64,10 @@ def candidate_layouts(work: Workload, num_gpus: int) -> Layout:
             continue
         dp = num_gpus // (tp * pp * cp)
         micro = [b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0]
-        if pp == 1:
-            pipelines = [(SCHEDULES.index("1f1b"), 1)]
-        else:
-            pipelines = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b", "zb-h1")]
-            pipelines += [(SCHEDULES.index("interleaved"), v) for v in VIRTUAL_STAGES if pp * v <= cfg.layers]
-        for b, (schedule, v), sp in itertools.product(micro, pipelines, (False, True) if tp > 1 else (False,)):
-            if v > 1 and work.global_batch // (dp * b) < pp:
-                continue  # interleaving needs at least one micro-batch per stage
+        for b, (schedule, v), sp in itertools.product(micro, _pipelines(cfg.layers, pp),
+                                                      (False, True) if tp > 1 else (False,)):
+            if pp > 1 and not _runs(schedule, pp, work.global_batch // (dp * b), v, cfg.layers):
+                continue
             grids.append((tp, pp, dp, cp, b, v, sp, schedule))
     if not grids:
         return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
