@@ -15,7 +15,8 @@ from rich.console import Console
 from threefold.config import ConfigError, ModelConfig
 from threefold.models.presets import PRESETS, get_preset
 from threefold.plan import costs, report, search
-from threefold.plan.hardware import CATALOG, get_gpu
+from threefold.plan.hardware import CATALOG, get_gpu, load_cluster
+from threefold.plan.pictures import check_picture_path, draw_breakdown
 
 # Flag → ModelConfig field, for the model's shape.
 MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
@@ -35,8 +36,20 @@ def _model_options(command):
         click.option("--tie-embeddings/--no-tie-embeddings", default=None),
         click.option("--global-batch", type=int, help="Sequences per optimizer step."),
         click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`)."),
+        click.option("--cluster", type=click.Path(dir_okay=False),
+                     help="A TOML file describing a GPU that is not in the catalog and its nodes (docs/planner.md)."),
         click.option("--num-gpus", type=int),
         click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
+        click.option("--inter-node-gbps", type=float,
+                     help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 NDR)."),
+        click.option("--intra-node-gbps", type=float, help="Link bandwidth per GPU inside a node in Gbit/s."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
+                     help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
+                          "on CPUs: use it with --gpu local for fp32 runs)."),
+        click.option("--overlap-dp/--no-overlap-dp", default=True, show_default=True,
+                     help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
+        click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
+                     help="Tensor-parallel collectives pipelined with the GEMMs (Megatron-Core's option)."),
         click.option("--attention", type=click.Choice(costs.ATTENTION), default="flash", show_default=True,
                      help="flash never stores the s×s scores; eager stores them (Megatron 2021-22)."),
         click.option("--grad-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
@@ -67,11 +80,19 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
     """The model, batch and GPU of a command's options."""
     if o.get("global_batch") is None:
         raise ConfigError("--global-batch: required (sequences per optimizer step)")
-    if o.get("gpu") is None:
-        raise ConfigError(f"--gpu: required, one of {', '.join([*CATALOG, 'local'])}")
+    if o["global_batch"] < 1:
+        raise ConfigError(f"--global-batch: must be a positive integer (sequences per step), got {o['global_batch']}")
+    if o.get("gpu") is None and o.get("cluster") is None:
+        raise ConfigError(f"--gpu: required (or --cluster FILE.toml), one of {', '.join([*CATALOG, 'local'])}")
+    if o.get("gpu") is not None and o.get("cluster") is not None:
+        raise ConfigError("--cluster: describes the GPU itself; give --gpu or --cluster, not both")
     work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
-                          grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2)
-    return work, get_gpu(o["gpu"]).with_gpus_per_node(o.get("gpus_per_node"))
+                          grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
+                          overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
+                          tp_comm_overlap=bool(o.get("tp_comm_overlap")))
+    gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
+    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
+    return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
 
 
 def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
@@ -140,8 +161,9 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="Evaluate every JSON line of this file; print one JSON line each, in order.")
 @click.option("--list-gpus", is_flag=True, help="List the GPUs of the catalog and exit.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the step-time and memory breakdown to this PNG.")
 @click.pass_context
-def estimate(ctx, as_json, batch_file, list_gpus, **options):
+def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     """Predict memory, communication and step time of one layout."""
     console = Console()
     if list_gpus:
@@ -165,9 +187,13 @@ def estimate(ctx, as_json, batch_file, list_gpus, **options):
                 result = {"error": str(err)}
             click.echo(json.dumps(result))
         return
+    check_picture_path("--out", out)
     work, gpu = build_workload(options)
     layout, num_gpus = build_layout(options, work)
     result = report.result_json(costs.estimate(work, layout, gpu), layout)
+    if out:
+        draw_breakdown([result], [layout.describe()], gpu.hbm_bytes / 2**30, out,
+                       _title(options, work, num_gpus, gpu))
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -178,8 +204,10 @@ def estimate(ctx, as_json, batch_file, list_gpus, **options):
 @click.command()
 @_model_options
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many layouts to show.")
-def plan(as_json, top, **options):
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the top layouts' breakdowns side by side to this PNG.")
+def plan(as_json, top, out, **options):
     """Search layouts for the fastest one that fits."""
+    check_picture_path("--out", out)
     work, gpu = build_workload(options)
     if options.get("num_gpus") is None:
         raise ConfigError("--num-gpus: required")

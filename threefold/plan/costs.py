@@ -336,6 +336,8 @@ class Workload:
     global_batch: int
     attention: str = "flash"  # flash: never stores the s×s scores; eager: stores them (Megatron 2021-22)
     grad_bytes: int = 4
+    overlap_dp: bool = True  # data-parallel reductions (and ZeRO gathers) run behind compute, as DDP/FSDP do
+    tp_comm_overlap: bool = False  # Megatron-Core's --tp-comm-overlap: TP collectives pipelined with the GEMMs
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
 
@@ -426,6 +428,57 @@ def _per_schedule(form: str, schedule, p, m, v, single: float):
     return out
 
 
+def layer_products(cfg: ModelConfig, tp) -> list[tuple]:
+    """(K, N) of each matrix product of one block's forward on one tp rank, as the engine (llama:
+    separate wq, wk, wv; SwiGLU's gate, up, down) or Megatron (gpt: fused QKV; fc1, fc2) runs them;
+    M is the micro-batch's tokens."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    q, kv = attention_width(cfg)
+    if cfg.arch == "llama":
+        return [(h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), (h, f / tp), (h, f / tp), (f / tp, h)]
+    return [(h, (q + 2 * kv) / tp), (q / tp, h), (h, f / tp), (f / tp, h)]
+
+
+def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
+    """Seconds of one (m×k)·(k×n) product: a smooth roofline. Its arithmetic time 2mkn / (peak ·
+    matmul efficiency) and its memory time (reading both operands, writing the result) / (HBM
+    bandwidth · HBM efficiency) add as the sides of a right triangle, √(t_math² + t_memory²):
+    far above the GPU's FLOP/byte ridge a product runs at the large-GEMM rate, at the ridge at
+    1/√2 of it, below it at the memory's rate (the roofline of Williams et al. 2009, its corner
+    rounded as measured GEMM efficiency curves are)."""
+    math = 2.0 * m * k * n / (gpu.peak_flops * gpu.matmul_efficiency)
+    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw * gpu.hbm_efficiency)
+    return np.sqrt(math * math + memory * memory)
+
+
+def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
+                   drain_s) -> dict:
+    """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
+
+    DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
+    (FSDP's unit). A reduction happens once per step, or per micro-batch (ZeRO-2/3). Overlap, as
+    the engines run it: a reduction runs during the backward that produces it (and the pipeline
+    drain after it), parameters gather during the first micro-batch's forward, except one bucket
+    each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
+    micro-batch's compute, and the first gather, are exposed."""
+    share = (replicas - 1) / replicas
+    sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
+    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * PARAM_BYTES)
+    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel * work.grad_bytes / BUCKET_BYTES)))
+    reductions = np.where(zero >= 2, m, 1) * buckets
+    gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
+    grad_s = _ring_time(sent - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), bw, latency)
+    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), bw, latency)
+    seconds = np.where(replicas > 1, grad_s + gather_s, 0)
+    one_collective_s = grad_s / reductions
+    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
+                         np.maximum(grad_s - backward_s - drain_s, one_collective_s))
+                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
+    block_wise = m * np.maximum(0, seconds / m - mb_s) + one_collective_s
+    return {"bytes": sent, "seconds": seconds,
+            "exposed": np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)}
+
+
 def _ring_time(bytes_sent, steps, link_bw, latency):
     """Seconds for a ring collective: latency per step plus the bytes each rank sends over the link."""
     return steps * latency + bytes_sent / link_bw
@@ -496,12 +549,17 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     memory_total = np.maximum(total_first, total_last) + RESERVED_BYTES
 
     # ---- compute on the busiest stage, per micro-batch ----------------------------------------
+    # Each matrix product is timed by its own shape (``matmul_seconds``): a thin tp shard or a
+    # small hidden size runs below the large-GEMM rate. A product's backward is two products of
+    # the same shape (input and weight gradients), so a layer costs 3× its forward products.
+    rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
+    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu) for k, n in layer_products(cfg, t))
+    head_gemm_s = matmul_seconds(rows, h, V / t, gpu)
     attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
-    layer_forward = 2 * block_params + attention_executed
-    layer_flops = 3 * layer_forward + np.where(full, layer_forward, np.where(selective, attention_executed, 0))
-    stage_flops = tokens / t * (stage_layers * layer_flops + 6 * V * h)  # the last stage computes the logits
     rate = gpu.peak_flops * gpu.matmul_efficiency
-    math_s = stage_flops / rate
+    core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
+    layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
+    math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
     traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
                                                     + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
                + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
@@ -523,13 +581,20 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     tp_bw, tp_lat = link(t)
     tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
     tp_bytes = m * tp_sent_mb
+    # Exposed: all of it, as our engine and plain Megatron run it (each collective sits between the
+    # products that produce and consume it); with Megatron-Core's --tp-comm-overlap each
+    # collective is cut into t chunks pipelined with the adjacent product, so only the first
+    # chunk and whatever exceeds the products' time stay exposed.
+    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
+    tp_exposed_mb = np.where(work.tp_comm_overlap, tp_mb_s / t + np.maximum(0, tp_mb_s * (1 - 1 / t) - gemm_mb_s),
+                             tp_mb_s)
 
     # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
     cp_collectives = stage_layers * (3 + full)
     cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * ACTIVATION_BYTES / t)
     cp_bw, cp_lat = link(t * c)
     cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
-    attention_s = tokens / t * stage_layers * 3 * attention_executed / rate
+    attention_s = stage_layers * 3 * core_s
     cp_exposed_mb = np.maximum(0, cp_mb_s - attention_s)  # ring attention overlaps with the core
     cp_bytes = m * cp_sent_mb
 
@@ -540,36 +605,26 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
     bubble = bubble_fraction(schedule, p, m, v)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
-    mb_s = math_s + memory_bound_s + tp_mb_s + cp_exposed_mb
+    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
     bubble_s = busy_s * bubble / (1 - bubble)
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    share = (replicas - 1) / replicas
-    dp_bytes = dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
-    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * last_numel * PARAM_BYTES)
     dp_bw, dp_lat = link(t * c * d)
-    # Collectives: DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters
-    # block by block (FSDP's unit). A reduction happens once per step, or per micro-batch (ZeRO-2/3).
-    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(last_numel * work.grad_bytes / BUCKET_BYTES)))
-    reductions = np.where(zero >= 2, m, 1) * buckets
-    gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
-    grad_s = _ring_time(dp_bytes - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), dp_bw, dp_lat)
-    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), dp_bw, dp_lat)
-    dp_s = np.where(replicas > 1, grad_s + gather_s, 0)
-    one_collective_s = grad_s / reductions
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
-    # Overlap: a reduction runs during the backward that produces it, parameters gather during
-    # the first micro-batch's forward, except one bucket each. ZeRO-3 prefetches the next block
-    # while computing this one: only what exceeds each micro-batch's compute, and the first
-    # gather, are exposed.
-    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
-                         np.maximum(grad_s - backward_s, one_collective_s))
-                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
-    block_wise = m * np.maximum(0, dp_s / m - mb_s) + one_collective_s
-    dp_exposed_s = np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)
+    # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
+    # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
+    drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
+    dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
+                             mb_s, drain_s)
+    dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
+                              forward_s, mb_s, 0)
+    dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
+    dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
+    if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
+        dp_exposed_s = np.where(single_stage, dp_s, np.maximum(dp_s, dp_first["seconds"]))
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam reads the
     # master weights, both moments and the gradient and writes them back with the 16-bit copy
@@ -593,7 +648,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
         dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
-        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_mb_s,
+        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
         dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
     )
