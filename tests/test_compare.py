@@ -124,3 +124,39 @@ def test_rank_zero_counts_what_the_engine_builds(tp, pp, v, schedule, tie, vocab
         held = [StageModule(model, spans[s]) for s in build_schedule(schedule, pp, cfg.microbatches, v).stages_of(0)]
     built = {id(q): q.numel() for module in held for q in module.parameters()}
     assert cmp.rank_zero(cfg).numel == sum(built.values())
+
+
+def _compare_cli(capsys, tmp_path, overrides, metrics, *extra):
+    from threefold.cli import main
+
+    empty = tmp_path / "run.toml"
+    empty.write_text("")
+    code = main(["compare", "--config", str(empty), *(a for o in overrides for a in ("--set", o)),
+                 "--metrics-file", str(metrics), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compare_refuses_a_file_that_is_not_a_metrics_file(tmp_path, corpus, capsys):  # noqa: F811
+    overrides = TINY + [f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'c'))}"]
+    for content in ('{"a": 1}\n', "[model]\nlayers = 2\n", "not json at all\n"):
+        wrong = tmp_path / "wrong.jsonl"
+        wrong.write_text(content)
+        code, _, err = _compare_cli(capsys, tmp_path, overrides, wrong)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "is not a step record of `threefold train --metrics-file`" in err
+
+
+def test_compare_refuses_another_runs_metrics(tmp_path, corpus, capsys, monkeypatch):  # noqa: F811
+    """The demo-like single-process run's metrics with a dp=2 config, or another model: refused,
+    not meaningless ratios."""
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))
+    overrides = TINY + [f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+                        "train.steps=2"]
+    metrics = tmp_path / "m.jsonl"
+    train(load_config(None, overrides), str(metrics), progress=False)
+    assert _compare_cli(capsys, tmp_path, overrides, metrics)[0] == 0
+    for extra, message in ((["parallel.dp=2"], "its run sent nothing on the dp axis, this config has dp=2"),
+                           (["model.hidden=128"], "was written by another model or layout")):
+        code, _, err = _compare_cli(capsys, tmp_path, overrides + extra, metrics)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -2,19 +2,27 @@
 
 ``build_engine`` is the one entry point the trainer uses: it joins the job's process group,
 builds the mesh, and wraps the model in the engine of the requested layout.
+
+Nothing is imported here at import time: the planner imports the torch-free schedule registry
+(``parallel/pipeline/schedule.py``), which runs this file first, and must not pay for torch.
 """
 from __future__ import annotations
 
-from threefold.config import Config
-from threefold.distributed.comm import Comm
-from threefold.distributed.mesh import ParallelMesh
-from threefold.models.llama import Llama
-from threefold.train.engine import Engine
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from threefold.config import Config
+    from threefold.models.llama import Llama
+    from threefold.train.engine import Engine
 
 
 def build_engine(model: Llama, cfg: Config) -> Engine:
     """The engine for ``cfg.parallel`` on this rank. Every rank passes the same full model
     (built from the same seed); each strategy keeps its part of it."""
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.train.engine import Engine
+
     mesh = ParallelMesh.from_config(cfg.parallel)
     if mesh.world_size == 1:
         return Engine(model, cfg)

@@ -95,12 +95,52 @@ def resolved(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=dataset.tokenizer.vocab_size))
 
 
+METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
+
+
 def read_steps(metrics_path: str | Path) -> list[dict]:
-    """The step records of a metrics file, without the first step when there are others."""
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    """The step records of a metrics file, without the first step when there are others;
+    ConfigError, one line, for a file that is not one."""
+    records = []
+    try:
+        lines = Path(metrics_path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--metrics-file: cannot read {metrics_path} as text ({err})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        missing = [key for key in METRICS_KEYS if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise ConfigError(f"--metrics-file: {metrics_path} line {number} is not a step record of "
+                              f"`threefold train --metrics-file` (no {missing[0]!r})")
+        records.append(record)
     if not records:
         raise ConfigError(f"--metrics-file: {metrics_path} holds no steps")
     return records[1:] if len(records) > 1 else records
+
+
+def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path) -> None:
+    """Refuse, in one line, a config that is not the one the metrics file's run trained with:
+    the file does not record its config, but its rank 0's parameter bytes and the axes that
+    carried traffic give the layout away."""
+    p = cfg.parallel
+    measured = steps[-1]["memory"].get("params")
+    predicted = costs.model_state_bytes(rank.numel, p.dp, p.zero)["params"]
+    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}, {cfg.model.layers} layers of {cfg.model.hidden}"
+    if measured is not None and measured != predicted:
+        raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
+                          f"{measured:,.0f} bytes of parameters, this config ({layout}) gives {predicted:,.0f}")
+    sizes = {"dp": p.dp, "tp": p.tp, "pp": p.pp}
+    for axis, size in sizes.items():
+        traffic = any(step["comm_bytes"].get(axis, 0) for step in steps)
+        if traffic != (size > 1):
+            raise ConfigError(f"--config: {metrics_path} was written by another layout: its run "
+                              f"{'sent' if traffic else 'sent nothing'} on the {axis} axis, this config has "
+                              f"{axis}={size} ({layout})")
 
 
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
@@ -117,6 +157,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # the engine keeps fp32 weights, grads and Adam moments
     rank = rank_zero(cfg)
+    check_same_run(cfg, rank, steps, metrics_path)
     rows = []
 
     states = costs.model_state_bytes(rank.numel, p.dp, p.zero)

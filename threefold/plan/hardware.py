@@ -81,19 +81,21 @@ class GPU:
 _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficiency=0.70, inter_link_efficiency=0.90,
                intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8)
 
+# peak_flops_fp32: the datasheets' plain fp32 (not TF32: PyTorch's fp32 matmuls do not use TF32 by
+# default); left out where we have no datasheet figure at hand.
 # Hopper and Blackwell reach a smaller fraction of a much higher peak in training (clocks drop at
 # the power limit; kernels are less tuned): ~55%, set from the llm-foundry MPT-7B and Megatron-Core
 # H100 runs (docs/planner.md). MI300X: ~45% of peak in published training GEMMs, and a ring over
 # its 7 point-to-point Infinity Fabric links (64 GB/s each way) uses them less well than NVSwitch.
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
     GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA,
-        description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node"),
+        description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA,
-        description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node"),
+        description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
-        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node"),
+        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
     GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.57),
-        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node"),
+        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
     GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node"),
     GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9,
