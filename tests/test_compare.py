@@ -90,3 +90,73 @@ def test_command_prints_json(tmp_path, corpus, monkeypatch):  # noqa: F811
     assert all(set(row) == {"quantity", "predicted", "measured", "ratio", "formula", "unit"} for row in rows)
     table = CliRunner().invoke(cmp.compare, args, terminal_width=200)
     assert table.exit_code == 0 and "exact" in table.output
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,pp,v,schedule,tie,vocab", [
+    (1, 1, 1, "1f1b", False, 100), (2, 1, 1, "1f1b", True, 101), (4, 1, 1, "1f1b", False, 102),
+    (2, 2, 1, "1f1b", True, 99), (1, 2, 2, "interleaved", True, 100), (2, 4, 1, "zb-h1", False, 103),
+])
+def test_rank_zero_counts_what_the_engine_builds(tp, pp, v, schedule, tie, vocab):
+    """The torch-free count of rank 0's parameters equals the engine's: the plain model on the
+    meta device, tp-sharded by the engine's own plan (vocabulary padded to a multiple of tp),
+    cut into the engine's stage modules, a tied table counted once."""
+    import torch
+
+    from threefold.models.llama import Llama
+    from threefold.parallel.pipeline.engine import StageModule
+    from threefold.parallel.pipeline.schedule import build_schedule, partition
+    from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
+
+    cfg = load_config(None, ["model.preset=tiny", "model.layers=8", f"model.vocab_size={vocab}",
+                             f"model.tie_embeddings={str(tie).lower()}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                             f"parallel.virtual_stages={v}", f"parallel.schedule={schedule}", "train.global_batch=8", "train.micro_batch=1"])
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+        if tp > 1:
+            parallelize(model, TensorParallelGroup(None, 0, tp, False, vocab))
+    if pp == 1:
+        held = [model]
+    else:
+        spans = partition(cfg.model, pp, v)
+        held = [StageModule(model, spans[s]) for s in build_schedule(schedule, pp, cfg.microbatches, v).stages_of(0)]
+    built = {id(q): q.numel() for module in held for q in module.parameters()}
+    assert cmp.rank_zero(cfg).numel == sum(built.values())
+
+
+def _compare_cli(capsys, tmp_path, overrides, metrics, *extra):
+    from threefold.cli import main
+
+    empty = tmp_path / "run.toml"
+    empty.write_text("")
+    code = main(["compare", "--config", str(empty), *(a for o in overrides for a in ("--set", o)),
+                 "--metrics-file", str(metrics), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compare_refuses_a_file_that_is_not_a_metrics_file(tmp_path, corpus, capsys):  # noqa: F811
+    overrides = TINY + [f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'c'))}"]
+    for content in ('{"a": 1}\n', "[model]\nlayers = 2\n", "not json at all\n"):
+        wrong = tmp_path / "wrong.jsonl"
+        wrong.write_text(content)
+        code, _, err = _compare_cli(capsys, tmp_path, overrides, wrong)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "is not a step record of `threefold train --metrics-file`" in err
+
+
+def test_compare_refuses_another_runs_metrics(tmp_path, corpus, capsys, monkeypatch):  # noqa: F811
+    """The demo-like single-process run's metrics with a dp=2 config, or another model: refused,
+    not meaningless ratios."""
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))
+    overrides = TINY + [f"data.corpus={json.dumps(str(corpus))}", f"data.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+                        "train.steps=2"]
+    metrics = tmp_path / "m.jsonl"
+    train(load_config(None, overrides), str(metrics), progress=False)
+    assert _compare_cli(capsys, tmp_path, overrides, metrics)[0] == 0
+    for extra, message in ((["parallel.dp=2"], "its run sent nothing on the dp axis, this config has dp=2"),
+                           (["model.hidden=128"], "was written by another model or layout")):
+        code, _, err = _compare_cli(capsys, tmp_path, overrides + extra, metrics)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -241,7 +241,7 @@ def run_timed(schedule: str, m: int, hidden: int, steps: int) -> dict:
 def test_measured_bubble_follows_the_simulator(distributed):
     """On uniform stages, each rank's measured idle share is within 5 points of the simulator's
     for the same schedule on the measured stage costs; ZB-H1 idles less than 1F1B."""
-    from threefold.parallel.pipeline.runtime import idle_fractions, measured_segments, simulate_measured
+    from threefold.plan.measured import idle_fractions, measured_segments, simulate_measured
 
     bubbles = {}
     for schedule in ("1f1b", "zb-h1"):

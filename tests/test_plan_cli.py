@@ -56,7 +56,7 @@ def test_estimate_tables(capsys):
     (["--tp", "7", "--pp", "16", "--dp", "8"], "--tp: 7 does not divide the 96 heads"),
     (["--tp", "8", "--pp", "128", "--dp", "1"], "more than the model's 96 layers"),
     (["--tp", "8", "--pp", "16", "--dp", "8", "--schedule", "interleaved", "--virtual-stages", "7"],
-     "--pp × --virtual-stages = 112 is more than"),
+     "--pp: pp × virtual_stages = 16 × 7 = 112 stages, more than"),
 ])
 def test_estimate_bad_layouts_are_one_line_and_exit_2(capsys, args, message):
     code, out, err = run(capsys, "estimate", *GPT3, *args)

@@ -258,7 +258,7 @@ def test_interleaved_needs_as_many_microbatches_as_stages():
     cfg = ModelConfig(layers=16, hidden=64, heads=4, vocab_size=100, seq_len=32)
     layout = costs.Layout.named(schedule="interleaved", pp=4, virtual_stages=2)
     costs.check_layout(cfg, layout, global_batch=10, num_gpus=4)  # groups of 5
-    with pytest.raises(ConfigError, match="3 micro-batches per step is fewer than --pp 4"):
+    with pytest.raises(ConfigError, match="--global-batch: interleaved needs at least pp=4 micro-batches per step .*, got 3"):
         costs.check_layout(cfg, layout, global_batch=3, num_gpus=4)
 
 

@@ -283,3 +283,84 @@ def test_command_refuses_bad_input_in_one_line(capsys, args):
     assert code == 2
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if "rror" in line]) == 1
+
+
+# ---------------------------------------------------------------- the registry
+
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names  # noqa: E402
+
+
+def registry_grid():
+    """Every (name, pp, m, v) the registry accepts for a model with enough layers, over a grid
+    that includes fewer micro-batches than ranks and m not a multiple of pp."""
+    cases = []
+    for name, spec in SCHEDULE_REGISTRY.items():
+        for pp in (2, 3, 4, 5, 8):
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16):
+                for v in ((2, 3, 4) if spec.chunked else (1,)):
+                    try:
+                        check_schedule(name, pp, m, v, layers=pp * v * 2)
+                    except ConfigError:
+                        continue
+                    cases.append((name, pp, m, v))
+    return cases
+
+
+def test_every_registered_schedule_has_cases_in_the_grid():
+    names = {case[0] for case in registry_grid()}
+    assert names == set(SCHEDULE_REGISTRY) and len(registry_grid()) > 150
+
+
+@pytest.mark.parametrize("name,pp,m,v", registry_grid())
+def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
+    """At uniform costs (F = B = W per chunk, as the planner assumes), the registry's bubble and
+    its micro-batches in flight on the first and last rank are the simulator's, exactly."""
+    spec = SCHEDULE_REGISTRY[name]
+    sim = simulate(build_schedule(name, pp, m, v), ActionCosts(forward=1 / v, backward=2 / v, weight_grad=1 / v))
+    assert float(spec.bubble(pp, m, v)) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert float(spec.in_flight_first(pp, m, v)) == pytest.approx(sim.peak_activations[0], abs=1e-12)
+    assert float(spec.in_flight_last(pp, m, v)) == pytest.approx(sim.peak_activations[-1], abs=1e-12)
+
+
+def test_closed_forms_take_arrays_of_layouts():
+    """The planner evaluates them over numpy arrays; element by element they equal the scalars."""
+    import numpy as np
+
+    for name, spec in SCHEDULE_REGISTRY.items():
+        cases = [(p, m, v) for n, p, m, v in registry_grid() if n == name]
+        p, m, v = (np.array(x, dtype=float) for x in zip(*cases))
+        for form in (spec.bubble, spec.in_flight_first, spec.in_flight_last):
+            together = np.broadcast_to(form(p, m, v), p.shape)
+            assert together == pytest.approx([float(form(*case)) for case in cases], abs=1e-12)
+
+
+def test_zb_h1_with_fewer_microbatches_than_ranks_is_the_simulators_bubble():
+    """Issue 17: pp 8 with 4 micro-batches idles 47.8%, not the m ≥ pp closed form's 36.8%."""
+    from threefold.plan import costs
+
+    sim = simulate(build_schedule("zb-h1", 8, 4), ZB_COSTS)
+    assert sim.bubble_fraction == pytest.approx(11 / 23)
+    assert costs.bubble_fraction("zb-h1", 8, 4) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert (8 - 1) / (3 * 4 + 8 - 1) == pytest.approx(0.368, abs=1e-3)  # what the planner used to say
+
+
+def test_registered_names_are_the_configs():
+    from threefold.config import SCHEDULES
+    from threefold.plan import costs
+
+    assert schedule_names() == tuple(SCHEDULES) == costs.SCHEDULES
+
+
+@pytest.mark.parametrize("name,pp,m,v,layers,message", [
+    ("interleaved", 4, 8, 3, 8, "parallel.pp: pp × virtual_stages = 4 × 3 = 12 stages, more than the model's 8"),
+    ("interleaved", 2, 8, 3, 10, "parallel.virtual_stages: interleaved splits each rank's layers into equal chunks"),
+    ("interleaved", 4, 3, 2, 8, "parallel.microbatches: interleaved needs at least pp=4 micro-batches per step"),
+    ("1f1b", 4, 8, 2, 8, "parallel.virtual_stages: 1f1b has one stage per rank"),
+    ("pipedream", 4, 8, 1, 8, "parallel.schedule: must be one of gpipe, 1f1b, interleaved, zb-h1"),
+])
+def test_check_schedule_says_what_is_wrong_in_one_line(name, pp, m, v, layers, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+        check_schedule(name, pp, m, v, layers)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="^--pp" if "parallel.pp" in message else "."):
+        check_schedule(name, pp, m, v, layers, flags={"pp": "--pp"})

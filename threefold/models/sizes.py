@@ -1,14 +1,57 @@
-"""Sizes of the plain model that need no torch, so the planner starts fast."""
+"""Sizes of the plain model that need no torch, so the planner starts fast: parameter counts of
+the whole model, of one block, and of what one pipeline stage holds on one tensor-parallel rank
+(the engine's shards: threefold/parallel/tensor_parallel.py)."""
 from __future__ import annotations
 
 from threefold.config import ModelConfig
 
 
+def attention_width(cfg: ModelConfig) -> tuple[int, int]:
+    """(query width, key/value width): heads·head_dim and kv_heads·head_dim."""
+    return cfg.heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+
+def block_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block, norms and biases included."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    q, kv = attention_width(cfg)
+    attn = h * q * 2 + h * kv * 2  # wq, wo; wk, wv
+    if cfg.arch == "llama":
+        return attn + 3 * h * f + 2 * h  # SwiGLU's three matrices; two RMSNorm weights
+    # GPT: biases on every linear, two LayerNorms with weight and bias.
+    return attn + (q + 2 * kv + h) + 2 * h * f + (f + h) + 4 * h
+
+
 def count_parameters(cfg: ModelConfig) -> int:
     """Exact number of distinct parameters of ``Llama(cfg)`` (tied embeddings counted once)."""
-    h, f, v, d = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size, cfg.head_dim
-    attn = h * cfg.heads * d * 2 + h * cfg.n_kv_heads * d * 2  # wq, wo; wk, wv
-    mlp = 3 * h * f
-    block = attn + mlp + 2 * h  # two RMSNorm weights
+    h, v = cfg.hidden, cfg.vocab_size
     embeddings = v * h * (1 if cfg.tie_embeddings else 2)
-    return cfg.layers * block + embeddings + h
+    return cfg.layers * block_param_count(cfg) + embeddings + h
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary as the tp shards hold it: padded with zero rows to a multiple of tp."""
+    return -(-vocab // tp) * tp
+
+
+def tp_block_param_count(cfg: ModelConfig, tp: int) -> int:
+    """Parameters of one Llama block on one tp rank: the attention's and the MLP's matrices are
+    split over tp (column-parallel wq, wk, wv, w_gate, w_up; row-parallel wo, w_down); the two
+    RMSNorm weights stay whole on every rank."""
+    h = cfg.hidden
+    return (block_param_count(cfg) - 2 * h) // tp + 2 * h
+
+
+def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1) -> int:
+    """Parameters one tp rank of a Llama pipeline stage holds: its blocks, the embedding's rows
+    on the first stage, the final norm and the head's rows on the last. With tied embeddings a
+    stage that is both first and last holds the one table once; a last stage that is not the
+    first holds its own copy of it (the engine keeps the two ends' gradients in step)."""
+    h = cfg.hidden
+    table = padded_vocab(cfg.vocab_size, tp) // tp * h
+    numel = blocks * tp_block_param_count(cfg, tp)
+    if first:
+        numel += table
+    if last:
+        numel += h + (0 if cfg.tie_embeddings and first else table)
+    return numel

@@ -6,6 +6,7 @@ Each check raises ``ConfigError`` with one line that names the key and the reaso
 from __future__ import annotations
 
 from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig
+from threefold.parallel.pipeline.schedule import check_schedule
 
 
 def check_layout(cfg: Config) -> None:
@@ -38,22 +39,13 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 
 def check_pipeline(cfg: Config) -> None:
-    """The pipeline runtime needs a block per stage and the schedule's own conditions."""
+    """The pipeline runtime needs the schedule's own conditions (the registry's constraints: a
+    block per stage, interleaved's equal chunks and micro-batches, …) and, with ZeRO-3, a
+    schedule that does not defer weight gradients."""
     p = cfg.parallel
     if p.pp == 1:
         return
-    stages = p.pp * p.virtual_stages
-    if stages > cfg.model.layers:
-        raise ConfigError(f"parallel.pp: pp × virtual_stages = {p.pp} × {p.virtual_stages} = {stages} stages, "
-                          f"more than the model's {cfg.model.layers} layers (each stage needs a block)")
-    if p.schedule == "interleaved":
-        if cfg.model.layers % p.pp or (cfg.model.layers // p.pp) % p.virtual_stages:
-            raise ConfigError(f"parallel.virtual_stages: interleaved splits each rank's layers into equal chunks, "
-                              f"but {cfg.model.layers} layers over pp={p.pp} ranks do not split into "
-                              f"{p.virtual_stages} equal chunks per rank")
-        if cfg.microbatches < p.pp:
-            raise ConfigError(f"parallel.microbatches: interleaved needs at least pp={p.pp} micro-batches per step "
-                              f"(its groups of micro-batches go round the ring of ranks), got {cfg.microbatches}")
+    check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
     if p.zero == 3 and p.schedule == "zb-h1" and p.dp > 1:
         raise ConfigError("parallel.zero: ZeRO-3 with zb-h1 is not supported: the deferred weight gradients (W) "
                           "would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "

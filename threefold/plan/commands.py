@@ -1,6 +1,6 @@
 """``threefold estimate`` (one layout, or a JSONL file of them) and ``threefold plan`` (search).
 
-Flags and JSON keys are those of DESIGN.md's "Interfaces others rely on". In ``--batch`` mode each
+Flags and JSON keys are documented in docs/planner.md ("Commands and their inputs"). In ``--batch`` mode each
 input line is an object whose keys are the flags' long names with underscores; flags given on
 the command line are the defaults every line starts from.
 """
@@ -14,8 +14,10 @@ from rich.console import Console
 
 from threefold.config import ConfigError, ModelConfig
 from threefold.models.presets import PRESETS, get_preset
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
-from threefold.plan.hardware import CATALOG, get_gpu
+from threefold.plan.hardware import CATALOG, get_gpu, load_cluster
+from threefold.plan.pictures import check_picture_path, draw_breakdown
 
 # Flag → ModelConfig field, for the model's shape.
 MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
@@ -35,8 +37,20 @@ def _model_options(command):
         click.option("--tie-embeddings/--no-tie-embeddings", default=None),
         click.option("--global-batch", type=int, help="Sequences per optimizer step."),
         click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`)."),
+        click.option("--cluster", type=click.Path(dir_okay=False),
+                     help="A TOML file describing a GPU that is not in the catalog and its nodes (docs/planner.md)."),
         click.option("--num-gpus", type=int),
         click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
+        click.option("--inter-node-gbps", type=float,
+                     help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 NDR)."),
+        click.option("--intra-node-gbps", type=float, help="Link bandwidth per GPU inside a node in Gbit/s."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
+                     help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
+                          "on CPUs: use it with --gpu local for fp32 runs)."),
+        click.option("--overlap-dp/--no-overlap-dp", default=True, show_default=True,
+                     help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
+        click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
+                     help="Tensor-parallel collectives pipelined with the GEMMs (Megatron-Core's option)."),
         click.option("--attention", type=click.Choice(costs.ATTENTION), default="flash", show_default=True,
                      help="flash never stores the s×s scores; eager stores them (Megatron 2021-22)."),
         click.option("--grad-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
@@ -67,28 +81,53 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
     """The model, batch and GPU of a command's options."""
     if o.get("global_batch") is None:
         raise ConfigError("--global-batch: required (sequences per optimizer step)")
-    if o.get("gpu") is None:
-        raise ConfigError(f"--gpu: required, one of {', '.join([*CATALOG, 'local'])}")
+    if o["global_batch"] < 1:
+        raise ConfigError(f"--global-batch: must be a positive integer (sequences per step), got {o['global_batch']}")
+    if o.get("gpu") is None and o.get("cluster") is None:
+        raise ConfigError(f"--gpu: required (or --cluster FILE.toml), one of {', '.join([*CATALOG, 'local'])}")
+    if o.get("gpu") is not None and o.get("cluster") is not None:
+        raise ConfigError("--cluster: describes the GPU itself; give --gpu or --cluster, not both")
     work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
-                          grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2)
-    return work, get_gpu(o["gpu"]).with_gpus_per_node(o.get("gpus_per_node"))
+                          grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
+                          overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
+                          tp_comm_overlap=bool(o.get("tp_comm_overlap")))
+    gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
+    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
+    return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
+
+
+def _given(o: dict, key: str, default):
+    """The option's value, or ``default`` when it was not given (0 is given: it is refused later)."""
+    return default if o.get(key) is None else o[key]
+
+
+def check_positive(o: dict, keys) -> None:
+    """ConfigError, one line, for a size flag given as zero or less."""
+    for key in keys:
+        if o.get(key) is not None and o[key] < 1:
+            raise ConfigError(f"--{key.replace('_', '-')}: must be a positive integer, got {o[key]}")
+
+
+LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages", "num_gpus")
 
 
 def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     """The layout and GPU count of estimate's options; --dp or --num-gpus may be left out."""
-    tp, pp, cp = o.get("tp") or 1, o.get("pp") or 1, o.get("cp") or 1
+    check_positive(o, LAYOUT_SIZES)
+    tp, pp, cp = _given(o, "tp", 1), _given(o, "pp", 1), _given(o, "cp", 1)
     dp, num_gpus = o.get("dp"), o.get("num_gpus")
     if num_gpus is None:
-        dp = dp or 1
+        dp = _given(o, "dp", 1)
         num_gpus = tp * pp * cp * dp
     elif dp is None:
         if num_gpus % (tp * pp * cp):
             raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
         dp = num_gpus // (tp * pp * cp)
-    schedule = o.get("schedule") or "1f1b"
-    virtual = o.get("virtual_stages") or (2 if schedule == "interleaved" else 1)
-    layout = costs.Layout.named(recompute=o.get("recompute") or "none", schedule=schedule, tp=tp, pp=pp, dp=dp, cp=cp,
-                                zero=o.get("zero") or 0, micro_batch=o.get("micro_batch") or 1,
+    schedule = _given(o, "schedule", "1f1b")
+    chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
+    virtual = _given(o, "virtual_stages", 2 if chunked else 1)
+    layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
+                                cp=cp, zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=bool(o.get("sequence_parallel")))
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
@@ -140,8 +179,9 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="Evaluate every JSON line of this file; print one JSON line each, in order.")
 @click.option("--list-gpus", is_flag=True, help="List the GPUs of the catalog and exit.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the step-time and memory breakdown to this PNG.")
 @click.pass_context
-def estimate(ctx, as_json, batch_file, list_gpus, **options):
+def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     """Predict memory, communication and step time of one layout."""
     console = Console()
     if list_gpus:
@@ -165,9 +205,13 @@ def estimate(ctx, as_json, batch_file, list_gpus, **options):
                 result = {"error": str(err)}
             click.echo(json.dumps(result))
         return
+    check_picture_path("--out", out)
     work, gpu = build_workload(options)
     layout, num_gpus = build_layout(options, work)
     result = report.result_json(costs.estimate(work, layout, gpu), layout)
+    if out:
+        draw_breakdown([result], [layout.describe()], gpu.hbm_bytes / 2**30, out,
+                       _title(options, work, num_gpus, gpu))
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -175,27 +219,79 @@ def estimate(ctx, as_json, batch_file, list_gpus, **options):
         console.print(table)
 
 
+def _fixed_knobs(command):
+    """plan's layout flags: each one given fixes that knob; the search covers the rest."""
+    options = [
+        click.option("--tp", type=int, help="Fix the tensor-parallel size."),
+        click.option("--pp", type=int, help="Fix the pipeline stages."),
+        click.option("--dp", type=int, help="Fix the data-parallel size."),
+        click.option("--cp", type=int, help="Fix the context-parallel size."),
+        click.option("--micro-batch", type=int, help="Fix the micro-batch."),
+        click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
+        click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
+        click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
+        click.option("--recompute", type=click.Choice(costs.RECOMPUTE), help="Fix the recomputation."),
+        click.option("--schedule", type=click.Choice(costs.SCHEDULES), help="Fix the pipeline schedule."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+# When nothing fits: the GPU counts tried, as multiples of the one asked for.
+LARGER = (2, 4, 8, 16, 32, 64, 128)
+
+
 @click.command()
 @_model_options
+@_fixed_knobs
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many layouts to show.")
-def plan(as_json, top, **options):
-    """Search layouts for the fastest one that fits."""
-    work, gpu = build_workload(options)
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the top layouts' breakdowns side by side to this PNG.")
+def plan(as_json, top, out, **options):
+    """Search layouts for the fastest one that fits; any layout flag given fixes that knob."""
+    check_picture_path("--out", out)
     if options.get("num_gpus") is None:
         raise ConfigError("--num-gpus: required")
-    found = search.search(work, gpu, options["num_gpus"])
+    check_positive(options, LAYOUT_SIZES)
+    work, gpu = build_workload(options)
+    fixed = {knob: options.get(knob) for knob in search.KNOBS}
+    num_gpus = options["num_gpus"]
+    found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)
     if as_json:
         click.echo(json.dumps({"evaluated": found.count, "seconds": found.seconds, "layouts_per_s": found.rate,
-                               "fitting": found.fitting, "layouts": [dict(r, why=why) for r, why in best]}))
+                               "fitting": found.fitting, "meshes": found.meshes(),
+                               "fixed": {k: v for k, v in fixed.items() if v is not None},
+                               "layouts": [dict(r, why=why) for r, why in best]}))
         return
     console = Console()
-    console.print(f"Evaluated {found.count:,} layouts in {found.seconds:.3f} s ({found.rate:,.0f} layouts/s); "
-                  f"{found.fitting:,} fit in {gpu.hbm_bytes / 2**30:.0f} GiB.")
+    given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
+    console.print(f"Evaluated {found.count:,} layouts{f' with {given}' if given else ''} in {found.seconds:.3f} s "
+                  f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {gpu.hbm_bytes / 2**30:.0f} GiB.")
     if not best:
-        raise ConfigError(f"--num-gpus: no layout of this model fits on {options['num_gpus']} × {gpu.name}"
-                          f"{found.closest_miss()}")
+        raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}"
+                          f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")
+    if len(best) < min(top, found.fitting):
+        console.print(f"The {found.fitting:,} layouts that fit use {found.meshes()} mesh"
+                      f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp); the table shows the fastest of each "
+                      "(the others differ in ZeRO stage, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
-                                    _title(options, work, options["num_gpus"], gpu)))
-    for line in found.notes():
+                                    _title(options, work, num_gpus, gpu)))
+    for line in found.notes() + found.what_would_change(found.shown(top)):
         console.print(line)
+    if out:
+        draw_breakdown([r for r, _ in best], [r["describe"] for r, _ in best], gpu.hbm_bytes / 2**30, out,
+                       _title(options, work, num_gpus, gpu))
+        console.print(f"drawn to {out}", highlight=False)
+
+
+def _smallest_that_fits(work: costs.Workload, gpu, num_gpus: int, fixed: dict) -> str:
+    """``; the smallest count that fits is N`` over 2×, 4×, … the GPUs asked for (with the
+    knobs fixed as given, dp growing with the count unless it is fixed)."""
+    for factor in LARGER:
+        found = search.search(work, gpu, num_gpus * factor, fixed)
+        if found.fitting:
+            first = found.shown(1)[0]
+            return (f"; the smallest of {', '.join(f'{f}×' for f in LARGER[:LARGER.index(factor) + 1])} that fits is "
+                    f"{num_gpus * factor} GPUs ({found.layouts.describe(first)})")
+    return f"; nor on up to {num_gpus * LARGER[-1]} GPUs"

@@ -5,8 +5,8 @@ dp rank 0. Each row predicts exactly that rank's figure with the planner's formu
 (threefold/plan/costs.py) and says which formula it used:
 
   model states   costs.model_state_bytes of the parameters rank 0 holds: its stages' blocks
-                 (the engine's partition), its tp shard (the engine's TP plan, applied to the
-                 model on the meta device, so no weights are made), ZeRO over dp;
+                 (the engine's partition), its tp shard (models/sizes.stage_param_count, the
+                 engine's TP plan in numbers), ZeRO over dp;
   activations    costs.block_activation_bytes × the blocks whose activations rank 0 holds at
                  once: its schedule's micro-batches in flight (simulate.peak_in_flight), each
                  with its stage's blocks;
@@ -29,7 +29,10 @@ import click
 
 from threefold.config import Config, ConfigError
 from threefold.configure import load_config
+from threefold.models.sizes import stage_param_count
+from threefold.parallel.pipeline.schedule import build_schedule, partition
 from threefold.plan import costs
+from threefold.plan.simulate import peak_in_flight
 
 BULK_AXES = ("dp", "tp", "pp")
 
@@ -66,35 +69,21 @@ class RankZero:
 
 
 def rank_zero(cfg: Config) -> RankZero:
-    """Rank 0's share of the model, by the engine's own TP plan and pipeline partition."""
-    import torch
-
-    from threefold.models.llama import Llama
-    from threefold.parallel.pipeline.stages import StageModule
-    from threefold.parallel.pipeline.partition import partition
-    from threefold.parallel.pipeline.schedule import build_schedule
-    from threefold.plan.simulate import peak_in_flight
-
-    p = cfg.parallel
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-        if p.tp > 1:
-            from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
-
-            apply_tp(model, TensorParallelGroup(None, 0, p.tp, p.sequence_parallel, cfg.model.vocab_size))
+    """Rank 0's share of the model, torch-free: the engine's pipeline partition (the registry's
+    stage placement) and its tp shards (models/sizes.py's counts, the vocabulary padded to a
+    multiple of tp, a tied table counted once where one rank holds both ends)."""
+    p, model = cfg.parallel, cfg.model
     if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
-        held, blocks, last, peak = [model], [cfg.model.layers], True, (cfg.model.layers, 1)
-    else:
-        spans = partition(cfg.model, p.pp, p.virtual_stages)
-        schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
-        stages = schedule.stages_of(0)
-        held = [StageModule(model, spans[s]) for s in stages]
-        blocks = [len(spans[s].blocks) for s in stages]
-        last = any(spans[s].last for s in stages)
-        peak = (peak_in_flight(schedule.actions[0], schedule.split_backward, lambda a: len(spans[a.stage].blocks)),
-                peak_in_flight(schedule.actions[0], schedule.split_backward))
-    params = {id(q): q for module in held for q in module.parameters()}  # a tied weight once
-    return RankZero(sum(q.numel() for q in params.values()), sum(blocks), last, *peak)
+        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
+        return RankZero(numel, model.layers, True, model.layers, 1)
+    spans = partition(model, p.pp, p.virtual_stages)
+    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    held = [spans[s] for s in schedule.stages_of(0)]
+    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
+    blocks_in_flight = peak_in_flight(schedule.actions[0], schedule.split_backward,
+                                      lambda a: len(spans[a.stage].blocks))
+    return RankZero(numel, sum(len(span.blocks) for span in held), any(span.last for span in held),
+                    blocks_in_flight, peak_in_flight(schedule.actions[0], schedule.split_backward))
 
 
 def resolved(cfg: Config) -> Config:
@@ -102,18 +91,57 @@ def resolved(cfg: Config) -> Config:
     if cfg.model.vocab_size is not None:
         return cfg
     from threefold.data import prepare_dataset
-    from threefold.train.trainer import resolve_vocab
 
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)
-    return resolve_vocab(cfg, dataset.tokenizer.vocab_size)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=dataset.tokenizer.vocab_size))
+
+
+METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
 
 
 def read_steps(metrics_path: str | Path) -> list[dict]:
-    """The step records of a metrics file, without the first step when there are others."""
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    """The step records of a metrics file, without the first step when there are others;
+    ConfigError, one line, for a file that is not one."""
+    records = []
+    try:
+        lines = Path(metrics_path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--metrics-file: cannot read {metrics_path} as text ({err})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        missing = [key for key in METRICS_KEYS if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise ConfigError(f"--metrics-file: {metrics_path} line {number} is not a step record of "
+                              f"`threefold train --metrics-file` (no {missing[0]!r})")
+        records.append(record)
     if not records:
         raise ConfigError(f"--metrics-file: {metrics_path} holds no steps")
     return records[1:] if len(records) > 1 else records
+
+
+def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path) -> None:
+    """Refuse, in one line, a config that is not the one the metrics file's run trained with:
+    the file does not record its config, but its rank 0's parameter bytes and the axes that
+    carried traffic give the layout away."""
+    p = cfg.parallel
+    measured = steps[-1]["memory"].get("params")
+    predicted = costs.model_state_bytes(rank.numel, p.dp, p.zero)["params"]
+    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}, {cfg.model.layers} layers of {cfg.model.hidden}"
+    if measured is not None and measured != predicted:
+        raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
+                          f"{measured:,.0f} bytes of parameters, this config ({layout}) gives {predicted:,.0f}")
+    sizes = {"dp": p.dp, "tp": p.tp, "pp": p.pp}
+    for axis, size in sizes.items():
+        traffic = any(step["comm_bytes"].get(axis, 0) for step in steps)
+        if traffic != (size > 1):
+            raise ConfigError(f"--config: {metrics_path} was written by another layout: its run "
+                              f"{'sent' if traffic else 'sent nothing'} on the {axis} axis, this config has "
+                              f"{axis}={size} ({layout})")
 
 
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
@@ -130,6 +158,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # the engine keeps fp32 weights, grads and Adam moments
     rank = rank_zero(cfg)
+    check_same_run(cfg, rank, steps, metrics_path)
     rows = []
 
     states = costs.model_state_bytes(rank.numel, p.dp, p.zero)

@@ -12,7 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from threefold.config import SCHEDULES, ConfigError, ModelConfig
+from threefold.config import ConfigError, ModelConfig
+from threefold.models.sizes import attention_width, block_param_count, count_parameters
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
+
+SCHEDULES = schedule_names()  # the registry's order: Layout.schedule indexes it
 
 
 def _scalar_or_array(value):
@@ -30,22 +34,6 @@ def _require_vocab(cfg: ModelConfig) -> int:
     return cfg.vocab_size
 
 
-def attention_width(cfg: ModelConfig) -> tuple[int, int]:
-    """(query width, key/value width): heads·head_dim and kv_heads·head_dim."""
-    return cfg.heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-
-
-def block_param_count(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block, norms and biases included."""
-    h, f = cfg.hidden, cfg.ffn_hidden
-    q, kv = attention_width(cfg)
-    attn = h * q * 2 + h * kv * 2  # wq, wo; wk, wv
-    if cfg.arch == "llama":
-        return attn + 3 * h * f + 2 * h  # SwiGLU's three matrices; two RMSNorm weights
-    # GPT: biases on every linear, two LayerNorms with weight and bias.
-    return attn + (q + 2 * kv + h) + 2 * h * f + (f + h) + 4 * h
-
-
 def embedding_param_count(cfg: ModelConfig) -> int:
     """Parameters of the input embedding lookup tables (tokens, and learned positions for GPT)."""
     v = _require_vocab(cfg)
@@ -57,9 +45,7 @@ def param_count(cfg: ModelConfig) -> int:
     """Exact number of distinct parameters (tied embeddings counted once)."""
     if cfg.arch == "llama":
         _require_vocab(cfg)
-        from threefold.models.sizes import count_parameters  # the model's own count, torch-free
-
-        return count_parameters(cfg)
+        return count_parameters(cfg)  # the model's own count, torch-free
     h, v = cfg.hidden, _require_vocab(cfg)
     head = 0 if cfg.tie_embeddings else v * h
     final_norm = 2 * h  # LayerNorm weight and bias
@@ -279,7 +265,7 @@ class Layout:
         parts.append(RECOMPUTE[int(v["recompute"])])
         if int(v["pp"]) > 1:
             schedule = SCHEDULES[int(v["schedule"])]
-            parts.append(f"{schedule} v={int(v['virtual_stages'])}" if schedule == "interleaved" else schedule)
+            parts.append(f"{schedule} v={int(v['virtual_stages'])}" if SCHEDULE_REGISTRY[schedule].chunked else schedule)
         return " ".join(parts)
 
 
@@ -311,22 +297,18 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
-    if p * v > model.layers:
-        raise ConfigError(f"--pp × --virtual-stages = {p * v} is more than the model's {model.layers} layers")
     if model.seq_len % c:
         raise ConfigError(f"--cp: {c} does not divide the sequence length {model.seq_len}")
     if global_batch % (d * b):
         raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
     if layout.sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel: needs --tp > 1")
-    if (schedule == "interleaved") != (v > 1):
-        raise ConfigError(f"--virtual-stages: {v} with --schedule {schedule}; interleaved needs 2 or more, "
-                          "other schedules 1")
-    microbatches = global_batch // (d * b)
-    if schedule == "interleaved" and microbatches < p:
-        raise ConfigError(f"--schedule interleaved: {microbatches} micro-batches per step is fewer than --pp {p}; "
-                          "each rank would stall while a micro-batch goes round the ring (use 1f1b, or more "
-                          "micro-batches)")
+    if p > 1 or v > 1:
+        check_schedule(schedule, p, global_batch // (d * b), v, model.layers, flags=PLAN_FLAGS)
+
+
+PLAN_FLAGS = {"schedule": "--schedule", "pp": "--pp", "virtual_stages": "--virtual-stages",
+              "microbatches": "--global-batch"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,6 +336,8 @@ class Workload:
     global_batch: int
     attention: str = "flash"  # flash: never stores the s×s scores; eager: stores them (Megatron 2021-22)
     grad_bytes: int = 4
+    overlap_dp: bool = True  # data-parallel reductions (and ZeRO gathers) run behind compute, as DDP/FSDP do
+    tp_comm_overlap: bool = False  # Megatron-Core's --tp-comm-overlap: TP collectives pipelined with the GEMMs
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
 
@@ -423,39 +407,76 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
 
 
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
-    """Idle fraction of a pipeline step at uniform stage costs, in closed form.
-
-    GPipe and 1F1B (p−1)/(m+p−1) (Huang et al. 2019; Narayanan et al. 2021); interleaved 1F1B
-    (p−1)/(v·m+p−1) (Narayanan et al. 2021); ZB-H1 with f = b = w: (p−1)/(3m+p−1), a third of
-    1F1B's bubble time (Qi et al. 2023). ``schedule`` is an index into SCHEDULES or a name.
-    """
+    """Idle fraction of a pipeline step at uniform stage costs: each schedule's closed form from
+    the registry (threefold/parallel/pipeline/schedule.py), 0 without a pipeline. ``schedule`` is
+    an index into SCHEDULES (or an array of them) or a name."""
     if isinstance(schedule, str):
         schedule = _index(SCHEDULES, schedule, "--schedule")
-    slots, work = _bubble_slots(np.asarray(schedule), np.asarray(pp), np.asarray(microbatches),
-                                np.asarray(virtual_stages))
-    return _scalar_or_array(slots / (work + slots))
+    return _scalar_or_array(_per_schedule("bubble", schedule, pp, microbatches, virtual_stages, single=0.0))
 
 
-def interleaved_group(pp, microbatches):
-    """Micro-batches per group of the interleaved schedule, as _interleaved_order in
-    threefold/parallel/pipeline/schedule.py picks them: the smallest divisor of m that is at
-    least p (p when p divides m; m when m < p)."""
-    p, m = (np.array(x, dtype=float) for x in np.broadcast_arrays(pp, np.rint(microbatches)))
-    group = np.array(np.minimum(p, m))
-    search = m % group != 0  # only these need a divisor search; the common case is p | m
-    group[search] = [_interleaved_group(int(a), int(b)) for a, b in zip(p[search], m[search])]
-    return _scalar_or_array(group)
+def _per_schedule(form: str, schedule, p, m, v, single: float):
+    """The registry's closed form ``form`` of each layout's schedule, over arrays of layouts;
+    ``single`` where pp = 1 (no pipeline). Each schedule's form is evaluated only on its rows."""
+    schedule, p, m, v = np.broadcast_arrays(np.asarray(schedule), np.asarray(p, dtype=float),
+                                            np.asarray(m, dtype=float), np.asarray(v, dtype=float))
+    out = np.full(schedule.shape, float(single))
+    for index, spec in enumerate(SCHEDULE_REGISTRY.values()):
+        rows = (schedule == index) & (p > 1)
+        if rows.any():
+            out[rows] = getattr(spec, form)(p[rows], m[rows], v[rows])
+    return out
 
 
-@functools.lru_cache(maxsize=None)
-def _interleaved_group(pp: int, m: int) -> int:
-    return next(g for g in range(pp, m + 1) if m % g == 0)
+def layer_products(cfg: ModelConfig, tp) -> list[tuple]:
+    """(K, N) of each matrix product of one block's forward on one tp rank, as the engine (llama:
+    separate wq, wk, wv; SwiGLU's gate, up, down) or Megatron (gpt: fused QKV; fc1, fc2) runs them;
+    M is the micro-batch's tokens."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    q, kv = attention_width(cfg)
+    if cfg.arch == "llama":
+        return [(h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), (h, f / tp), (h, f / tp), (f / tp, h)]
+    return [(h, (q + 2 * kv) / tp), (q / tp, h), (h, f / tp), (f / tp, h)]
 
 
-def _bubble_slots(schedule, p, m, v):
-    """(idle slots, busy slots) on a rank, a slot being one micro-batch through one model chunk."""
-    idle = np.where(schedule == SCHEDULES.index("zb-h1"), (p - 1) / 3, p - 1)
-    return idle, v * m
+def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
+    """Seconds of one (m×k)·(k×n) product: a smooth roofline. Its arithmetic time 2mkn / (peak ·
+    matmul efficiency) and its memory time (reading both operands, writing the result) / (HBM
+    bandwidth · HBM efficiency) add as the sides of a right triangle, √(t_math² + t_memory²):
+    far above the GPU's FLOP/byte ridge a product runs at the large-GEMM rate, at the ridge at
+    1/√2 of it, below it at the memory's rate (the roofline of Williams et al. 2009, its corner
+    rounded as measured GEMM efficiency curves are)."""
+    math = 2.0 * m * k * n / (gpu.peak_flops * gpu.matmul_efficiency)
+    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw * gpu.hbm_efficiency)
+    return np.sqrt(math * math + memory * memory)
+
+
+def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
+                   drain_s) -> dict:
+    """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
+
+    DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
+    (FSDP's unit). A reduction happens once per step, or per micro-batch (ZeRO-2/3). Overlap, as
+    the engines run it: a reduction runs during the backward that produces it (and the pipeline
+    drain after it), parameters gather during the first micro-batch's forward, except one bucket
+    each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
+    micro-batch's compute, and the first gather, are exposed."""
+    share = (replicas - 1) / replicas
+    sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
+    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * PARAM_BYTES)
+    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel * work.grad_bytes / BUCKET_BYTES)))
+    reductions = np.where(zero >= 2, m, 1) * buckets
+    gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
+    grad_s = _ring_time(sent - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), bw, latency)
+    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), bw, latency)
+    seconds = np.where(replicas > 1, grad_s + gather_s, 0)
+    one_collective_s = grad_s / reductions
+    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
+                         np.maximum(grad_s - backward_s - drain_s, one_collective_s))
+                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
+    block_wise = m * np.maximum(0, seconds / m - mb_s) + one_collective_s
+    return {"bytes": sent, "seconds": seconds,
+            "exposed": np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)}
 
 
 def _ring_time(bytes_sent, steps, link_bw, latency):
@@ -477,7 +498,6 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
     full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
-    gpipe, interleaved = schedule == SCHEDULES.index("gpipe"), schedule == SCHEDULES.index("interleaved")
     single_stage = p == 1
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
@@ -490,16 +510,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     coef = activation_coefficients(cfg, work.attention)
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention)
     per_layer = block_activation_bytes(cfg, tokens, t, sp, recompute, work.attention)
-    # Micro-batches whose activations a stage holds at its peak (first stage; last stage).
-    # Interleaved, in groups of g micro-batches: rank 0 runs (v−1)·g + 2(p−1) forward chunks
-    # before its first backward (all v·m if there are fewer), the last rank (v−1)·g.
-    group = interleaved_group(p, m)
-    in_flight_first = np.where(gpipe, m, np.where(interleaved, np.minimum((v - 1) * group + 2 * p - 1, v * m) / v,
-                                                  np.minimum(p, m)))
-    # ZB-H1 defers weight gradients, so every stage keeps 1F1B's first-stage count (Qi et al. 2023).
-    in_flight_last = np.where(gpipe, m, np.where(interleaved, ((v - 1) * group + 1) / v,
-                                                 np.where(schedule == SCHEDULES.index("zb-h1"), np.minimum(p, m), 1)))
-    in_flight_first, in_flight_last = np.where(single_stage, 1, in_flight_first), np.where(single_stage, 1, in_flight_last)
+    # Micro-batches whose activations the first and the last stage hold at their peak: the
+    # schedule's closed forms in the registry; one when there is no pipeline.
+    in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
+    in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
     block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
     block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
@@ -535,12 +549,17 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     memory_total = np.maximum(total_first, total_last) + RESERVED_BYTES
 
     # ---- compute on the busiest stage, per micro-batch ----------------------------------------
+    # Each matrix product is timed by its own shape (``matmul_seconds``): a thin tp shard or a
+    # small hidden size runs below the large-GEMM rate. A product's backward is two products of
+    # the same shape (input and weight gradients), so a layer costs 3× its forward products.
+    rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
+    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu) for k, n in layer_products(cfg, t))
+    head_gemm_s = matmul_seconds(rows, h, V / t, gpu)
     attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
-    layer_forward = 2 * block_params + attention_executed
-    layer_flops = 3 * layer_forward + np.where(full, layer_forward, np.where(selective, attention_executed, 0))
-    stage_flops = tokens / t * (stage_layers * layer_flops + 6 * V * h)  # the last stage computes the logits
     rate = gpu.peak_flops * gpu.matmul_efficiency
-    math_s = stage_flops / rate
+    core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
+    layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
+    math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
     traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
                                                     + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
                + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
@@ -562,13 +581,20 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     tp_bw, tp_lat = link(t)
     tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
     tp_bytes = m * tp_sent_mb
+    # Exposed: all of it, as our engine and plain Megatron run it (each collective sits between the
+    # products that produce and consume it); with Megatron-Core's --tp-comm-overlap each
+    # collective is cut into t chunks pipelined with the adjacent product, so only the first
+    # chunk and whatever exceeds the products' time stay exposed.
+    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
+    tp_exposed_mb = np.where(work.tp_comm_overlap, tp_mb_s / t + np.maximum(0, tp_mb_s * (1 - 1 / t) - gemm_mb_s),
+                             tp_mb_s)
 
     # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
     cp_collectives = stage_layers * (3 + full)
     cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * ACTIVATION_BYTES / t)
     cp_bw, cp_lat = link(t * c)
     cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
-    attention_s = tokens / t * stage_layers * 3 * attention_executed / rate
+    attention_s = stage_layers * 3 * core_s
     cp_exposed_mb = np.maximum(0, cp_mb_s - attention_s)  # ring attention overlaps with the core
     cp_bytes = m * cp_sent_mb
 
@@ -577,36 +603,28 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pp_bw, pp_lat = link(num_gpus)
     p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
-    idle_slots, busy_slots = _bubble_slots(schedule, p, m, v)
-    mb_s = math_s + memory_bound_s + tp_mb_s + cp_exposed_mb
+    bubble = bubble_fraction(schedule, p, m, v)
+    busy_slots = v * m  # a slot: one micro-batch through one model chunk
+    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
-    bubble_s = idle_slots * slot_s
-    pipeline_s = busy_slots * slot_s + bubble_s
+    busy_s = busy_slots * slot_s
+    bubble_s = busy_s * bubble / (1 - bubble)
+    pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    share = (replicas - 1) / replicas
-    dp_bytes = dp_bytes_per_step(last_numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
-    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * last_numel * PARAM_BYTES)
     dp_bw, dp_lat = link(t * c * d)
-    # Collectives: DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters
-    # block by block (FSDP's unit). A reduction happens once per step, or per micro-batch (ZeRO-2/3).
-    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(last_numel * work.grad_bytes / BUCKET_BYTES)))
-    reductions = np.where(zero >= 2, m, 1) * buckets
-    gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
-    grad_s = _ring_time(dp_bytes - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), dp_bw, dp_lat)
-    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), dp_bw, dp_lat)
-    dp_s = np.where(replicas > 1, grad_s + gather_s, 0)
-    one_collective_s = grad_s / reductions
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
-    # Overlap: a reduction runs during the backward that produces it, parameters gather during
-    # the first micro-batch's forward, except one bucket each. ZeRO-3 prefetches the next block
-    # while computing this one: only what exceeds each micro-batch's compute, and the first
-    # gather, are exposed.
-    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
-                         np.maximum(grad_s - backward_s, one_collective_s))
-                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
-    block_wise = m * np.maximum(0, dp_s / m - mb_s) + one_collective_s
-    dp_exposed_s = np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)
+    # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
+    # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
+    drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
+    dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
+                             mb_s, drain_s)
+    dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
+                              forward_s, mb_s, 0)
+    dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
+    dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
+    if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
+        dp_exposed_s = np.where(single_stage, dp_s, np.maximum(dp_s, dp_first["seconds"]))
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam reads the
     # master weights, both moments and the gradient and writes them back with the 16-bit copy
@@ -623,14 +641,14 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,
         mfu=model_flops / (step_s * num_gpus * gpu.peak_flops),
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
-        bubble_fraction=idle_slots / (busy_slots + idle_slots),
+        bubble_fraction=bubble,
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activations_bytes=activations,
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
         dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
-        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_mb_s,
+        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
         dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
     )

@@ -13,7 +13,11 @@ vendors' published nccl-tests / GEMM benchmarks, and are less certain.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 from threefold.config import ConfigError
 
@@ -36,6 +40,31 @@ class GPU:
     intra_link_efficiency: float
     inter_link_efficiency: float
     description: str = ""
+    peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
+
+    def with_dtype(self, dtype: str | None) -> "GPU":
+        """The GPU for training in ``dtype``: bfloat16 (the default, the 16-bit peak) or float32."""
+        if dtype in (None, "bfloat16", "bf16"):
+            return self
+        if dtype not in ("float32", "fp32"):
+            raise ConfigError(f"--dtype: must be bfloat16 or float32, got {dtype!r}")
+        if self.peak_flops_fp32 is None:
+            raise ConfigError(f"--dtype: no float32 peak known for {self.name}; give it in a --cluster file "
+                              "(gpu.peak_tflops_fp32)")
+        return dataclasses.replace(self, peak_flops=self.peak_flops_fp32)
+
+    def with_links(self, intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> "GPU":
+        """The GPU with its per-GPU link bandwidths overridden, in Gbit/s as vendors quote them
+        (200 for a DGX A100's HDR port per GPU, 400 for a DGX H100's NDR): one direction."""
+        changes = {}
+        for flag, gbps, key in (("--intra-node-gbps", intra_node_gbps, "intra_node_bw"),
+                                ("--inter-node-gbps", inter_node_gbps, "inter_node_bw")):
+            if gbps is None:
+                continue
+            if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
+                raise ConfigError(f"{flag}: must be a positive number of Gbit/s per GPU, got {gbps}")
+            changes[key] = gbps * 1e9 / 8
+        return dataclasses.replace(self, **changes) if changes else self
 
     def with_gpus_per_node(self, gpus_per_node: int | None) -> "GPU":
         if gpus_per_node is None:
@@ -52,19 +81,21 @@ class GPU:
 _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficiency=0.70, inter_link_efficiency=0.90,
                intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8)
 
+# peak_flops_fp32: the datasheets' plain fp32 (not TF32: PyTorch's fp32 matmuls do not use TF32 by
+# default); left out where we have no datasheet figure at hand.
 # Hopper and Blackwell reach a smaller fraction of a much higher peak in training (clocks drop at
 # the power limit; kernels are less tuned): ~55%, set from the llm-foundry MPT-7B and Megatron-Core
 # H100 runs (docs/planner.md). MI300X: ~45% of peak in published training GEMMs, and a ring over
 # its 7 point-to-point Infinity Fabric links (64 GB/s each way) uses them less well than NVSwitch.
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
     GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA,
-        description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node"),
+        description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA,
-        description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node"),
+        description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
-        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node"),
+        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
     GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.57),
-        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node"),
+        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
     GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node"),
     GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9,
@@ -73,7 +104,7 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
-def local_gpu(dtype: str = "bfloat16", workers: int | None = None) -> GPU:
+def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None) -> GPU:
     """The profile ``threefold calibrate`` measured. Its figures are already achieved rates, so the
     efficiencies are 1; its latency is of a whole small all-reduce, spread over the ring's steps.
 
@@ -87,7 +118,9 @@ def local_gpu(dtype: str = "bfloat16", workers: int | None = None) -> GPU:
     cores = int(profile["gpus_per_node"])
     share = min(1.0, cores / workers) if workers else 1.0
     ring_steps = 2 * (max(2, cores) - 1)
-    peak = float(profile["peak_flops_fp32" if dtype == "float32" else "peak_flops_bf16"])
+    if dtype not in (None, "bfloat16", "bf16", "float32", "fp32"):
+        raise ConfigError(f"--dtype: must be bfloat16 or float32, got {dtype!r}")
+    peak = float(profile["peak_flops_fp32" if dtype in ("float32", "fp32") else "peak_flops_bf16"])
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
@@ -96,13 +129,112 @@ def local_gpu(dtype: str = "bfloat16", workers: int | None = None) -> GPU:
                inter_node_latency_s=float(profile["latency_s"]) / ring_steps,
                gpus_per_node=max(cores, workers or 1), matmul_efficiency=1.0, hbm_efficiency=1.0,
                intra_link_efficiency=1.0, inter_link_efficiency=1.0,
-               description="this machine, measured by `threefold calibrate` (one worker per core)")
+               description="this machine, measured by `threefold calibrate` (one worker per core)",
+               peak_flops_fp32=float(profile["peak_flops_fp32"]) * share)
 
 
-def get_gpu(name: str) -> GPU:
+def get_gpu(name: str, dtype: str | None = None) -> GPU:
     """A catalog entry by name, or ``local``; ConfigError naming the known ones otherwise."""
     if name == "local":
-        return local_gpu()
+        return local_gpu(dtype)
     if name not in CATALOG:
         raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])})")
-    return CATALOG[name]
+    return CATALOG[name].with_dtype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# --cluster FILE.toml: a GPU that is not in the catalog, and its nodes.
+#
+#   [gpu]
+#   name = "h100-500w"              # optional
+#   peak_tflops_bf16 = 800          # or "800 TFLOP/s"; peak_tflops_fp32 optional
+#   hbm_gib = 96                    # or "96 GiB" / "103 GB"
+#   hbm_tb_s = 3.35                 # or "3350 GB/s"
+#   [node]
+#   gpus_per_node = 8
+#   intra_node_gbps = 3600          # per GPU, one direction, or "450 GB/s"
+#   inter_node_gbps = 400           # per GPU, or "50 GB/s"
+#   intra_node_latency_us = 1       # optional (default: the NVIDIA catalog's)
+#   inter_node_latency_us = 3
+#   [efficiency]                    # optional: the achievable fractions (default: the NVIDIA ones)
+#   matmul = 0.55
+#
+# A number is in the unit its key names; a string carries its own unit.
+
+_UNITS = {  # unit, spelt as vendors do (GB/s bytes, Gb/s bits) → (quantity, factor to FLOP/s, bytes, bytes/s, s)
+    "PFLOP/s": ("flops", 1e15), "TFLOP/s": ("flops", 1e12), "GFLOP/s": ("flops", 1e9),
+    "TiB": ("bytes", 2**40), "GiB": ("bytes", 2**30), "TB": ("bytes", 1e12), "GB": ("bytes", 1e9),
+    "TB/s": ("bandwidth", 1e12), "GB/s": ("bandwidth", 1e9), "MB/s": ("bandwidth", 1e6),
+    "Tb/s": ("bandwidth", 1e12 / 8), "Gb/s": ("bandwidth", 1e9 / 8), "Gbit/s": ("bandwidth", 1e9 / 8),
+    "s": ("time", 1.0), "ms": ("time", 1e-3), "us": ("time", 1e-6), "µs": ("time", 1e-6), "ns": ("time", 1e-9),
+}
+_CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, required)
+    ("gpu", "peak_tflops_bf16"): ("flops", 1e12, True), ("gpu", "peak_tflops_fp32"): ("flops", 1e12, False),
+    ("gpu", "hbm_gib"): ("bytes", 2**30, True), ("gpu", "hbm_tb_s"): ("bandwidth", 1e12, True),
+    ("node", "gpus_per_node"): ("count", 1, True),
+    ("node", "intra_node_gbps"): ("bandwidth", 1e9 / 8, True), ("node", "inter_node_gbps"): ("bandwidth", 1e9 / 8, True),
+    ("node", "intra_node_latency_us"): ("time", 1e-6, False), ("node", "inter_node_latency_us"): ("time", 1e-6, False),
+    **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link")},
+}
+
+
+def _quantity(where: str, value, quantity: str, factor: float) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: must be a number, got {value!r}")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(.*?)\s*", value)
+        unit = match.group(2) if match else ""
+        if not match or unit not in _UNITS or _UNITS[unit][0] != quantity:
+            known = ", ".join(u for u, (q, _) in _UNITS.items() if q == quantity) or "a plain number"
+            raise ConfigError(f"{where}: unknown unit in {value!r} (a {quantity}: {known})")
+        try:
+            number, factor = float(match.group(1)), _UNITS[unit][1]
+        except ValueError:
+            raise ConfigError(f"{where}: not a number: {value!r}") from None
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        raise ConfigError(f"{where}: must be a number, got {value!r}")
+    if not math.isfinite(number) or number <= 0 or (quantity == "fraction" and number > 1):
+        raise ConfigError(f"{where}: must be {'in (0, 1]' if quantity == 'fraction' else 'positive'}, got {value!r}")
+    if quantity == "count" and number != int(number):
+        raise ConfigError(f"{where}: must be a whole number, got {value!r}")
+    return number * factor
+
+
+def load_cluster(path: str | Path) -> GPU:
+    """The GPU described by a --cluster TOML file; ConfigError, one line, naming a missing or
+    unknown key, a bad number or an unknown unit."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"--cluster: cannot read {path}: {err.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--cluster: {path} is not valid TOML ({err})") from None
+    values, name = {}, f"cluster:{path.stem}"
+    for section, table in raw.items():
+        if not isinstance(table, dict) or section not in ("gpu", "node", "efficiency"):
+            raise ConfigError(f"--cluster: {path}: unknown section [{section}] (sections: gpu, node, efficiency)")
+        for key, value in table.items():
+            if section == "gpu" and key in ("name", "description"):
+                name = str(value) if key == "name" else name
+                continue
+            if (section, key) not in _CLUSTER_KEYS:
+                raise ConfigError(f"--cluster: {path}: unknown key {section}.{key}")
+            quantity, factor, _ = _CLUSTER_KEYS[section, key]
+            values[section, key] = _quantity(f"--cluster: {path}: {section}.{key}", value, quantity, factor)
+    for (section, key), (_, _, required) in _CLUSTER_KEYS.items():
+        if required and (section, key) not in values:
+            raise ConfigError(f"--cluster: {path}: missing key {section}.{key}")
+    get = lambda section, key, default: values.get((section, key), default)  # noqa: E731
+    return GPU(name, values["gpu", "peak_tflops_bf16"], values["gpu", "hbm_gib"], values["gpu", "hbm_tb_s"],
+               values["node", "intra_node_gbps"], values["node", "inter_node_gbps"],
+               intra_node_latency_s=get("node", "intra_node_latency_us", _NVIDIA["intra_node_latency_s"]),
+               inter_node_latency_s=get("node", "inter_node_latency_us", _NVIDIA["inter_node_latency_s"]),
+               gpus_per_node=int(values["node", "gpus_per_node"]),
+               matmul_efficiency=get("efficiency", "matmul", _NVIDIA["matmul_efficiency"]),
+               hbm_efficiency=get("efficiency", "hbm", _NVIDIA["hbm_efficiency"]),
+               intra_link_efficiency=get("efficiency", "intra_link", _NVIDIA["intra_link_efficiency"]),
+               inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
+               description=f"from {path}", peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")))

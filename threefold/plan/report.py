@@ -84,18 +84,27 @@ def estimate_tables(result: dict, title: str) -> list[Table]:
     return [summary, time, memory, comm]
 
 
+def _tflops(flops: float | None) -> str:
+    """A FLOP/s figure in TFLOP/s with enough digits to read: a CPU's 0.0712 is not 0."""
+    if flops is None:
+        return "—"
+    tflops = flops / 1e12
+    return f"{tflops:,.0f}" if tflops >= 100 else f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
 def gpu_table(gpus) -> Table:
     table = Table(title="GPUs the planner knows (--gpu NAME)")
     table.add_column("name", no_wrap=True)
-    for column in ("TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff"):
+    for column in ("TFLOP/s", "fp32 TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff"):
         table.add_column(column, justify="right")
     table.add_column("what", overflow="fold")
     for gpu in gpus:
-        table.add_row(gpu.name, f"{gpu.peak_flops / 1e12:,.0f}", f"{gpu.hbm_bytes / GiB:.0f}", f"{gpu.hbm_bw / 1e12:.2f}",
-                      f"{gpu.intra_node_bw / 1e9:,.0f}", f"{gpu.inter_node_bw / 1e9:,.0f}", str(gpu.gpus_per_node),
-                      f"{gpu.matmul_efficiency:.2f}", gpu.description)
-    table.caption = ("TFLOP/s: dense 16-bit peak; node/net: bandwidth per GPU, one direction, within a node "
-                     "and across nodes; matmul eff: the fraction of peak large GEMMs reach")
+        table.add_row(gpu.name, _tflops(gpu.peak_flops), _tflops(gpu.peak_flops_fp32), f"{gpu.hbm_bytes / GiB:.0f}",
+                      f"{gpu.hbm_bw / 1e12:.3g}", f"{gpu.intra_node_bw / 1e9:,.3g}", f"{gpu.inter_node_bw / 1e9:,.3g}",
+                      str(gpu.gpus_per_node), f"{gpu.matmul_efficiency:.2f}", gpu.description)
+    table.caption = ("TFLOP/s: dense 16-bit peak (--dtype float32: the fp32 column); node/net: bandwidth per GPU, "
+                     "one direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs "
+                     "reach")
     return table
 
 

@@ -12,13 +12,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from threefold.config import SCHEDULES
-from threefold.parallel.pipeline.schedule import build_schedule
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import build_schedule, check_schedule, schedule_names
+from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
 
+MAX_PAIRS = 50_000  # (stage, micro-batch) pairs played: about 10 s of building and simulating here
+
+
 @click.command("schedule")
-@click.option("--schedule", "name", type=click.Choice(SCHEDULES), default="1f1b", show_default=True,
+@click.option("--schedule", "name", type=click.Choice(schedule_names()), default="1f1b", show_default=True,
               help="Pipeline schedule.")
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline ranks.")
 @click.option("--microbatches", type=int, default=8, show_default=True, help="Micro-batches per step.")
@@ -40,13 +44,24 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
              show_actions, as_json, metrics_file):
     """Draw a pipeline schedule and print its bubble fraction and peak activations per rank."""
     if metrics_file:
-        from threefold.parallel.pipeline.runtime import measured_vs_simulated
+        from threefold.plan.measured import measured_vs_simulated
 
+        check_picture_path("--out", out)
         report = measured_vs_simulated(metrics_file, out)
         click.echo(json.dumps(report) if as_json else "\n".join(
             f"rank {rank}: idle {got:.1%} measured, {want:.1%} simulated"
             for rank, (got, want) in enumerate(zip(report["measured_idle"], report["simulated_idle"]))))
         return
+    check_picture_path("--out", out)
+    spec = check_schedule(name, pp, microbatches, virtual_stages,
+                          flags={"schedule": "--schedule", "pp": "--pp", "microbatches": "--microbatches",
+                                 "virtual_stages": "--virtual-stages"})
+    pairs = pp * microbatches * virtual_stages
+    if pairs > MAX_PAIRS:
+        raise ConfigError(f"--microbatches: pp × microbatches × virtual_stages = {pairs:,} (stage, micro-batch) "
+                          f"pairs, more than the {MAX_PAIRS:,} this command plays (about 10 s here); at uniform "
+                          f"costs the bubble is {float(spec.bubble(pp, microbatches, virtual_stages)):.1%} "
+                          "(the registry's closed form)")
     plan = build_schedule(name, pp, microbatches, virtual_stages)
     chunk = 1.0 / virtual_stages
     costs = ActionCosts(forward=chunk, backward=backward_ratio * chunk,

@@ -6,12 +6,15 @@ which is what makes a full search of GPT-3 175B on 1024 GPUs take a fraction of 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule
 from threefold.plan import costs, report
 from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout, Workload
 
@@ -24,40 +27,68 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(work: Workload, num_gpus: int) -> Layout:
-    """Every layout that can run the model on ``num_gpus`` GPUs, as arrays.
+def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None = None) -> list[tuple[int, int]]:
+    """(schedule index, virtual stages) of every registered schedule for ``pp`` ranks (or only
+    ``schedule``, ``v`` when fixed): chunked schedules with 2-8 chunks per rank; without a
+    pipeline, 1F1B alone (they are all the same)."""
+    if pp == 1:
+        return [(SCHEDULES.index(schedule or "1f1b"), v or 1)]
+    return [(index, chunks) for index, (name, spec) in enumerate(SCHEDULE_REGISTRY.items())
+            if schedule in (None, name)
+            for chunks in ((v,) if v else VIRTUAL_STAGES if spec.chunked else (1,)) if pp * chunks <= layers]
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> bool:
+    """Whether the registry accepts the schedule for this layout (its constraints, one per entry)."""
+    try:
+        check_schedule(SCHEDULES[schedule], pp, microbatches, v, layers)
+    except ConfigError:
+        return False
+    return True
+
+
+KNOBS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "virtual_stages", "sequence_parallel", "recompute", "schedule")
+
+
+def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) -> Layout:
+    """Every layout that can run the model on ``num_gpus`` GPUs, as arrays; ``fixed`` maps knobs
+    (KNOBS; recompute and schedule by name) to the one value the user fixed.
 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-8 dividing the sequence; DP fills the rest. Then every ZeRO stage,
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
-    (interleaved with 2-8 chunks per rank; pipelines only when PP > 1).
+    (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
+    rank; pipelines only when PP > 1). A fixed knob replaces its range by its one value.
     """
-    cfg = work.model
+    cfg, fixed = work.model, {k: v for k, v in (fixed or {}).items() if v is not None}
     grids = []
     for tp, pp, cp in itertools.product(_divisors(num_gpus), repeat=3):
-        if (tp & (tp - 1) or tp * pp * cp > num_gpus or num_gpus % (tp * pp * cp) or cfg.heads % tp
-                or cfg.n_kv_heads % tp or cfg.ffn_hidden % tp or pp > cfg.layers or cp not in CONTEXT_PARALLEL
-                or cfg.seq_len % cp):
+        if (tp * pp * cp > num_gpus or num_gpus % (tp * pp * cp) or cfg.heads % tp
+                or cfg.n_kv_heads % tp or cfg.ffn_hidden % tp or pp > cfg.layers or cfg.seq_len % cp
+                or (tp & (tp - 1) if "tp" not in fixed else tp != fixed["tp"])
+                or (cp not in CONTEXT_PARALLEL if "cp" not in fixed else cp != fixed["cp"])
+                or pp != fixed.get("pp", pp) or num_gpus // (tp * pp * cp) != fixed.get("dp", num_gpus // (tp * pp * cp))):
             continue
         dp = num_gpus // (tp * pp * cp)
-        micro = [b for b in MICRO_BATCHES if work.global_batch % (dp * b) == 0]
-        if pp == 1:
-            pipelines = [(SCHEDULES.index("1f1b"), 1)]
-        else:
-            pipelines = [(SCHEDULES.index(s), 1) for s in ("gpipe", "1f1b", "zb-h1")]
-            pipelines += [(SCHEDULES.index("interleaved"), v) for v in VIRTUAL_STAGES if pp * v <= cfg.layers]
-        for b, (schedule, v), sp in itertools.product(micro, pipelines, (False, True) if tp > 1 else (False,)):
-            if v > 1 and work.global_batch // (dp * b) < pp:
-                continue  # interleaving needs at least one micro-batch per stage
+        micro = [b for b in ((fixed["micro_batch"],) if "micro_batch" in fixed else MICRO_BATCHES)
+                 if work.global_batch % (dp * b) == 0]
+        parallel = (fixed["sequence_parallel"],) if "sequence_parallel" in fixed else (False, True)
+        for b, (schedule, v), sp in itertools.product(
+                micro, _pipelines(cfg.layers, pp, fixed.get("schedule"), fixed.get("virtual_stages")),
+                [x for x in parallel if tp > 1 or not x]):
+            if (pp > 1 or v > 1) and not _runs(schedule, pp, work.global_batch // (dp * b), v, cfg.layers):
+                continue
             grids.append((tp, pp, dp, cp, b, v, sp, schedule))
     if not grids:
         return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
     base = np.array(grids, dtype=np.int64)
-    # Every base row with every ZeRO stage and recomputation mode.
-    repeat = 4 * len(RECOMPUTE)
-    rows = np.repeat(base, repeat, axis=0)
-    zero = np.tile(np.repeat(np.arange(4), len(RECOMPUTE)), len(base))
-    recompute = np.tile(np.arange(len(RECOMPUTE)), 4 * len(base))
+    # Every base row with every ZeRO stage and recomputation mode (or the fixed ones).
+    zeros = np.array([fixed["zero"]] if "zero" in fixed else range(4))
+    modes = np.array([RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else range(len(RECOMPUTE)))
+    rows = np.repeat(base, len(zeros) * len(modes), axis=0)
+    zero = np.tile(np.repeat(zeros, len(modes)), len(base))
+    recompute = np.tile(modes, len(zeros) * len(base))
     tp, pp, dp, cp, b, v, sp, schedule = rows.T
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                   sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule)
@@ -81,18 +112,21 @@ class SearchResult:
     def fitting(self) -> int:
         return len(self.order)
 
-    def ranked(self, top: int) -> list[tuple[dict, str]]:
-        """The fastest layout of each of the ``top`` fastest meshes (TP, PP, DP, CP), as JSON with
-        ``describe``, and why each wins or loses. Variants of one mesh (ZeRO stage, recomputation)
-        often tie; showing one of each keeps the near misses informative."""
+    def shown(self, top: int) -> list[int]:
+        """Indices of the fastest layout of each of the ``top`` fastest meshes (TP, PP, DP, CP).
+        Variants of one mesh (ZeRO stage, recomputation) often tie; showing one of each keeps
+        the near misses informative."""
         mesh = np.stack([np.asarray(getattr(self.layouts, axis))[self.order] for axis in ("tp", "pp", "dp", "cp")], axis=1)
         _, first = np.unique(mesh, axis=0, return_index=True)
-        shown = self.order[np.sort(first)[:top]]
+        return [int(i) for i in self.order[np.sort(first)[:top]]]
+
+    def ranked(self, top: int) -> list[tuple[dict, str]]:
+        """The layouts ``shown``, as JSON with ``describe``, and why each wins or loses."""
         out = []
-        for i in shown:
-            result = report.result_json(self.est, self.layouts, int(i))
-            result["describe"] = self.layouts.describe(int(i))
-            out.append((result, self.explain(int(i))))
+        for i in self.shown(top):
+            result = report.result_json(self.est, self.layouts, i)
+            result["describe"] = self.layouts.describe(i)
+            out.append((result, self.explain(i)))
         return out
 
     def _get(self, key: str, i: int) -> float:
@@ -137,9 +171,49 @@ class SearchResult:
             share = self._get("compute_s", i) / self._get("step_time_s", i)
             return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}"
         deltas = {p: self._get(f"{p}_s", i) - self._get(f"{p}_s", best) for p in report.TIME_PARTS}
-        worst = max(deltas, key=deltas.get)
-        gap = self._get("step_time_s", i) - self._get("step_time_s", best)
-        return f"+{gap:.2f} s vs #1; {self._phrase(worst, i)}"
+        worst, saved = max(deltas, key=deltas.get), min(deltas, key=deltas.get)
+        step_best = self._get("step_time_s", best)
+        gap = self._get("step_time_s", i) - step_best
+        trade = f"; saves {-deltas[saved]:.2f} s of {saved.replace('_', ' ')}" if deltas[saved] < -0.005 else ""
+        if gap <= 0.005 * step_best:  # a tie: say what differs instead of a gap of +0.00 s
+            mine, theirs = self.layouts.describe(i).split(), self.layouts.describe(best).split()
+            differs = " ".join(part for part in mine if part not in theirs) or "a variant of #1"
+            memory = self._get("memory_bytes", i) / 2**30, self._get("memory_bytes", best) / 2**30
+            cost = (f"{deltas[worst]:+.2f} s of {worst.replace('_', ' ')}{trade}" if deltas[worst] > 0.005
+                    else "the same time in every part of the step")
+            return (f"ties #1 (within {max(gap, 0) / step_best:.1%}) with {differs}: {cost}; "
+                    f"{memory[0]:.1f} GiB per GPU against #1's {memory[1]:.1f}")
+        return f"+{gap:.2f} s ({gap / step_best:+.0%}) vs #1; {self._phrase(worst, i)}{trade}"
+
+    def meshes(self) -> int:
+        """How many distinct meshes (tp, pp, dp, cp) the fitting layouts use."""
+        if not self.fitting:
+            return 0
+        mesh = np.stack([np.asarray(getattr(self.layouts, a))[self.order] for a in ("tp", "pp", "dp", "cp")], axis=1)
+        return len(np.unique(mesh, axis=0))
+
+    def what_would_change(self, shown: list[int]) -> list[str]:
+        """The cluster knob that would reorder the layouts shown: each link bandwidth halved or
+        doubled, re-evaluated on those layouts; one line for the first swap of #1 found."""
+        if len(shown) < 2:
+            return []
+        import dataclasses
+
+        sub = self.layouts.take(np.array(shown))
+        variants = []
+        for key, label, unit in (("inter_node_bw", "across nodes", 8e-9), ("intra_node_bw", "within a node", 8e-9)):
+            for factor in (2.0, 0.5):
+                value = getattr(self.gpu, key) * factor
+                variants.append((dataclasses.replace(self.gpu, **{key: value}),
+                                 f"with {value * unit:,.0f} Gb/s per GPU {label} (now {getattr(self.gpu, key) * unit:,.0f})"))
+        for gpu, phrase in variants:
+            est = costs.estimate(self.work, sub, gpu)
+            steps, fits = np.asarray(est["step_time_s"]), np.asarray(est["fits"])
+            for j in range(1, len(shown)):
+                if fits[j] and steps[j] < steps[0]:
+                    return [f"{phrase}, {self.layouts.describe(shown[j])} ({steps[j]:.2f} s) would overtake "
+                            f"{self.layouts.describe(shown[0])} ({steps[0]:.2f} s)."]
+        return ["Halving or doubling either link bandwidth would not change #1."]
 
     def notes(self) -> list[str]:
         """One line: the fastest layout that misses the memory by less than a quarter, if it
@@ -163,10 +237,10 @@ class SearchResult:
         return f"; the leanest, {self.layouts.describe(i)}, needs {self._get('memory_bytes', i) / 2**30:.0f} GiB per GPU"
 
 
-def search(work: Workload, gpu, num_gpus: int) -> SearchResult:
+def search(work: Workload, gpu, num_gpus: int, fixed: dict | None = None) -> SearchResult:
     """Enumerate, evaluate, drop what does not fit, rank by step time (ties: less memory first)."""
     start = time.perf_counter()
-    layouts = candidate_layouts(work, num_gpus)
+    layouts = candidate_layouts(work, num_gpus, fixed)
     est = costs.estimate(work, layouts, gpu)
     fits = np.asarray(est["fits"], dtype=bool)
     step, memory = np.asarray(est["step_time_s"]), np.asarray(est["memory_bytes"])

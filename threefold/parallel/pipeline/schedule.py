@@ -2,6 +2,12 @@
 in one optimizer step. The runtime executes these lists; the planner's simulator plays them on
 a cost model; the timeline drawer draws them. Nothing here touches torch.
 
+The registry (``SCHEDULE_REGISTRY``, at the end) is the one place that knows each schedule: its
+order of compute actions, how its stages are placed on ranks, its constraints, and its closed
+forms (bubble fraction and micro-batches in flight on the first and last pipeline rank, written
+with numpy so that the planner evaluates them over arrays of layouts). A new schedule is one
+entry there; config validation, the runtime, the simulator, the planner and the CLI read it.
+
 Stages. The model is cut into ``pp · virtual_stages`` consecutive stages. Stage ``s`` lives on
 rank ``s % pp`` as that rank's model chunk ``s // pp`` (Megatron's looping placement), so with
 one virtual stage, stage and rank coincide. The first stage reads the micro-batch's tokens; the
@@ -27,10 +33,13 @@ from __future__ import annotations
 import enum
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Iterator
+from functools import cached_property, lru_cache
+from typing import Callable, Iterator
 
-from threefold.config import SCHEDULES, ConfigError
+import numpy as np
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.models.sizes import attention_width, block_param_count
 
 
 class Kind(enum.Enum):
@@ -86,14 +95,14 @@ class Schedule:
         return self.pp * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return SCHEDULE_REGISTRY[self.name].placement.rank_of(stage, self.pp)
 
     def stages_of(self, rank: int) -> range:
-        return range(rank, self.num_stages, self.pp)
+        return SCHEDULE_REGISTRY[self.name].placement.stages_of(rank, self.pp, self.virtual_stages)
 
     def chunk_of(self, stage: int) -> int:
         """Which of its rank's model chunks a stage is (0 unless interleaved)."""
-        return stage // self.pp
+        return SCHEDULE_REGISTRY[self.name].placement.chunk_of(stage, self.pp)
 
     @cached_property
     def split_backward(self) -> bool:
@@ -112,27 +121,10 @@ class Schedule:
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The per-rank actions of schedule ``name`` for ``pp`` ranks and ``microbatches`` micro-batches."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {name!r}")
-    if pp < 1:
-        raise ConfigError(f"parallel.pp: must be a positive integer, got {pp}")
-    if microbatches < 1:
-        raise ConfigError(f"parallel.microbatches: must be a positive integer, got {microbatches}")
-    if virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages: must be a positive integer, got {virtual_stages}")
-    if name == "interleaved":
-        _check_interleaved(pp, microbatches, virtual_stages)
-    elif virtual_stages != 1:
-        raise ConfigError(f"parallel.virtual_stages: {name} has one stage per rank; only interleaved takes "
-                          f"virtual_stages > 1, got {virtual_stages}")
-    compute_order = {
-        "gpipe": _gpipe_order,
-        "1f1b": _one_f_one_b_order,
-        "interleaved": _interleaved_order,
-        "zb-h1": _zb_h1_order,
-    }[name]
-    compute = [compute_order(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
-    return Schedule(name, pp, microbatches, virtual_stages, _with_p2p(compute, pp, virtual_stages))
+    spec = check_schedule(name, pp, microbatches, virtual_stages)
+    compute = [spec.compute_order(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
+    return Schedule(name, pp, microbatches, virtual_stages,
+                    _with_p2p(compute, pp, virtual_stages, spec.placement.rank_of))
 
 
 def _forward(mb: int, stage: int) -> Action:
@@ -173,14 +165,6 @@ def _zb_h1_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return order + list(weight_grads)
 
 
-def _check_interleaved(pp: int, m: int, v: int) -> None:
-    if v < 2:
-        raise ConfigError(f"parallel.virtual_stages: interleaved needs at least 2 (with 1 it is 1f1b), got {v}")
-    if pp < 2:
-        raise ConfigError("parallel.pp: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), "
-                          "got 1")
-
-
 def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021). Forwards run in groups of
     micro-batches: chunk 0 for the group, then chunk 1, …; backwards likewise with the chunks
@@ -192,7 +176,7 @@ def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
     can deadlock; so the group is the smallest divisor of m that is at least pp (m itself
     when m < pp). m = 10, pp = 4 runs in groups of 5 with the ideal bubble; a prime m > pp
     runs as one group, with the ideal bubble but a warm-up, and memory, close to GPipe's."""
-    group = next(g for g in range(min(pp, m), m + 1) if m % g == 0)
+    group = interleaved_group(pp, m)
     forward_table = [(mb, chunk * pp + rank) for first in range(0, m, group)
                      for chunk in range(v) for mb in range(first, first + group)]
     backward_table = [(mb, (v - 1 - stage // pp) * pp + rank) for mb, stage in forward_table]
@@ -206,7 +190,8 @@ def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return order
 
 
-def _with_p2p(compute: list[list[Action]], pp: int, v: int) -> tuple[tuple[Action, ...], ...]:
+def _with_p2p(compute: list[list[Action]], pp: int, v: int,
+              rank_of: Callable[[int, int], int]) -> tuple[tuple[Action, ...], ...]:
     """Put each receive just before the compute that consumes it, so a rank blocks only when it
     needs the data, and each send just after the compute that produced its tensor, unless the
     receiver takes an earlier message on the same channel first: then the send waits for that
@@ -220,16 +205,16 @@ def _with_p2p(compute: list[list[Action]], pp: int, v: int) -> tuple[tuple[Actio
             mb, stage = action.microbatch, action.stage
             if action.kind is Kind.FORWARD:
                 if stage > 0:
-                    actions.append(Action(Kind.RECV_ACT, mb, stage, (stage - 1) % pp))
+                    actions.append(Action(Kind.RECV_ACT, mb, stage, rank_of(stage - 1, pp)))
                 actions.append(action)
                 if stage < last:
-                    actions.append(Action(Kind.SEND_ACT, mb, stage, (stage + 1) % pp))
+                    actions.append(Action(Kind.SEND_ACT, mb, stage, rank_of(stage + 1, pp)))
             elif action.kind is Kind.BACKWARD:
                 if stage < last:
-                    actions.append(Action(Kind.RECV_GRAD, mb, stage, (stage + 1) % pp))
+                    actions.append(Action(Kind.RECV_GRAD, mb, stage, rank_of(stage + 1, pp)))
                 actions.append(action)
                 if stage > 0:
-                    actions.append(Action(Kind.SEND_GRAD, mb, stage, (stage - 1) % pp))
+                    actions.append(Action(Kind.SEND_GRAD, mb, stage, rank_of(stage - 1, pp)))
             else:
                 actions.append(action)
         naive.append(actions)
@@ -242,12 +227,13 @@ def _with_p2p(compute: list[list[Action]], pp: int, v: int) -> tuple[tuple[Actio
     schedule = []
     for rank, actions in enumerate(naive):
         ordered, held = [], set()
+        peers = sorted({a.peer for a in actions if a.peer is not None})
         for action in actions:
             if action.kind.is_send:
                 held.add(action)
             else:
                 ordered.append(action)
-            for peer in sorted({(rank - 1) % pp, (rank + 1) % pp}):
+            for peer in peers:
                 queue = receive_order[rank, peer]
                 while queue and queue[0] in held:
                     held.remove(queue[0])
@@ -385,3 +371,217 @@ def _neighbour_rank(schedule: Schedule, action: Action) -> int | None:
     if action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD):
         return schedule.rank_of(action.stage - 1)
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Stage placement: which blocks each stage runs, and which rank each stage lives on
+
+@dataclass(frozen=True)
+class StageSpan:
+    """What stage ``stage`` runs: ``blocks`` (indices into the plain model's blocks), plus the
+    embedding when ``first`` and the final norm, head and loss when ``last``."""
+    stage: int
+    blocks: range
+    first: bool
+    last: bool
+
+
+def stage_costs(cfg: ModelConfig) -> tuple[float, float]:
+    """Forward FLOPs per token of one block, and of the output head (the last stage's extra):
+    a block 2·params + 4·s·(heads·head_dim), the head 2·V·h, the embedding a lookup, 0."""
+    q, _ = attention_width(cfg)
+    return 2.0 * block_param_count(cfg) + 4.0 * cfg.seq_len * q, 2.0 * cfg.vocab_size * cfg.hidden
+
+
+def partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> list[StageSpan]:
+    """The stages of a ``pp``-rank pipeline with ``virtual_stages`` chunks per rank: contiguous
+    ranges of blocks. With one stage per rank the costliest stage is made as cheap as possible
+    (the last also pays the head), the most even split winning among equals; interleaved
+    schedules take equal chunks, as Megatron does, since their order assumes equal chunk costs."""
+    num_stages = pp * virtual_stages
+    if num_stages > cfg.layers:
+        raise ConfigError(f"parallel.pp: {num_stages} stages, more than the model's {cfg.layers} layers")
+    if virtual_stages > 1:
+        if cfg.layers % num_stages:
+            raise ConfigError(f"parallel.virtual_stages: {cfg.layers} layers do not split into "
+                              f"{num_stages} equal chunks")
+        counts = [cfg.layers // num_stages] * num_stages
+    else:
+        block, head = stage_costs(cfg)
+        counts = list(_balanced_counts(cfg.layers, num_stages, head / block))
+    spans, start = [], 0
+    for stage, count in enumerate(counts):
+        spans.append(StageSpan(stage, range(start, start + count), stage == 0, stage == num_stages - 1))
+        start += count
+    return spans
+
+
+@lru_cache(maxsize=64)
+def _balanced_counts(layers: int, stages: int, head: float) -> tuple[int, ...]:
+    """Blocks per stage, each ≥ 1, minimising (largest stage cost, sum of squared costs), in
+    units of one block's cost; the last stage also pays ``head``. Dynamic programming over
+    (stages placed, blocks placed)."""
+    # best[k][n]: the best (max, sum of squares, counts) for the first k stages holding n blocks
+    best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
+    for k in range(stages):
+        extra = head if k == stages - 1 else 0.0
+        layer = {}
+        for placed, (worst, squares, counts) in best[k].items():
+            room = layers - placed - (stages - k - 1)  # leave a block for each later stage
+            for count in range(1, room + 1):
+                cost = count + extra
+                candidate = (max(worst, cost), squares + cost * cost, counts + (count,))
+                n = placed + count
+                if n not in layer or candidate[:2] < layer[n][:2]:
+                    layer[n] = candidate
+        best.append(layer)
+    return best[stages][layers][2]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a schedule's ``pp · v`` stages sit on its ranks. Looping (Megatron's): stage ``s`` on
+    rank ``s % pp`` as that rank's model chunk ``s // pp``; with one chunk, stage = rank."""
+    name: str = "looping"
+
+    @staticmethod
+    def rank_of(stage: int, pp: int) -> int:
+        return stage % pp
+
+    @staticmethod
+    def stages_of(rank: int, pp: int, v: int) -> range:
+        return range(rank, pp * v, pp)
+
+    @staticmethod
+    def chunk_of(stage: int, pp: int) -> int:
+        return stage // pp
+
+
+LOOPING = Placement()
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+
+@lru_cache(maxsize=None)
+def _interleaved_group(pp: int, m: int) -> int:
+    return next(g for g in range(min(pp, m), m + 1) if m % g == 0)
+
+
+def interleaved_group(pp, m):
+    """Micro-batches per group of the interleaved schedule: the smallest divisor of m that is at
+    least pp (pp when pp divides m; m when m < pp). Scalars give an int; numpy arrays an array."""
+    if np.ndim(pp) == 0 and np.ndim(m) == 0:
+        return _interleaved_group(int(pp), int(round(float(m))))
+    p, m = (np.array(x, dtype=float) for x in np.broadcast_arrays(pp, np.rint(m)))
+    group = np.array(np.minimum(p, m))
+    search = m % group != 0  # only these need a divisor search; the common case is pp | m
+    if search.any():  # one divisor search per distinct (pp, m), however many layouts share it
+        pairs, where = np.unique(np.stack([p[search], m[search]], axis=1), axis=0, return_inverse=True)
+        group[search] = np.array([_interleaved_group(int(a), int(b)) for a, b in pairs])[where.ravel()]
+    return group
+
+
+def _one_chunk(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    if v != 1:
+        raise ConfigError(f"{flags['virtual_stages']}: {name} has one stage per rank; only interleaved takes "
+                          f"virtual_stages > 1, got {v}")
+
+
+def _interleaved_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    if v < 2:
+        raise ConfigError(f"{flags['virtual_stages']}: interleaved needs at least 2 (with 1 it is 1f1b), got {v}")
+    if pp < 2:
+        raise ConfigError(f"{flags['pp']}: interleaved needs at least 2 pipeline ranks (its chunks go round a ring), "
+                          "got 1")
+    if layers is None:
+        return  # only the schedule is built: no model, and any number of micro-batches plays
+    if layers % pp or (layers // pp) % v:
+        raise ConfigError(f"{flags['virtual_stages']}: interleaved splits each rank's layers into equal chunks, "
+                          f"but {layers} layers over pp={pp} ranks do not split into {v} equal chunks per rank")
+    if m < pp:
+        raise ConfigError(f"{flags['microbatches']}: interleaved needs at least pp={pp} micro-batches per step "
+                          f"(its groups of micro-batches go round the ring of ranks), got {m}")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything about one schedule. The closed forms take (pp, m, v) as numbers or numpy
+    arrays and hold at uniform costs (every stage's F, B and W equal, as the simulator's
+    ``ActionCosts(1/v, 2/v, 1/v)``), for every layout ``check_schedule`` accepts with
+    ``layers`` given; tests/test_schedule.py checks each entry against the simulator.
+
+    ``bubble``: idle over total rank-time of a step. ``in_flight_first`` / ``in_flight_last``:
+    the most micro-batches whose activations the first / last pipeline rank holds at once, in
+    units of one micro-batch through all of that rank's layers (a chunk counts 1/v)."""
+    name: str
+    compute_order: Callable[[int, int, int, int], list[Action]]  # (rank, pp, m, v) → F/B/W in order
+    constraints: Callable[[dict, int, int, int, int | None, str], None]
+    bubble: Callable
+    in_flight_first: Callable
+    in_flight_last: Callable
+    chunked: bool = False  # takes virtual_stages > 1
+    placement: Placement = LOOPING
+    summary: str = ""
+
+
+def _zb_h1_idle(p, m):
+    """ZB-H1's idle rank-time, in micro-batch slots (F + B + W): (p − 1)/3 when m ≥ p (Qi et al.
+    2023); with fewer micro-batches than ranks the deferred W cannot fill the drain and each
+    missing micro-batch adds a third of a slot, as the simulator shows (pp 8, m 4: 47.8%)."""
+    return (p - 1 + np.maximum(0, p - m)) / 3
+
+
+SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
+    ScheduleSpec("gpipe", _gpipe_order, _one_chunk,
+                 bubble=lambda p, m, v: (p - 1) / (m + p - 1),
+                 in_flight_first=lambda p, m, v: m,
+                 in_flight_last=lambda p, m, v: m,
+                 summary="all forwards, then all backwards (Huang et al. 2019)"),
+    ScheduleSpec("1f1b", _one_f_one_b_order, _one_chunk,
+                 bubble=lambda p, m, v: (p - 1) / (m + p - 1),
+                 in_flight_first=lambda p, m, v: np.minimum(p, m),
+                 in_flight_last=lambda p, m, v: 1,
+                 summary="one forward, one backward (PipeDream-Flush, Megatron; Narayanan et al. 2021)"),
+    ScheduleSpec("interleaved", _interleaved_order, _interleaved_constraints, chunked=True,
+                 bubble=lambda p, m, v: (p - 1) / (v * m + p - 1),
+                 # warm-up of (v−1)·group + 2(p−1) chunk forwards, and the first steady one
+                 in_flight_first=lambda p, m, v: np.minimum((v - 1) * interleaved_group(p, m) + 2 * p - 1, v * m) / v,
+                 in_flight_last=lambda p, m, v: ((v - 1) * interleaved_group(p, m) + 1) / v,
+                 summary="1F1B over v model chunks per rank (Narayanan et al. 2021)"),
+    ScheduleSpec("zb-h1", _zb_h1_order, _one_chunk,
+                 bubble=lambda p, m, v: _zb_h1_idle(p, m) / (m + _zb_h1_idle(p, m)),
+                 # activations stay until W, deferred by r on rank r: every rank holds min(p, m)
+                 in_flight_first=lambda p, m, v: np.minimum(p, m),
+                 in_flight_last=lambda p, m, v: np.minimum(p, m),
+                 summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
+]}
+
+_RUN_FLAGS = {"schedule": "parallel.schedule", "pp": "parallel.pp", "microbatches": "parallel.microbatches",
+              "virtual_stages": "parallel.virtual_stages"}
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The registered schedules, in the registry's order (indices of the planner's arrays)."""
+    return tuple(SCHEDULE_REGISTRY)
+
+
+def check_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1, layers: int | None = None,
+                   flags: dict | None = None) -> ScheduleSpec:
+    """The registry's entry for ``name``, or ConfigError (one line) for a layout it cannot run.
+
+    Without ``layers`` only what building the action lists needs is checked; with the model's
+    layer count, also what running it needs (a block per stage; each schedule's own rules).
+    ``flags`` names the settings in the message as the user gave them (default: config keys)."""
+    flags = {**_RUN_FLAGS, **(flags or {})}
+    if name not in SCHEDULE_REGISTRY:
+        raise ConfigError(f"{flags['schedule']}: must be one of {', '.join(SCHEDULE_REGISTRY)}, got {name!r}")
+    for key, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if value < 1:
+            raise ConfigError(f"{flags[key]}: must be a positive integer, got {value}")
+    if layers is not None and pp > 1 and pp * virtual_stages > layers:
+        raise ConfigError(f"{flags['pp']}: pp × virtual_stages = {pp} × {virtual_stages} = {pp * virtual_stages} "
+                          f"stages, more than the model's {layers} layers (each stage needs a block)")
+    spec = SCHEDULE_REGISTRY[name]
+    spec.constraints(flags, pp, microbatches, virtual_stages, layers, name)
+    return spec

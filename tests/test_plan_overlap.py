@@ -1,0 +1,149 @@
+"""Issue 16's planner inputs: the overlap switches, your own cluster (link bandwidths, a cluster
+file), products timed by their shapes, and the pictures."""
+import json
+
+import pytest
+
+from threefold.cli import main
+from threefold.models.presets import get_preset
+from threefold.plan import costs
+from threefold.plan.hardware import CATALOG, load_cluster
+
+A100 = CATALOG["a100-80gb"]
+GPT3 = ["--model", "gpt3-175b", "--global-batch", "1536", "--gpu", "a100-80gb", "--num-gpus", "1024"]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def estimate(capsys, *args):
+    code, out, err = run(capsys, "estimate", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_no_overlap_dp_exposes_every_reduction(capsys):
+    layout = [*GPT3, "--tp", "8", "--zero", "1"]
+    on, off = estimate(capsys, *layout), estimate(capsys, *layout, "--no-overlap-dp")
+    assert off["time_s"]["dp_exposed"] == pytest.approx(off["comm"]["dp_s"])
+    assert on["time_s"]["dp_exposed"] < off["time_s"]["dp_exposed"]
+    assert off["step_time_s"] - on["step_time_s"] == pytest.approx(
+        off["time_s"]["dp_exposed"] - on["time_s"]["dp_exposed"])
+
+
+def test_tp_comm_overlap_hides_tp_behind_the_products(capsys):
+    layout = [*GPT3, "--tp", "8", "--pp", "16", "--sequence-parallel"]
+    plain, overlapped = estimate(capsys, *layout), estimate(capsys, *layout, "--tp-comm-overlap")
+    assert plain["time_s"]["tp_exposed"] == pytest.approx(plain["comm"]["tp_s"])  # all exposed by default
+    # With the GEMMs longer than the traffic, only the first of t = 8 chunks stays exposed.
+    assert overlapped["time_s"]["tp_exposed"] == pytest.approx(plain["comm"]["tp_s"] / 8)
+    assert overlapped["comm"]["tp_bytes"] == plain["comm"]["tp_bytes"]
+
+
+def test_the_pipeline_drain_hides_the_last_stages_reduction():
+    work = costs.Workload(get_preset("gpt3-175b"), 64)
+    layout = costs.Layout.named(tp=8, pp=8, dp=2)
+    est = costs.estimate(work, layout, A100)
+    no_drain = costs.estimate(costs.Workload(get_preset("gpt3-175b"), 64, overlap_dp=False), layout, A100)
+    assert est["dp_exposed_s"] < no_drain["dp_exposed_s"]
+
+
+def test_batch_keys_for_overlap_and_links(capsys, tmp_path):
+    base = dict(model="gpt3-175b", global_batch=1536, gpu="a100-80gb", num_gpus=1024, tp=8, pp=16, zero=1)
+    lines = [base, dict(base, overlap_dp=False), dict(base, tp_comm_overlap=True), dict(base, inter_node_gbps=400),
+             dict(base, intra_node_gbps=4800), dict(base, inter_node_gbps=0)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    code, out, _ = run(capsys, "estimate", "--batch", str(path))
+    results = [json.loads(x) for x in out.splitlines()]
+    assert code == 0 and len(results) == 6
+    first = results[0]["step_time_s"]
+    assert results[1]["step_time_s"] > first and results[2]["step_time_s"] < first
+    assert results[3]["comm"]["dp_s"] < results[0]["comm"]["dp_s"]  # 400 Gb/s: DP crosses nodes faster
+    assert results[4]["comm"]["tp_s"] < results[0]["comm"]["tp_s"]  # TP inside a node
+    assert "inter-node-gbps: must be a positive number" in results[5]["error"]
+
+
+@pytest.mark.parametrize("flag,value", [("--inter-node-gbps", "0"), ("--inter-node-gbps", "-200"),
+                                        ("--intra-node-gbps", "nan"), ("--intra-node-gbps", "inf")])
+def test_bad_bandwidth_is_one_line(capsys, flag, value):
+    code, _, err = run(capsys, "estimate", *GPT3, flag, value)
+    assert code == 2 and f"{flag}: must be a positive number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_link_latency_matters_at_small_messages():
+    """A tiny model's many small all-reduces: the ring's latency, not its bandwidth, sets the time."""
+    tiny = costs.Workload(get_preset("tiny").__class__(layers=2, hidden=64, heads=4, vocab_size=320, seq_len=32), 8)
+    layout = costs.Layout.named(dp=8)
+    import dataclasses
+
+    fast_links = dataclasses.replace(A100, inter_node_bw=A100.inter_node_bw * 100, intra_node_bw=A100.intra_node_bw * 100)
+    slow_start = dataclasses.replace(A100, intra_node_latency_s=A100.intra_node_latency_s * 100)
+    base = costs.estimate(tiny, layout, A100)["dp_s"]
+    assert costs.estimate(tiny, layout, fast_links)["dp_s"] > 0.7 * base  # 100× the bandwidth: 23% faster
+    assert costs.estimate(tiny, layout, slow_start)["dp_s"] > 50 * base  # latency does
+
+
+CLUSTER = """
+[gpu]
+name = "h100-500w"
+peak_tflops_bf16 = "800 TFLOP/s"
+hbm_gib = 96
+hbm_tb_s = 3.35
+[node]
+gpus_per_node = 8
+intra_node_gbps = "450 GB/s"
+inter_node_gbps = 400
+"""
+
+
+def test_cluster_file_describes_a_gpu_not_in_the_catalog(capsys, tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER)
+    gpu = load_cluster(path)
+    assert (gpu.name, gpu.peak_flops, gpu.hbm_bytes, gpu.intra_node_bw, gpu.inter_node_bw) == (
+        "h100-500w", 800e12, 96 * 2**30, 450e9, 50e9)
+    result = estimate(capsys, "--model", "llama3-8b", "--global-batch", "16", "--cluster", str(path), "--dp", "8",
+                      "--zero", "3")
+    reference = estimate(capsys, "--model", "llama3-8b", "--global-batch", "16", "--gpu", "h100-sxm", "--dp", "8",
+                         "--zero", "3")
+    assert result["step_time_s"] != reference["step_time_s"] and result["fits"]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace('hbm_gib = 96\n', ''), "missing key gpu.hbm_gib"),
+    (lambda t: t.replace('"800 TFLOP/s"', '"800 furlongs"'), "unknown unit in '800 furlongs'"),
+    (lambda t: t.replace('"450 GB/s"', '"450 GiB"'), "unknown unit in '450 GiB'"),
+    (lambda t: t.replace('inter_node_gbps = 400', 'inter_node_gbps = -1'), "must be positive"),
+    (lambda t: t + "colour = 3\n", "unknown key node.colour"),
+    (lambda t: t + "[rack]\n", "unknown section [rack]"),
+    (lambda t: t.replace("[gpu]", "[gpu"), "is not valid TOML"),
+])
+def test_bad_cluster_files_are_one_line(capsys, tmp_path, edit, message):
+    path = tmp_path / "cluster.toml"
+    path.write_text(edit(CLUSTER))
+    code, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--global-batch", "16", "--cluster", str(path))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_thin_products_run_below_the_large_gemm_rate():
+    large = costs.matmul_seconds(8192, 12288, 12288, A100)
+    assert large == pytest.approx(2 * 8192 * 12288**2 / (A100.peak_flops * A100.matmul_efficiency), rel=0.01)
+    # A thin shard (hidden 256 over tp 8: n = 32) is memory-bound: far below the large-GEMM rate.
+    thin = costs.matmul_seconds(2048, 256, 32, A100)
+    rate = 2 * 2048 * 256 * 32 / thin
+    assert rate < 0.3 * A100.peak_flops * A100.matmul_efficiency
+
+
+def test_estimate_and_plan_draw_their_breakdown(capsys, tmp_path):
+    out = tmp_path / "estimate.png"
+    code, _, err = run(capsys, "estimate", *GPT3, "--tp", "8", "--pp", "16", "--out", str(out))
+    assert code == 0 and out.stat().st_size > 10_000, err
+    out = tmp_path / "plan.png"
+    code, text, err = run(capsys, "plan", *GPT3, "--top", "3", "--out", str(out))
+    assert code == 0 and out.stat().st_size > 10_000 and "drawn to" in text, err
+    code, _, err = run(capsys, "plan", *GPT3, "--out", str(tmp_path / "plan.txt"))
+    assert code == 2 and "--out: " in err and not (tmp_path / "plan.txt").exists()

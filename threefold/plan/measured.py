@@ -1,0 +1,90 @@
+"""Measured pipeline timelines beside the simulator: what a step's actions took (the runtime
+records them; ``threefold train --metrics-file`` writes them for pipeline runs) and what the
+simulator predicts for the same schedule on the same measured stage costs. The runtime only
+executes; the comparison lives here, in the planner (``threefold schedule --from-metrics``)."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from threefold.config import ConfigError
+from threefold.parallel.pipeline.schedule import Kind, build_schedule
+from threefold.plan.simulate import ActionCosts, SimResult, simulate
+
+
+def measured_segments(timeline: dict) -> list[list[tuple]]:
+    """The compute actions of a gathered timeline (``PipelineEngine.step_timeline()``, as the
+    metrics file holds it) per rank, as (start, end, kind, micro-batch, model chunk) for drawing."""
+    pp = timeline["pp"]
+    return [[(start, end, kind, mb, stage // pp) for start, end, kind, mb, stage in rank if Kind(kind).is_compute]
+            for rank in timeline["ranks"]]
+
+
+def idle_fractions(segments: list[list[tuple]]) -> list[float]:
+    """Each rank's idle share of the step: 1 − its compute time / the span from the earliest
+    start to the latest end over all ranks. Works on measured and simulated segments alike."""
+    start = min(seg[0] for rank in segments for seg in rank)
+    span = max(seg[1] for rank in segments for seg in rank) - start
+    return [1.0 - sum(seg[1] - seg[0] for seg in rank) / span for rank in segments]
+
+
+def measured_costs(timeline: dict) -> ActionCosts:
+    """Each stage's mean measured F, B and W durations, as the simulator's costs (p2p 0: the
+    transfers' latency shows up in the measured idle time)."""
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for rank in timeline["ranks"]:
+        for start, end, kind, _, stage in rank:
+            durations[kind, stage].append(end - start)
+    num_stages = timeline["pp"] * timeline["virtual_stages"]
+
+    def mean(kind: str, stage: int) -> float:
+        values = durations[kind, stage]
+        return sum(values) / len(values) if values else 0.0
+
+    weight_grad = [mean(Kind.WEIGHT_GRAD.value, s) for s in range(num_stages)]
+    return ActionCosts(forward=[mean(Kind.FORWARD.value, s) for s in range(num_stages)],
+                       backward=[mean(Kind.BACKWARD.value, s) + w for s, w in enumerate(weight_grad)],
+                       weight_grad=weight_grad)
+
+
+def simulate_measured(timeline: dict) -> SimResult:
+    """The simulator's play of the same schedule, on the stage costs this step measured."""
+    schedule = build_schedule(timeline["schedule"], timeline["pp"], timeline["microbatches"],
+                              timeline["virtual_stages"])
+    return simulate(schedule, measured_costs(timeline))
+
+
+def read_timeline(metrics_path: str | Path, step: int | None = None) -> dict:
+    """The measured timeline of ``step`` (default: the last step that has one) from a metrics
+    file written by ``threefold train --metrics-file`` on a pipeline run."""
+    found = None
+    with open(metrics_path) as lines:
+        for line in lines:
+            record = json.loads(line)
+            if "timeline" in record and (step is None or record.get("step") == step):
+                found = record["timeline"]
+    if found is None:
+        which = f"step {step}" if step is not None else "any step"
+        raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for {which} "
+                          "(it is written by runs with parallel.pp > 1)")
+    return found
+
+
+def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = None) -> dict:
+    """For ``threefold schedule --from-metrics``: each rank's idle share in a run's last measured
+    step and in the simulator's play of the same schedule on that step's stage costs; with
+    ``out``, both timelines drawn there (measured above simulated)."""
+    timeline = read_timeline(metrics_path)
+    simulated = simulate_measured(timeline)
+    measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
+    name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
+    name += f" v={timeline['virtual_stages']}" if timeline["virtual_stages"] > 1 else ""
+    if out:
+        from threefold.plan.timeline import draw_timelines  # matplotlib only when drawing
+
+        draw_timelines([(f"measured: {name}", measured_segs),
+                        ("simulated on the measured stage costs", simulated_segs)], out, unit="seconds")
+    return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
+            "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
+            "simulated_idle": idle_fractions(simulated_segs), "out": str(out) if out else None}

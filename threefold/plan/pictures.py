@@ -1,0 +1,61 @@
+"""Pictures of the planner's estimates: ``threefold estimate --out`` and ``threefold plan --out``.
+
+One horizontal bar per layout in each of two panels: where the step's time goes (compute,
+memory-bound work, exposed communication per axis, the pipeline bubble, the optimizer step;
+the parts add up to the step time), and memory per GPU by kind against the GPU's capacity.
+The same picture for one layout and for the top layouts of a search, side by side.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from threefold.config import ConfigError
+from threefold.plan.report import TIME_PARTS
+
+FORMATS = (".png", ".svg", ".pdf")
+TIME_COLOURS = {"compute": "#4c72b0", "memory_bound": "#8172b3", "tp_exposed": "#dd8452", "cp_exposed": "#937860",
+                "pp_exposed": "#da8bc3", "bubble": "#c8c8c8", "dp_exposed": "#c44e52", "optimizer": "#55a868"}
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "reserved")
+MEMORY_COLOURS = dict(zip(MEMORY_PARTS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#c8c8c8")))
+
+
+def check_picture_path(flag: str, path: str | None) -> None:
+    """ConfigError, one line, unless ``path`` names a picture matplotlib writes here."""
+    if path is not None and Path(path).suffix.lower() not in FORMATS:
+        raise ConfigError(f"{flag}: {path} is not a picture; the file name must end in {', '.join(FORMATS)}")
+
+
+def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib: float, path: str | Path,
+                   title: str) -> Path:
+    """Draw each result (``report.result_json``) as one bar per panel and save to ``path``."""
+    from matplotlib.figure import Figure  # matplotlib only when drawing
+
+    check_picture_path("--out", str(path))
+    rows = len(results)
+    fig = Figure(figsize=(12, 1.2 + 0.55 * rows * 2 + 1.2), layout="constrained")
+    time_ax, memory_ax = fig.subplots(2, 1)
+    ranks = list(range(rows))
+    for ax, parts, colours, values, unit in (
+            (time_ax, TIME_PARTS, TIME_COLOURS, [r["time_s"] for r in results], "seconds per step"),
+            (memory_ax, MEMORY_PARTS, MEMORY_COLOURS, [r["memory_gib"] for r in results], "GiB per GPU")):
+        left = [0.0] * rows
+        for part in parts:
+            widths = [float(v.get(part, 0.0)) for v in values]
+            if not any(widths):
+                continue
+            ax.barh(ranks, widths, left=left, color=colours[part], label=part.replace("_", " "), height=0.7)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_yticks(ranks, labels)
+        ax.set_ylim(rows - 0.5, -0.5)
+        ax.set_xlabel(unit)
+        ax.legend(loc="lower right", fontsize=7, ncols=4)
+    memory_ax.axvline(capacity_gib, color="black", linestyle="--", linewidth=1)
+    memory_ax.text(capacity_gib, -0.45, f" {capacity_gib:.0f} GiB per GPU", va="top", fontsize=8)
+    time_ax.set_title("where the step's time goes (exposed communication per axis, bubble, memory-bound work)")
+    memory_ax.set_title("memory per GPU (fuller pipeline stage) against the GPU's capacity")
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
