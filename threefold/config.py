@@ -7,6 +7,7 @@ one line that names the key and the problem; the CLI prints it and exits with co
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -170,8 +171,11 @@ class DataConfig:
     vocab_size: int = 4096  # for the locally trained BPE
     val_fraction: float = 0.05
     cache_dir: str = "cache"
+    allow_binary: bool = False  # train on a file that is not UTF-8 text (refused otherwise)
 
     def validate(self) -> None:
+        if self.tokenizer not in ("bpe", "gpt2") and Path(self.tokenizer).is_dir():
+            raise ConfigError(f"data.tokenizer: {self.tokenizer!r} is a folder, not a tokenizer.json file")
         if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
             if self.tokenizer.endswith(".json") or "/" in self.tokenizer:
                 raise ConfigError(f"data.tokenizer: file {self.tokenizer!r} does not exist")
@@ -278,13 +282,18 @@ def _coerce(section: str, key: str, value):
             except ValueError:
                 pass
     elif base is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # no float key has a meaning for NaN or infinity
+                raise ConfigError(f"{section}.{key}: must be a finite number, got {value!r}")
+            return number
     elif base is str:
         if isinstance(value, str):
             return value

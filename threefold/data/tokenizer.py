@@ -72,7 +72,12 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
 
 
 def load_tokenizer(path: Path, name: str) -> Tokenizer:
-    return Tokenizer(HFTokenizer.from_file(str(path)), name)
+    """A tokenizers JSON file; ConfigError, naming the file, when it is not one."""
+    try:
+        return Tokenizer(HFTokenizer.from_file(str(path)), name)
+    except Exception as err:  # tokenizers raises a bare Exception carrying serde's message
+        detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else err.__class__.__name__
+        raise ConfigError(f"data.tokenizer: {str(path)!r} is not a tokenizers file (tokenizer.json): {detail}") from None
 
 
 def gpt2_tokenizer() -> Tokenizer:

@@ -32,6 +32,10 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
                               f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
     if max_restarts and not cfg.train.checkpoint_dir:
         raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
+    if "LOCAL_RANK" not in os.environ:  # the first process: refuse what would fail later, before any rank starts
+        from threefold.train.preflight import check_run
+
+        check_run(cfg, warn=lambda line: click.echo(line, err=True))
     if (world > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks
         from threefold.distributed.launch import relaunch
 

@@ -71,7 +71,15 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     t = cfg.train
     console = console or Console(stderr=True)
     resuming = t.resume or (restart_count() and t.checkpoint_dir)  # or torchrun restarted us after a failure
+    if t.checkpoint_dir:
+        checkpoint.check_root(t.checkpoint_dir)
     found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
+    if resuming and found:
+        problem = checkpoint.damage(found[-1])  # the same answer on every rank: one of them says it
+        if problem and _is_main_process():
+            raise ConfigError(problem)
+        if problem:
+            raise SystemExit(2)
     if found and not resuming and _is_main_process():
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
