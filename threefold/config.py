@@ -56,7 +56,9 @@ class ModelConfig:
             raise ConfigError(f"model.arch: must be 'llama' or 'gpt', got {self.arch!r}")
         if self.hidden % self.heads:
             raise ConfigError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
-        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+        if self.kv_heads is not None and self.kv_heads < 1:
+            raise ConfigError(f"model.kv_heads: must be positive, got {self.kv_heads}")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ConfigError(f"model.kv_heads: model.heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.head_dim % 2 and self.arch == "llama":
             raise ConfigError(f"model.hidden: head dimension {self.head_dim} must be even for rotary embeddings")
@@ -64,6 +66,9 @@ class ModelConfig:
             raise ConfigError(f"model.ffn: must be positive, got {self.ffn}")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError(f"model.vocab_size: must be at least 2, got {self.vocab_size}")
+        for key in ("norm_eps", "rope_theta"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}: must be positive, got {getattr(self, key)}")
 
 
 # What must agree for two sets of weights to be the same model (seq_len may differ: the weights
@@ -147,7 +152,10 @@ class TrainConfig:
                 f"train.micro_batch: {self.micro_batch} does not divide train.global_batch={self.global_batch}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"train.lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens"):
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}: Adam's decay rate must be in [0, 1), got {getattr(self, key)}")
+        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must not be negative, got {getattr(self, key)}")
         if self.grad_clip < 0 or self.weight_decay < 0:

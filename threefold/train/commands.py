@@ -104,10 +104,11 @@ def inspect(checkpoint_path, key, as_json):
                "weights_only": bool(meta.get("weights_only")), "world_size": meta["world_size"],
                "layout": {k: parallel[k] for k in ("dp", "tp", "pp", "zero", "sequence_parallel")},
                "parameters": sum(prod(i["shape"]) for n, i in stored.items() if n.startswith("model/")),
-               "files": {f: {"bytes": (path / f).stat().st_size, "pieces": n} for f, n in sorted(files.items())}}
+               "files": {f: {"bytes": _size(path / f), "pieces": n} for f, n in sorted(files.items())},
+               "damage": checkpoint.damage(path)}
     if as_json:
         click.echo(json.dumps({**summary, "tensors": stored} if key else summary, indent=1))
-        return
+        sys.exit(1 if summary["damage"] else 0)
     console = Console()
     layout = summary["layout"]
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
@@ -116,7 +117,8 @@ def inspect(checkpoint_path, key, as_json):
                   f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}")
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
     for file, info in summary["files"].items():
-        table.add_row(file, file.split("_")[2], f"{info['bytes'] / 2**20:.2f}", str(info["pieces"]))
+        size = "missing" if info["bytes"] is None else f"{info['bytes'] / 2**20:.2f}"
+        table.add_row(file, file.split("_")[2], size, str(info["pieces"]))
     console.print(table)
     if key:
         for name, info in stored.items():
@@ -128,3 +130,11 @@ def inspect(checkpoint_path, key, as_json):
     else:
         console.print(f"{summary['parameters']:,} parameters in {sum(n.startswith('model/') for n in stored)} tensors; "
                       "--tensor KEY lists one tensor's pieces")
+    if summary["damage"]:
+        console.print(f"[bold red]damaged[/bold red]: {summary['damage']}", markup=True, highlight=False)
+        sys.exit(1)
+
+
+def _size(file) -> int | None:
+    """A file's bytes, or None when it is missing (``inspect`` then says so)."""
+    return file.stat().st_size if file.is_file() else None

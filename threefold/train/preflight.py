@@ -32,8 +32,10 @@ def check_run(cfg: Config, warn=print) -> None:
             problem = checkpoint.damage(found[-1])
             if problem:
                 raise ConfigError(problem)
-    if cfg.model.init_from and not Path(cfg.model.init_from).exists():
-        raise ConfigError(f"model.init_from: {cfg.model.init_from!r} does not exist")
+    check_init_from(cfg.model.init_from)
+    cache = Path(cfg.data.cache_dir)
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"data.cache_dir: {str(cache)!r} is a file, not a folder")
     from threefold.data.corpus import find_corpus
 
     find_corpus(cfg.data.corpus, cfg.data.allow_binary)
@@ -52,6 +54,23 @@ def check_trainable(cfg: Config) -> None:
         raise ConfigError(f"{key}: {shape} a planner shape (arch {cfg.model.arch!r}: LayerNorm, GELU, learned "
                           "positions); the engine trains 'llama' blocks (try threefold estimate --model "
                           f"{cfg.model.preset or 'gpt3-175b'})")
+
+
+def check_init_from(source: str | None) -> None:
+    """``model.init_from`` must be a threefold checkpoint, a folder of them, or a Hugging Face folder."""
+    if source is None:
+        return
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"model.init_from: {source!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from: {source!r} is a file; expected a threefold checkpoint or a Hugging Face "
+                          "folder (config.json, model.safetensors)")
+    from threefold.train import checkpoint
+
+    if not ((path / "trainer.json").is_file() or checkpoint.list_checkpoints(path) or (path / "config.json").is_file()):
+        raise ConfigError(f"model.init_from: {source!r} holds neither a threefold checkpoint (trainer.json, step_*/) "
+                          "nor a Hugging Face model (config.json)")
 
 
 def tokenizer_vocab(cfg: Config) -> int:
