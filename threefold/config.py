@@ -134,7 +134,7 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     recompute: str = "none"  # none | selective (attention core) | full (each block)
     eval_every: int = 50  # 0 disables validation
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation: eval_batches × global_batch fixed windows, the same on every layout
     checkpoint_every: int = 0  # 0: only at the end, when checkpoint_dir is set
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
-from threefold.data.tokenizer import load_tokenizer, save_tokenizer
+from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
 from threefold.train.shards import Placement, Shard, whole_shards
 
 FORMAT = "threefold-checkpoint-2"
@@ -114,9 +114,18 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def describe(path: Path, meta: dict) -> str:
+    """``runs/x/step_000040 (step 40)``, or ``… (weights imported from smollm2)``: what was loaded."""
+    if meta.get("imported_from"):
+        return f"{path} (weights imported from {meta['imported_from']})"
+    return f"{path} (step {meta['step']})"
+
+
 def read_tokenizer(path: Path, meta: dict):
+    """The checkpoint's tokenizer, with the end-of-text token and chat template it was saved with."""
     try:
-        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"])
+        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"],
+                              meta.get("eos_token", EOS), meta.get("chat_template"))
     except Exception:
         raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 

@@ -57,20 +57,26 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 @click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
-def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
-    """Generate text from a checkpoint."""
+@click.option("--chat", is_flag=True, help="Put the prompt in the model's chat template (a chat model's checkpoint "
+                                           "carries one) and print only the reply.")
+def generate(checkpoint_path, prompt, new_tokens, temperature, seed, chat):
+    """Generate text from a checkpoint; stops at the tokenizer's end-of-text token."""
     import torch
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
     from threefold.train.trainer import sample_text
 
     path = checkpoint.resolve(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    tokenizer = checkpoint.read_tokenizer(path, meta)
+    if chat and not tokenizer.chat_template:
+        tokenizer.chat(prompt)  # says, in one line, that there is none
     model_cfg, state = checkpoint.read_model(path)
     model = Llama(model_cfg)
     model.load_state_dict(state)
-    tokenizer = checkpoint.read_tokenizer(path, checkpoint.read_meta(path))
+    click.echo(f"loaded {checkpoint.describe(path, meta)}", err=True)
     torch.set_num_threads(os.cpu_count() or 1)
-    click.echo(sample_text(model, tokenizer, prompt, new_tokens, seed, temperature))
+    click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat))
 
 
 @click.command()
