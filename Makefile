@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 # then set the planner's prediction beside the measurement and draw the measured pipeline.
 demo: $(STAMP)
 	$(VENV)/bin/threefold calibrate --quick
-	rm -rf runs/demo/checkpoints  # the demo starts afresh each time; a real run would resume them
+	rm -rf runs/demo/checkpoints/step_*  # the demo starts afresh; earlier runs moved aside (earlier-*/) stay
 	$(VENV)/bin/threefold train --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl
 	$(VENV)/bin/threefold compare --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl
 	$(VENV)/bin/threefold schedule --from-metrics runs/demo/metrics.jsonl --out runs/demo/timeline.png

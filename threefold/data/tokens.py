@@ -55,7 +55,7 @@ def prepare_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = True) -
     the others wait and then read what it wrote.
     """
     data_cfg.validate()
-    corpus = find_corpus(data_cfg.corpus)
+    corpus = find_corpus(data_cfg.corpus, data_cfg.allow_binary)
     folder = Path(data_cfg.cache_dir) / f"{corpus.name}-{corpus.fingerprint()}-v{FORMAT_VERSION}"
     key = _tokenizer_key(data_cfg)
     stem = f"{key}-val{data_cfg.val_fraction:g}"

@@ -74,8 +74,11 @@ def import_model(source: str | Path, out: str | Path) -> ModelConfig:
     config = Config(model=cfg).to_dict()
     # The model only understands its own tokenizer: name it by the file the checkpoint carries.
     config["data"]["tokenizer"] = str(out.resolve() / "tokenizer.json")
+    meta = {"config": config, "imported_from": str(source), "eos_token": tokenizer.eos}
+    if tokenizer.chat_template:
+        meta["chat_template"] = tokenizer.chat_template
     with new_folder(out) as folder:
-        checkpoint.save_weights(folder, model, {"config": config, "imported_from": str(source)}, tokenizer)
+        checkpoint.save_weights(folder, model, meta, tokenizer)
     return cfg
 
 
@@ -93,8 +96,11 @@ def describe(cfg: ModelConfig) -> str:
 @click.option("--out", required=True, type=click.Path(), help="New folder for config.json, model.safetensors, tokenizer.json.")
 def export_cmd(checkpoint_path, out):
     """Write a checkpoint as a Hugging Face LlamaForCausalLM folder."""
+    from threefold.train import checkpoint
+
     cfg = export_checkpoint(checkpoint_path, out)
-    click.echo(f"wrote {out}: {describe(cfg)}")
+    path = checkpoint.resolve(checkpoint_path)
+    click.echo(f"wrote {out} from {checkpoint.describe(path, checkpoint.read_meta(path))}: {describe(cfg)}")
 
 
 @click.command("import")

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from threefold.config import ConfigError, ModelConfig
-from threefold.data.tokenizer import Tokenizer
+from threefold.data.tokenizer import EOS, Tokenizer
 from threefold.interop.hf import parameter_shapes
 
 # GGUF's names inside blk.{i} → ours inside blocks.{i}.
@@ -185,4 +185,7 @@ def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
                            for token, token_kind in zip(tokens, kinds) if token_kind == gguf.TokenType.CONTROL])
     hf.add_tokens([AddedToken(token, normalized=False)
                    for token, token_kind in zip(tokens, kinds) if token_kind == gguf.TokenType.USER_DEFINED])
-    return Tokenizer(hf, _metadata(reader, "general.basename", where, Path(where).stem))
+    eos_id, template = (reader.get_field(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.chat_template"))
+    return Tokenizer(hf, _metadata(reader, "general.basename", where, Path(where).stem),
+                     eos=EOS if eos_id is None else tokens[int(eos_id.contents())],
+                     chat_template=None if template is None else template.contents())

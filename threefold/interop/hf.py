@@ -10,6 +10,7 @@ refused with one line, never silently dropped.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -248,20 +249,42 @@ def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
+def describe_init_from(source: str) -> str:
+    """Which weights ``model.init_from`` names: a checkpoint and its step, or a Hugging Face folder."""
+    from threefold.train import checkpoint
+
+    path = Path(source)
+    if (path / "trainer.json").is_file() or checkpoint.list_checkpoints(path):
+        found = checkpoint.resolve(path)
+        return checkpoint.describe(found, checkpoint.read_meta(found))
+    return f"{source} (a Hugging Face folder)"
+
+
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Config, weights and tokenizer of an HF folder (its tokenizer.json is required)."""
     cfg, state = load_hf_weights(folder)
     tokenizer_file = Path(folder) / TOKENIZER
     if not tokenizer_file.is_file():
         raise ConfigError(f"{folder}: no {TOKENIZER}; the tokenizer is needed to use the model")
+    eos, template = chat_settings(Path(folder))
     try:
-        tokenizer = load_tokenizer(tokenizer_file, str(tokenizer_file))
+        tokenizer = load_tokenizer(tokenizer_file, str(tokenizer_file), eos, template)
     except Exception as err:
         raise ConfigError(f"{tokenizer_file}: not a readable tokenizers file ({err.__class__.__name__})") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only "
                           f"{cfg.vocab_size}")
     return cfg, state, tokenizer
+
+
+def chat_settings(folder: Path) -> tuple[str, str | None]:
+    """(end-of-text token, chat template) from a folder's tokenizer_config.json, when it has them."""
+    path = folder / "tokenizer_config.json"
+    settings = read_json(path) if path.is_file() else {}
+    eos = settings.get("eos_token", EOS)
+    eos = eos.get("content", EOS) if isinstance(eos, dict) else eos  # an AddedToken, serialised
+    template = settings.get("chat_template")
+    return (eos if isinstance(eos, str) else EOS), (template if isinstance(template, str) else None)
 
 
 def write_hf_folder(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
@@ -276,5 +299,11 @@ def write_hf_folder(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Ten
     # So that transformers' AutoTokenizer finds the tokenizer.json and its end-of-text token.
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
     if tokenizer.eos_id is not None:
-        tokenizer_config.update(eos_token=EOS, bos_token=EOS)
+        tokenizer_config.update(eos_token=tokenizer.eos, bos_token=tokenizer.eos)
+    if tokenizer.chat_template:
+        tokenizer_config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    for written in folder.iterdir():  # safetensors writes 0600; the rest of the folder follows the umask
+        written.chmod(0o666 & ~umask)

@@ -56,12 +56,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(q kᵀ/√d) v; q is (b, h, s, d), k and v (b, h_kv, s, d) with h_kv dividing h."""
+    """Causal softmax(q kᵀ/√d) v; q is (b, h, s, d), k and v (b, h_kv, t, d) with h_kv dividing h.
+
+    The queries are the last s of the t positions (t > s when generating with a KVCache).
+    This is what selective recomputation recomputes: its inputs are kept, its inner
+    activations are not (scaled_dot_product_attention never stores the s×s scores anyway).
+    """
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s, t = q.shape[2], k.shape[2]
+    if s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # is_causal aligns the mask top-left; query i sits at position t - s + i, so it sees keys up to there
+    visible = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+class KVCache:
+    """The keys and values of every position generated so far, one entry per block, so that each
+    new token costs one position's work instead of the whole context's."""
+
+    def __init__(self, layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys and values (b, h_kv, s, d); return all of them so far."""
+        if self.keys[layer] is not None:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
 
 
 class AttentionCore(nn.Module):
@@ -93,13 +123,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        """``cache``: (the KVCache, this block's index) when generating; cos, sin and positions
+        are then those of the new tokens."""
         b, s, _ = x.shape
         # Head counts come from the weights, so a strategy that slices heads needs no other change.
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache[0].extend(cache[1], k, v)
         out = self.core(q, k, v, positions)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -129,14 +164,16 @@ class Block(nn.Module):
         self.mlp = make_mlp(cfg, layer)
         self.recompute = False  # full recomputation of this block, set by Llama.set_recompute
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 cache=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                cache=None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, positions, use_reentrant=False)
-        return self._forward(x, cos, sin, positions)
+        return self._forward(x, cos, sin, positions, cache)
 
 
 class Llama(nn.Module):
@@ -181,36 +218,60 @@ class Llama(nn.Module):
             block.recompute = mode == "full"
             block.attn.core.recompute = mode == "selective"
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks=None) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks=None, cache: KVCache | None = None
+                   ) -> torch.Tensor:
         """The block loop, over ``blocks`` (default: all of them; a pipeline stage passes its
-        own), for hidden states ``x`` of the tokens at ``positions`` (s,)."""
+        own), for hidden states ``x`` of the tokens at ``positions`` (s,); ``cache`` when generating."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for block in self.blocks if blocks is None else blocks:
-            x = block(x, cos, sin, positions)
+        for i, block in enumerate(self.blocks if blocks is None else blocks):
+            x = block(x, cos, sin, positions, None if cache is None else (cache, i))
         return x
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      cache: KVCache | None = None) -> torch.Tensor:
+        """With a ``cache``, ``tokens`` are the positions after those it holds, and it grows by them."""
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.norm(self.run_blocks(self.embed(tokens), positions))
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        return self.norm(self.run_blocks(self.embed(tokens), positions, cache=cache))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens (batch, seq) → logits (batch, seq, vocab); ``positions`` (seq,) of the tokens
-        in their sequence, 0..seq−1 unless a strategy holds another part of it."""
-        return self.head(self.hidden_states(tokens, positions))
+        in their sequence, 0..seq−1 unless a strategy holds another part of it (or a cache holds
+        the earlier ones)."""
+        return self.head(self.hidden_states(tokens, positions, cache))
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` continuations of ``tokens`` (batch, seq), one at a time."""
+                 top_k: int | None = 50, generator: torch.Generator | None = None, eos_id: int | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Sample up to ``new_tokens`` continuations of ``tokens`` (batch, seq), one at a time;
+        stop early once every row has produced ``eos_id`` (kept as its last token).
+
+        With ``use_cache`` each step feeds only the new token and reuses the keys and values of
+        the earlier ones; once the context outgrows ``seq_len``, the window slides and is computed
+        afresh each step, exactly as without the cache."""
+        cache, fed = None, 0  # fed: how many of ``tokens`` the cache holds
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for _ in range(new_tokens):
-            context = tokens[:, -self.cfg.seq_len:]
-            logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
+            if not use_cache or tokens.shape[1] > self.cfg.seq_len:
+                logits = self(tokens[:, -self.cfg.seq_len:])
+            else:
+                if cache is None:
+                    cache = KVCache(len(self.blocks))
+                logits = self(tokens[:, fed:], cache=cache)
+                fed = tokens.shape[1]
+            logits = logits[:, -1, :].float() / max(temperature, 1e-5)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            if eos_id is not None:
+                done |= tokens[:, -1] == eos_id
+                if bool(done.all()):
+                    break
         return tokens
 
 

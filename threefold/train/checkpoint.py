@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
-from threefold.data.tokenizer import load_tokenizer, save_tokenizer
+from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
 from threefold.parallel.placements import Placement, Shard, whole_shards
 
 FORMAT = "threefold-checkpoint-2"
@@ -80,6 +80,17 @@ def move_aside(found: list[Path]) -> Path:
     return aside
 
 
+def check_root(root: str | Path) -> None:
+    """Refuse a ``train.checkpoint_dir`` that is a file, or one checkpoint rather than their folder
+    (saves would land inside it and a resume would not find it)."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is a file, not a folder")
+    if (root / "trainer.json").is_file():
+        raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is one checkpoint, not a folder of them; set it to "
+                          f"{str(root.parent)!r} (train.resume continues from the latest there)")
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint folder, or a checkpoint_dir whose latest checkpoint is meant."""
     path = Path(path)
@@ -103,9 +114,18 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def describe(path: Path, meta: dict) -> str:
+    """``runs/x/step_000040 (step 40)``, or ``… (weights imported from smollm2)``: what was loaded."""
+    if meta.get("imported_from"):
+        return f"{path} (weights imported from {meta['imported_from']})"
+    return f"{path} (step {meta['step']})"
+
+
 def read_tokenizer(path: Path, meta: dict):
+    """The checkpoint's tokenizer, with the end-of-text token and chat template it was saved with."""
     try:
-        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"])
+        return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"],
+                              meta.get("eos_token", EOS), meta.get("chat_template"))
     except Exception:
         raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 
@@ -333,10 +353,31 @@ def _metadata(path: Path):
         raise ConfigError(f"checkpoint: {path / '.metadata'} is missing or unreadable ({err.__class__.__name__})") from None
 
 
+def damage(path: Path) -> str | None:
+    """What is wrong with the files of the checkpoint at ``path``, in one line, or None when every
+    piece its metadata lists is there in full. Reads nothing but the metadata and the files'
+    sizes, so every rank finds the same answer before any of them starts reading."""
+    metadata = _metadata(path)
+    needed: dict[str, int] = {}  # file → the bytes its pieces span
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"checkpoint: {str(file)!r} is missing (the metadata lists pieces in it)"
+        if file.stat().st_size < size:
+            return (f"checkpoint: {str(file)!r} is truncated: {file.stat().st_size:,} bytes, its pieces need "
+                    f"{size:,}; remove {path.name} to use the checkpoint before it")
+    return None
+
+
 def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
     """Fill every piece in ``state`` from the checkpoint at ``path`` (every rank calls this,
     unless ``no_dist``)."""
     metadata = _metadata(path)
+    problem = damage(path)
+    if problem:
+        raise ConfigError(problem)
     for name, shards in state.items():
         saved = metadata.state_dict_metadata.get(name)
         if not isinstance(saved, TensorStorageMetadata):

@@ -33,6 +33,10 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
                               f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
     if max_restarts and not cfg.train.checkpoint_dir:
         raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
+    if "LOCAL_RANK" not in os.environ:  # the first process: refuse what would fail later, before any rank starts
+        from threefold.train.preflight import check_run
+
+        check_run(cfg, warn=lambda line: click.echo(line, err=True))
     if (world > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks
         from threefold.distributed.launch import relaunch
 
@@ -54,20 +58,26 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 @click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
-def generate(checkpoint_path, prompt, new_tokens, temperature, seed):
-    """Generate text from a checkpoint."""
+@click.option("--chat", is_flag=True, help="Put the prompt in the model's chat template (a chat model's checkpoint "
+                                           "carries one) and print only the reply.")
+def generate(checkpoint_path, prompt, new_tokens, temperature, seed, chat):
+    """Generate text from a checkpoint; stops at the tokenizer's end-of-text token."""
     import torch
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
     from threefold.train.trainer import sample_text
 
     path = checkpoint.resolve(checkpoint_path)
+    meta = checkpoint.read_meta(path)
+    tokenizer = checkpoint.read_tokenizer(path, meta)
+    if chat and not tokenizer.chat_template:
+        tokenizer.chat(prompt)  # says, in one line, that there is none
     model_cfg, state = checkpoint.read_model(path)
     model = Llama(model_cfg)
     model.load_state_dict(state)
-    tokenizer = checkpoint.read_tokenizer(path, checkpoint.read_meta(path))
+    click.echo(f"loaded {checkpoint.describe(path, meta)}", err=True)
     torch.set_num_threads(os.cpu_count() or 1)
-    click.echo(sample_text(model, tokenizer, prompt, new_tokens, seed, temperature))
+    click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat))
 
 
 @click.command()
@@ -101,10 +111,11 @@ def inspect(checkpoint_path, key, as_json):
                "weights_only": bool(meta.get("weights_only")), "world_size": meta["world_size"],
                "layout": {k: parallel[k] for k in ("dp", "tp", "pp", "zero", "sequence_parallel")},
                "parameters": sum(prod(i["shape"]) for n, i in stored.items() if n.startswith("model/")),
-               "files": {f: {"bytes": (path / f).stat().st_size, "pieces": n} for f, n in sorted(files.items())}}
+               "files": {f: {"bytes": _size(path / f), "pieces": n} for f, n in sorted(files.items())},
+               "damage": checkpoint.damage(path)}
     if as_json:
         click.echo(json.dumps({**summary, "tensors": stored} if key else summary, indent=1))
-        return
+        sys.exit(1 if summary["damage"] else 0)
     console = Console()
     layout = summary["layout"]
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
@@ -113,7 +124,8 @@ def inspect(checkpoint_path, key, as_json):
                   f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}")
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
     for file, info in summary["files"].items():
-        table.add_row(file, file.split("_")[2], f"{info['bytes'] / 2**20:.2f}", str(info["pieces"]))
+        size = "missing" if info["bytes"] is None else f"{info['bytes'] / 2**20:.2f}"
+        table.add_row(file, file.split("_")[2], size, str(info["pieces"]))
     console.print(table)
     if key:
         for name, info in stored.items():
@@ -125,3 +137,11 @@ def inspect(checkpoint_path, key, as_json):
     else:
         console.print(f"{summary['parameters']:,} parameters in {sum(n.startswith('model/') for n in stored)} tensors; "
                       "--tensor KEY lists one tensor's pieces")
+    if summary["damage"]:
+        console.print(f"[bold red]damaged[/bold red]: {summary['damage']}", markup=True, highlight=False)
+        sys.exit(1)
+
+
+def _size(file) -> int | None:
+    """A file's bytes, or None when it is missing (``inspect`` then says so)."""
+    return file.stat().st_size if file.is_file() else None

