@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from threefold.config import SECTIONS, ConfigError, load_config
+from threefold.config import SECTIONS, ConfigError
+from threefold.configure import load_config
 from threefold.train import checkpoint
 from threefold.train.preflight import check_run
 from threefold.train.trainer import train

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from threefold.cli import main
-from threefold.config import ModelConfig, load_config
+from threefold.config import ModelConfig
+from threefold.configure import load_config
 from threefold.models.llama import KVCache, Llama, attention_core
 from threefold.train import checkpoint
 from threefold.train.trainer import sample_text, train

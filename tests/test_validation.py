@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from threefold.config import load_config
+from threefold.configure import load_config
 from threefold.data import val_batches
 from threefold.data.sampler import validation_windows
 from threefold.train.trainer import train

@@ -14,7 +14,7 @@ from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
 
 def measured_segments(timeline: dict) -> list[list[tuple]]:
-    """The compute actions of a gathered timeline (``PipelineEngine.step_timeline()``, as the
+    """The compute actions of a gathered timeline (``Engine.step_timeline()``, as the
     metrics file holds it) per rank, as (start, end, kind, micro-batch, model chunk) for drawing."""
     pp = timeline["pp"]
     return [[(start, end, kind, mb, stage // pp) for start, end, kind, mb, stage in rank if Kind(kind).is_compute]
