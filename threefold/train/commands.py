@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from threefold.config import ConfigError, load_config
+from threefold.config import AUTO, ConfigError, load_config
 
 
 @click.command()
@@ -22,20 +22,22 @@ from threefold.config import ConfigError, load_config
 def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
     cfg = load_config(config_path, overrides)
-    world = cfg.parallel.world_size
-    if nproc is not None:
-        if nproc < 1:
-            raise ConfigError(f"--nproc: must be positive, got {nproc}")
-        if nproc != world:
-            p = cfg.parallel
-            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
-                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc: must be positive, got {nproc}")
     if max_restarts and not cfg.train.checkpoint_dir:
         raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
-    if (world > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks
-        from threefold.distributed.launch import relaunch
+    if "LOCAL_RANK" not in os.environ:  # not yet under torchrun (a rank resolves dp = "auto" from WORLD_SIZE)
+        if cfg.parallel.dp == AUTO and nproc is None:
+            raise ConfigError('parallel.dp: "auto" takes the data-parallel degree from the number of processes; '
+                              "give --nproc N (or start the ranks with torchrun)")
+        p = (cfg.resolve_world(nproc) if cfg.parallel.dp == AUTO else cfg).parallel
+        if nproc is not None and nproc != p.world_size:
+            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
+                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {p.world_size}")
+        if p.world_size > 1 or max_restarts:  # start the ranks
+            from threefold.distributed.launch import relaunch
 
-        sys.exit(relaunch(world, sys.argv[1:], max_restarts))
+            sys.exit(relaunch(p.world_size, sys.argv[1:], max_restarts))
 
     from threefold.train.trainer import TrainingError, train as run_training
 
