@@ -1,5 +1,6 @@
 """Surviving faults: a rank killed mid-run is restarted by torchrun and the job resumes from its
-last complete checkpoint, producing the losses of a run that never stopped."""
+last complete checkpoint, producing the losses of a run that never stopped; SIGTERM stops a run
+cleanly; a stuck rank is named; a full disk during a save loses nothing."""
 import json
 import os
 import signal
@@ -8,6 +9,8 @@ import sys
 import time
 
 from test_train import TINY, corpus  # noqa: F401  (the corpus fixture)
+
+from threefold.train.checkpoint import list_checkpoints
 
 LAYOUT = ["parallel.dp=2", "parallel.timeout_s=60", "train.steps=24", "train.checkpoint_every=4"]
 
@@ -68,3 +71,38 @@ def test_a_killed_rank_is_named_and_ends_the_job(tmp_path, corpus):  # noqa: F81
     _, err = job.communicate(timeout=60)
     assert job.returncode == 1 and time.time() - killed < 30
     assert f"(pid {victim}) died of SIGKILL; torchrun stopped the other ranks" in err, err[-2000:]
+
+
+def wait_for_steps(job, metrics, n: int, timeout_s: float = 120) -> None:
+    """Until the run has written ``n`` steps to its metrics file."""
+    deadline = time.time() + timeout_s
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < n:
+        assert job.poll() is None, f"the run ended early: {job.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "the run is too slow"
+        time.sleep(0.02)
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, corpus):  # noqa: F811
+    """What SLURM and Kubernetes send before they kill a job (here to the launching process,
+    as Kubernetes does; it passes it on): every rank stops after the same step, saves, exits 0."""
+    long = ["--set", "train.steps=200", "--set", "train.checkpoint_every=0"]  # the only save: SIGTERM's
+    whole = subprocess.run(command(tmp_path, corpus, "whole") + long, capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    job = subprocess.Popen(command(tmp_path, corpus, "stopped") + long,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(job, tmp_path / "stopped.jsonl", 1)
+    os.kill(job.pid, signal.SIGTERM)
+    signalled = time.time()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and time.time() - signalled < 20, err[-2000:]
+    (saved,) = list_checkpoints(tmp_path / "stopped")
+    stopped_at = int(saved.name[5:])
+    assert stopped_at < 200 and f"SIGTERM: stopped after step {stopped_at} of 200, saved {saved}" in err
+    assert sorted(losses(tmp_path / "stopped.jsonl")) == list(range(1, stopped_at + 1))
+
+    resumed = subprocess.run(command(tmp_path, corpus, "stopped") + long + ["--set", "train.resume=true"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {saved} at step {stopped_at}\n" in resumed.stderr
+    assert losses(tmp_path / "stopped.jsonl") == losses(tmp_path / "whole.jsonl")  # bit for bit

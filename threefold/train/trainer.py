@@ -119,7 +119,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                 saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
                 derived = f"; parallel.dp = \"auto\" on {engine.world_size} ranks" if auto_dp else ""
                 moved = f" (saved on {saved}, resharded to {now}{derived})" if saved != now else ""
-                console.print(f"resumed from {found[-1]} at step {start}{moved}")
+                console.print(f"resumed from {found[-1]} at step {start}{moved}", markup=False, highlight=False,
+                              soft_wrap=True)  # one line, whatever the terminal's width
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
 
