@@ -106,3 +106,37 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, corpus): 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {saved} at step {stopped_at}\n" in resumed.stderr
     assert losses(tmp_path / "stopped.jsonl") == losses(tmp_path / "whole.jsonl")  # bit for bit
+
+
+def rank_of(pid: int) -> int:
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).partition(b"=")[2])
+
+
+def test_a_stuck_rank_is_named_at_the_timeout(tmp_path, corpus):  # noqa: F811
+    """A rank that stops answering without dying (SIGSTOP: a hung kernel, a stalled disk) keeps
+    its connections open, so nothing fails until parallel.timeout_s; then the others stop and
+    name it, in one line, and torchrun ends the job (it kills the stuck rank after 30 s)."""
+    job = subprocess.Popen(command(tmp_path, corpus, "stuck") + ["--set", "train.steps=100000",
+                                                                  "--set", "parallel.timeout_s=4"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(job, tmp_path / "stuck.jsonl", 1)
+        stuck = children(job.pid)[1]
+        rank = rank_of(stuck)
+        os.kill(stuck, signal.SIGSTOP)
+        stopped = time.time()
+        for line in job.stderr:  # until a rank reports the failure
+            if line.startswith("error:"):
+                break
+        named = time.time() - stopped
+        err = line + job.stderr.read()
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert 4 <= named < 4 + 4 + 5  # the timeout, the roll call (at most the timeout), slack
+    assert line.startswith("error: all_reduce of") and line.rstrip().endswith(
+        f"rank {rank} of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), err[-3000:]
+    assert job.returncode == 1 and time.time() - stopped < 4 + 4 + 30 + 10
+    assert "Traceback" not in err and "died of" not in err, err[-3000:]  # it was stuck, not dead

@@ -71,10 +71,12 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv, max_restarts)))
     except ChildFailedError as err:
+        first = min(f.timestamp for f in err.failures.values())
         for rank, failure in sorted(err.failures.items()):
-            # SIGTERM is how torchrun stops the other ranks; any other signal killed a rank, which
-            # could say nothing itself.
-            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+            # SIGTERM is how torchrun stops the other ranks, and SIGKILL 30 s later those that did not
+            # stop (a stuck rank, which the others named); any other signal, or one among the first
+            # failures (timestamps in whole seconds), killed a rank, which could say nothing itself.
+            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM" and failure.timestamp <= first + 1:
                 hint = "" if max_restarts else " (--max-restarts N restarts them from the last checkpoint)"
                 print(f"error: rank {rank} (pid {failure.pid}) died of {failure.signal_name()}; torchrun stopped "
                       f"the other ranks{hint}", file=sys.stderr)

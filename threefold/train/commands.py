@@ -39,6 +39,7 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 
             sys.exit(relaunch(p.world_size, sys.argv[1:], max_restarts))
 
+    from threefold.distributed.comm import CommError
     from threefold.train.trainer import TrainingError, train as run_training
 
     try:
@@ -46,6 +47,12 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     except TrainingError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(1)
+    except CommError as err:
+        # The group is broken: tearing it down would wait out every collective still in flight with
+        # a rank that is gone or stuck (parallel.timeout_s each). Say why and leave at once.
+        click.echo(f"error: {err}", err=True)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @click.command()
