@@ -3,11 +3,13 @@ last complete checkpoint, producing the losses of a run that never stopped; SIGT
 cleanly; a stuck rank is named; a full disk during a save loses nothing."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 from test_train import TINY, corpus  # noqa: F401  (the corpus fixture)
 
 from threefold.train.checkpoint import list_checkpoints
@@ -140,3 +142,47 @@ def test_a_stuck_rank_is_named_at_the_timeout(tmp_path, corpus):  # noqa: F811
         f"rank {rank} of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), err[-3000:]
     assert job.returncode == 1 and time.time() - stopped < 4 + 4 + 30 + 10
     assert "Traceback" not in err and "died of" not in err, err[-3000:]  # it was stuck, not dead
+
+
+FULL_DISK = """
+set -e
+mount -t tmpfs -o size={size} tmpfs {disk}
+set +e
+"$@"
+code=$?
+cp -a {disk}/. {after}
+exit $code
+"""
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):  # noqa: F811
+    """checkpoint_dir on a real full disk: a tmpfs of 2.2 MB (in a mount namespace of its own,
+    `unshare`), room for one 1.5 MB checkpoint of the tiny model but not two. The save of step 4
+    fails on both ranks; one line names the folder and the bytes; step 2 stays the latest and
+    loads; no half-written folder is left to be loaded."""
+    from threefold.train import checkpoint
+
+    disk, after = tmp_path / "disk", tmp_path / "after"
+    disk.mkdir()
+    after.mkdir()
+    if subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (unshare -rm mount failed)")
+    args = command(tmp_path, corpus, "full") + ["--set", f"train.checkpoint_dir={json.dumps(str(disk / 'ckpt'))}",
+                                               "--set", "train.checkpoint_every=2", "--set", "train.steps=6"]
+    script = FULL_DISK.format(size="2200k", disk=disk, after=after)
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *args], capture_output=True, text=True,
+                         timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    saved = after / "ckpt"
+    kept = checkpoint.list_checkpoints(saved)
+    assert [p.name for p in kept] == ["step_000002"] and sorted(p.name for p in saved.iterdir()) == ["step_000002"]
+    shipped = sum(p.stat().st_size for p in kept[0].glob("*.distcp"))
+    found = re.fullmatch(rf"error: checkpoint: no space left on the device of {disk}/ckpt/step_000004.tmp: the "
+                         rf"checkpoint of step 4 needs at least ([\d,]+) bytes, ([\d,]+) are free there; "
+                         rf"{disk}/ckpt/step_000002 stays the latest checkpoint", errors[0])
+    assert found, errors[0]
+    needed, free = (int(g.replace(",", "")) for g in found.groups())
+    assert needed <= shipped < 1.1 * needed and free < needed  # the pieces' files: tensors and DCP's framing
+    model_cfg, state = checkpoint.read_model(kept[0])  # loadable
+    assert losses(tmp_path / "full.jsonl").keys() == {1, 2, 3, 4}

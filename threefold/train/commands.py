@@ -40,12 +40,17 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
             sys.exit(relaunch(p.world_size, sys.argv[1:], max_restarts))
 
     from threefold.distributed.comm import CommError
+    from threefold.train.checkpoint import CheckpointError
     from threefold.train.trainer import TrainingError, train as run_training
 
     try:
         run_training(cfg, metrics_file=metrics_file, progress=progress)
     except TrainingError as err:
         click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except CheckpointError as err:  # raised on every rank alike: one of them says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(f"error: {err}", err=True)
         sys.exit(1)
     except CommError as err:
         # The group is broken: tearing it down would wait out every collective still in flight with
