@@ -1,13 +1,18 @@
 """Surviving faults: a rank killed mid-run is restarted by torchrun and the job resumes from its
-last complete checkpoint, producing the losses of a run that never stopped."""
+last complete checkpoint, producing the losses of a run that never stopped; SIGTERM stops a run
+cleanly; a stuck rank is named; a full disk during a save loses nothing."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 from test_train import TINY, corpus  # noqa: F401  (the corpus fixture)
+
+from threefold.train.checkpoint import list_checkpoints
 
 LAYOUT = ["parallel.dp=2", "parallel.timeout_s=60", "train.steps=24", "train.checkpoint_every=4"]
 
@@ -68,3 +73,116 @@ def test_a_killed_rank_is_named_and_ends_the_job(tmp_path, corpus):  # noqa: F81
     _, err = job.communicate(timeout=60)
     assert job.returncode == 1 and time.time() - killed < 30
     assert f"(pid {victim}) died of SIGKILL; torchrun stopped the other ranks" in err, err[-2000:]
+
+
+def wait_for_steps(job, metrics, n: int, timeout_s: float = 120) -> None:
+    """Until the run has written ``n`` steps to its metrics file."""
+    deadline = time.time() + timeout_s
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < n:
+        assert job.poll() is None, f"the run ended early: {job.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "the run is too slow"
+        time.sleep(0.02)
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, corpus):  # noqa: F811
+    """What SLURM and Kubernetes send before they kill a job (here to the launching process,
+    as Kubernetes does; it passes it on): every rank stops after the same step, saves, exits 0."""
+    long = ["--set", "train.steps=200", "--set", "train.checkpoint_every=0"]  # the only save: SIGTERM's
+    whole = subprocess.run(command(tmp_path, corpus, "whole") + long, capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    job = subprocess.Popen(command(tmp_path, corpus, "stopped") + long,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(job, tmp_path / "stopped.jsonl", 1)
+    os.kill(job.pid, signal.SIGTERM)
+    signalled = time.time()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and time.time() - signalled < 20, err[-2000:]
+    (saved,) = list_checkpoints(tmp_path / "stopped")
+    stopped_at = int(saved.name[5:])
+    assert stopped_at < 200 and f"SIGTERM: stopped after step {stopped_at} of 200, saved {saved}" in err
+    assert sorted(losses(tmp_path / "stopped.jsonl")) == list(range(1, stopped_at + 1))
+
+    resumed = subprocess.run(command(tmp_path, corpus, "stopped") + long + ["--set", "train.resume=true"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {saved} at step {stopped_at}\n" in resumed.stderr
+    assert losses(tmp_path / "stopped.jsonl") == losses(tmp_path / "whole.jsonl")  # bit for bit
+
+
+def rank_of(pid: int) -> int:
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).partition(b"=")[2])
+
+
+def test_a_stuck_rank_is_named_at_the_timeout(tmp_path, corpus):  # noqa: F811
+    """A rank that stops answering without dying (SIGSTOP: a hung kernel, a stalled disk) keeps
+    its connections open, so nothing fails until parallel.timeout_s; then the others stop and
+    name it, in one line, and torchrun ends the job (it kills the stuck rank after 30 s)."""
+    job = subprocess.Popen(command(tmp_path, corpus, "stuck") + ["--set", "train.steps=100000",
+                                                                  "--set", "parallel.timeout_s=4"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(job, tmp_path / "stuck.jsonl", 1)
+        stuck = children(job.pid)[1]
+        rank = rank_of(stuck)
+        os.kill(stuck, signal.SIGSTOP)
+        stopped = time.time()
+        for line in job.stderr:  # until a rank reports the failure
+            if line.startswith("error:"):
+                break
+        named = time.time() - stopped
+        err = line + job.stderr.read()
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert 4 <= named < 4 + 4 + 5  # the timeout, the roll call (at most the timeout), slack
+    assert line.startswith("error: all_reduce of") and line.rstrip().endswith(
+        f"rank {rank} of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), err[-3000:]
+    assert job.returncode == 1 and time.time() - stopped < 4 + 4 + 30 + 10
+    assert "Traceback" not in err and "died of" not in err, err[-3000:]  # it was stuck, not dead
+
+
+FULL_DISK = """
+set -e
+mount -t tmpfs -o size={size} tmpfs {disk}
+set +e
+"$@"
+code=$?
+cp -a {disk}/. {after}
+exit $code
+"""
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):  # noqa: F811
+    """checkpoint_dir on a real full disk: a tmpfs of 2.2 MB (in a mount namespace of its own,
+    `unshare`), room for one 1.5 MB checkpoint of the tiny model but not two. The save of step 4
+    fails on both ranks; one line names the folder and the bytes; step 2 stays the latest and
+    loads; no half-written folder is left to be loaded."""
+    from threefold.train import checkpoint
+
+    disk, after = tmp_path / "disk", tmp_path / "after"
+    disk.mkdir()
+    after.mkdir()
+    if subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (unshare -rm mount failed)")
+    args = command(tmp_path, corpus, "full") + ["--set", f"train.checkpoint_dir={json.dumps(str(disk / 'ckpt'))}",
+                                               "--set", "train.checkpoint_every=2", "--set", "train.steps=6"]
+    script = FULL_DISK.format(size="2200k", disk=disk, after=after)
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *args], capture_output=True, text=True,
+                         timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    saved = after / "ckpt"
+    kept = checkpoint.list_checkpoints(saved)
+    assert [p.name for p in kept] == ["step_000002"] and sorted(p.name for p in saved.iterdir()) == ["step_000002"]
+    shipped = sum(p.stat().st_size for p in kept[0].glob("*.distcp"))
+    found = re.fullmatch(rf"error: checkpoint: no space left on the device of {disk}/ckpt/step_000004.tmp: the "
+                         rf"checkpoint of step 4 needs at least ([\d,]+) bytes, ([\d,]+) are free there; "
+                         rf"{disk}/ckpt/step_000002 stays the latest checkpoint", errors[0])
+    assert found, errors[0]
+    needed, free = (int(g.replace(",", "")) for g in found.groups())
+    assert needed <= shipped < 1.1 * needed and free < needed  # the pieces' files: tensors and DCP's framing
+    model_cfg, state = checkpoint.read_model(kept[0])  # loadable
+    assert losses(tmp_path / "full.jsonl").keys() == {1, 2, 3, 4}

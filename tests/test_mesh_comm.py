@@ -147,7 +147,8 @@ def test_nproc_is_removed_from_the_relaunched_command():
     argv = ["train", "--config", "c.toml", "--nproc", "2", "--set", "parallel.dp=2", "--nproc=2"]
     assert without_nproc(argv) == ["train", "--config", "c.toml", "--set", "parallel.dp=2"]
     assert torchrun_args(2, argv, max_restarts=3) == [
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "-m", "threefold.cli",
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT",
+        "-m", "threefold.cli",
         "train", "--config", "c.toml", "--set", "parallel.dp=2"]
 
 

@@ -91,9 +91,12 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the registry's names (parallel/pipeline/schedule.py)
 
 
+AUTO = "auto"  # parallel.dp = "auto": the data-parallel degree the world size leaves (see resolve_world)
+
+
 @dataclass
 class ParallelConfig:
-    dp: int = 1
+    dp: int | str = 1  # or "auto": world size / (tp·pp·cp·ep), known once the processes run
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -109,10 +112,17 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        if self.dp == AUTO:
+            raise ConfigError('parallel.dp: "auto" is resolved from the number of processes (resolve_world)')
         return self.dp * self.tp * self.pp * self.cp * self.ep
 
+    @property
+    def ranks_per_replica(self) -> int:
+        """tp·pp·cp·ep: the ranks of one data-parallel replica."""
+        return self.tp * self.pp * self.cp * self.ep
+
     def validate(self) -> None:
-        _positive(self, "parallel", ("dp", "tp", "pp", "cp", "ep", "virtual_stages"))
+        _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
         if self.schedule not in SCHEDULES:
@@ -215,6 +225,8 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
+        if p.dp == AUTO:  # what depends on dp is checked by resolve_world, once the world size is known
+            return self
         if t.global_batch % (p.dp * t.micro_batch):
             raise ConfigError(
                 f"train.global_batch: {t.global_batch} is not divisible by parallel.dp × train.micro_batch "
@@ -232,6 +244,18 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def resolve_world(self, world: int) -> "Config":
+        """This config on ``world`` processes: parallel.dp = "auto" becomes world / (tp·pp·cp·ep),
+        checked like a dp given by hand; a fixed layout is returned as it is."""
+        p = self.parallel
+        if p.dp != AUTO:
+            return self
+        if world % p.ranks_per_replica:
+            raise ConfigError(f'parallel.dp: "auto" on {world} processes: not divisible by tp×pp×cp×ep = '
+                              f"{p.tp}×{p.pp}×{p.cp}×{p.ep} = {p.ranks_per_replica}")
+        parallel = dataclasses.replace(p, dp=world // p.ranks_per_replica)
+        return dataclasses.replace(self, parallel=parallel).validate()
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
@@ -260,6 +284,8 @@ def _coerce(section: str, key: str, value):
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
     elif base is int:
+        if (section, key) == ("parallel", "dp") and value == AUTO:
+            return value
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str):
@@ -284,6 +310,8 @@ def _coerce(section: str, key: str, value):
         if isinstance(value, str):
             return value
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    if (section, key) == ("parallel", "dp"):
+        expected = 'an integer or "auto"'
     raise ConfigError(f"{section}.{key}: expected {expected}, got {value!r}")
 
 

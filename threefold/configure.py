@@ -20,3 +20,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     cfg = read_config(path, overrides, preset_of=get_preset)
     check_layout(cfg)
     return cfg
+
+
+def resolve_world(cfg: Config, world: int) -> Config:
+    """``cfg`` on ``world`` processes: ``parallel.dp = "auto"`` becomes the degree the world
+    leaves (config.py), and the strategies check the concrete layout."""
+    cfg = cfg.resolve_world(world)
+    check_layout(cfg)
+    return cfg

@@ -1,4 +1,6 @@
-"""Running N processes on this machine: ``threefold train --nproc N`` re-executes itself under torchrun.
+"""Starting and stopping the ranks of a job.
+
+Running N processes on this machine: ``threefold train --nproc N`` re-executes itself under torchrun.
 
     threefold train --config c.toml --nproc 4
       runs what  python -m torch.distributed.run --standalone --nproc-per-node 4 -m threefold.cli train --config c.toml
@@ -7,12 +9,17 @@
 torchrun starts the processes, sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, and the
 mesh (``ParallelMesh.from_config``) joins the process group: NCCL on CUDA, gloo on CPU.
 For several machines, run torchrun yourself with a c10d rendezvous (docs/launch.md).
+
+Stopping: SIGTERM, what SLURM and Kubernetes send before they kill a job, asks every rank to
+finish its step, save a checkpoint and exit 0 (``StopRequest``).
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -32,6 +39,7 @@ def torchrun_args(nproc: int, argv: list[str], max_restarts: int = 0) -> list[st
     """The arguments of ``python -m torch.distributed.run`` that run ``threefold argv`` in ``nproc``
     processes; after a failure torchrun restarts all of them up to ``max_restarts`` times."""
     return ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: relaunch passes it on to the ranks
             "-m", "threefold.cli", *without_nproc(argv)]
 
 
@@ -56,16 +64,87 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     # torchrun would otherwise set 1 thread per process and warn; each rank refines this itself.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun's agent answers SIGTERM by terminating the ranks at once (SIGKILL 30 s later) and
+    # failing; here SIGTERM is passed on to the ranks instead, which finish the step, save and exit
+    # 0, and the agent sees them succeed.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _signal_children(signum))
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(nproc, argv, max_restarts)))
     except ChildFailedError as err:
+        first = min(f.timestamp for f in err.failures.values())
         for rank, failure in sorted(err.failures.items()):
-            # SIGTERM is how torchrun stops the other ranks; any other signal killed a rank, which
-            # could say nothing itself.
-            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM":
+            # SIGTERM is how torchrun stops the other ranks, and SIGKILL 30 s later those that did not
+            # stop (a stuck rank, which the others named); any other signal, or one among the first
+            # failures (timestamps in whole seconds), killed a rank, which could say nothing itself.
+            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM" and failure.timestamp <= first + 1:
                 hint = "" if max_restarts else " (--max-restarts N restarts them from the last checkpoint)"
                 print(f"error: rank {rank} (pid {failure.pid}) died of {failure.signal_name()}; torchrun stopped "
                       f"the other ranks{hint}", file=sys.stderr)
         exited = sorted((f.timestamp, f.exitcode) for f in err.failures.values() if f.exitcode > 0)
         return exited[0][1] if exited else 1  # a rank that stopped itself (2: a user error) said why
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _signal_children(signum: int) -> None:
+    """Send ``signum`` to this process's children (the ranks torchrun started), read from /proc."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rpartition(")")[2].split()[1]  # after "pid (name) state"
+            if parent == me:
+                os.kill(int(entry), signum)
+        except (OSError, IndexError):  # gone meanwhile
+            pass
+
+
+class StopRequest:
+    """SIGTERM, turned into a decision every rank takes at the same step.
+
+    The signal reaches the ranks at different moments (SLURM signals each process, torchrun's
+    agent passes it on), so each rank only notes it; the ranks then agree through the job's
+    store. A rank that got the signal after finishing step s posts "stop after step s + 1"
+    (the first post wins). Every step ends in a collective over the whole job (the global loss
+    and gradient norm), so when one rank has finished step s, no rank has finished step s + 1
+    yet: each reads the post before deciding on step s + 1, and all stop after it. On one
+    process: stop after the step in progress.
+    """
+
+    def __init__(self, attempt: int = 0):
+        self.signalled = False
+        self.key = f"threefold/attempt{attempt}/stop-after-step"
+        self._posted = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signalled = True
+
+    def stop_after(self, step: int) -> bool:
+        """Every rank calls this after finishing ``step``: True when all ranks stop now."""
+        store = _job_store()
+        if store is None:
+            return self.signalled
+        if self.signalled and not self._posted:
+            store.compare_set(self.key, "", str(step + 1))  # sets it only if no rank did yet
+            self._posted = True
+        return store.check([self.key]) and step >= int(store.get(self.key))
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _job_store():
+    """The key-value store all ranks of the job share, or None on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()

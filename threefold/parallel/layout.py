@@ -5,7 +5,7 @@ Each check raises ``ConfigError`` with one line that names the key and the reaso
 """
 from __future__ import annotations
 
-from threefold.config import Config, ConfigError, ModelConfig, ParallelConfig
+from threefold.config import AUTO, Config, ConfigError, ModelConfig, ParallelConfig
 from threefold.parallel.pipeline.schedule import check_schedule
 
 
@@ -15,6 +15,8 @@ def check_layout(cfg: Config) -> None:
         if getattr(p, axis) > 1:
             raise ConfigError(f"parallel.{axis}: {name} parallelism is not in the engine yet (the planner models it)")
     check_tensor_parallel(cfg.model, p)
+    if p.dp == AUTO:
+        return  # what depends on dp waits for the world size (configure.resolve_world)
     check_pipeline(cfg)
 
 

@@ -20,12 +20,14 @@ step), so both resume from trainer.json on any layout.
 
 The folder is written under a temporary name and renamed when complete, so a folder named
 ``step_*`` is always whole: a crash mid-save leaves the previous checkpoint as the latest. The
-last ``keep`` checkpoints are kept.
+last ``keep`` checkpoints are kept. A full disk stops the save on every rank (DCP gathers the
+ranks' write errors), removes the half-written folder and says how many bytes were needed.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -48,9 +50,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
+from threefold.models.sizes import count_parameters
 from threefold.parallel.placements import Placement, Shard, whole_shards
 
 FORMAT = "threefold-checkpoint-2"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; one line, raised on every rank."""
 
 
 # --- folders ------------------------------------------------------------------------------------
@@ -209,8 +216,8 @@ def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, 
          keep: int = 2) -> Path | None:
     """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0."""
     tmp = _begin(root, step, engine)
-    _write(tmp, _this_ranks_shards(engine), group=None)
-    final = _publish(root, step, tmp, engine, _meta(step, engine, cfg, sampler_state), tokenizer, keep)
+    final = _write_and_publish(root, step, tmp, _this_ranks_shards(engine), _meta(step, engine, cfg, sampler_state),
+                               engine, tokenizer, keep, group=None)
     engine.barrier()  # nobody goes on until the checkpoint is published
     return final
 
@@ -239,12 +246,9 @@ class Checkpointer:
         snapshot = [Shard(s.name, s.full_shape, s.offsets, s.tensor.to("cpu", copy=True))
                     for s in _this_ranks_shards(self.engine)]
         meta = _meta(step, self.engine, cfg, sampler_state)
-        self.pending = self.executor.submit(self._write_and_publish, root, step, tmp, snapshot, meta, tokenizer, keep)
+        self.pending = self.executor.submit(_write_and_publish, root, step, tmp, snapshot, meta, self.engine,
+                                            tokenizer, keep, self.group)
         return step_dir(root, step) if self.engine.is_main else None
-
-    def _write_and_publish(self, root, step, tmp, snapshot, meta, tokenizer, keep) -> None:
-        _write(tmp, snapshot, self.group)  # returns on rank 0 once every rank has written its pieces
-        _publish(root, step, tmp, self.engine, meta, tokenizer, keep)
 
     def wait(self) -> None:
         """Until the save in flight is complete (and published, on rank 0); raises its error."""
@@ -279,6 +283,40 @@ def _this_ranks_shards(engine) -> list[Shard]:
 def _meta(step: int, engine, cfg: Config, sampler_state: dict) -> dict:
     return {"format": FORMAT, "step": step, "adam_step": engine.adam_step(), "sampler": sampler_state,
             "world_size": engine.world_size, "config": cfg.to_dict()}
+
+
+def _write_and_publish(root, step: int, tmp: Path, shards: list[Shard], meta: dict, engine, tokenizer, keep: int,
+                       group) -> Path | None:
+    """Write every rank's pieces into ``tmp``, then (rank 0) publish it. On a full disk, every
+    rank raises CheckpointError (DCP's write errors reach all ranks), and rank 0 removes the
+    half-written folder, which no listing would return anyway, to give its bytes back."""
+    try:
+        _write(tmp, shards, group)  # returns on rank 0 once every rank has written its pieces
+        return _publish(root, step, tmp, engine, meta, tokenizer, keep)
+    except (OSError, CheckpointException) as err:
+        if not _disk_full(err):
+            raise
+        if engine.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = list_checkpoints(root)
+        needed = checkpoint_bytes(ModelConfig(**meta["config"]["model"]), shards, engine.world_size)
+        raise CheckpointError(
+            f"checkpoint: no space left on the device of {tmp}: the checkpoint of step {step} needs at "
+            f"least {needed:,} bytes, {shutil.disk_usage(root).free:,} are free there; "
+            + (f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was saved before")) from None
+
+
+def _disk_full(err: BaseException) -> bool:
+    errors = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    return any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors)
+
+
+def checkpoint_bytes(model: ModelConfig, shards: list[Shard], world: int) -> int:
+    """Bytes of the tensors of a whole checkpoint: every weight and its two Adam moments once
+    (fp32, as the engines keep them), and each rank's RNG state. The files add DCP's framing
+    of each piece (7% for the tiny test model, less for larger tensors)."""
+    rng = next(s.tensor for s in shards if s.name.startswith("rng/"))
+    return 3 * 4 * count_parameters(model) + world * rng.numel() * rng.element_size()
 
 
 def _write(tmp: Path, shards: list[Shard], group) -> None:

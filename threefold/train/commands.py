@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from threefold.config import ConfigError
-from threefold.configure import load_config
+from threefold.config import AUTO, ConfigError
+from threefold.configure import load_config, resolve_world
 
 
 @click.command()
@@ -23,25 +23,28 @@ from threefold.configure import load_config
 def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
     cfg = load_config(config_path, overrides)
-    world = cfg.parallel.world_size
-    if nproc is not None:
-        if nproc < 1:
-            raise ConfigError(f"--nproc: must be positive, got {nproc}")
-        if nproc != world:
-            p = cfg.parallel
-            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
-                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {world}")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc: must be positive, got {nproc}")
     if max_restarts and not cfg.train.checkpoint_dir:
         raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
-    if "LOCAL_RANK" not in os.environ:  # the first process: refuse what would fail later, before any rank starts
-        from threefold.train.preflight import check_run
+    if "LOCAL_RANK" not in os.environ:  # not yet under torchrun (a rank resolves dp = "auto" from WORLD_SIZE)
+        if cfg.parallel.dp == AUTO and nproc is None:
+            raise ConfigError('parallel.dp: "auto" takes the data-parallel degree from the number of processes; '
+                              "give --nproc N (or start the ranks with torchrun)")
+        resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
+        p = resolved.parallel
+        if nproc is not None and nproc != p.world_size:
+            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
+                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {p.world_size}")
+        from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
 
-        check_run(cfg, warn=lambda line: click.echo(line, err=True))
-    if (world > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start the ranks
-        from threefold.distributed.launch import relaunch
+        check_run(resolved, warn=lambda line: click.echo(line, err=True))
+        if p.world_size > 1 or max_restarts:  # start the ranks
+            from threefold.distributed.launch import relaunch
 
-        sys.exit(relaunch(world, sys.argv[1:], max_restarts))
-
+            sys.exit(relaunch(p.world_size, sys.argv[1:], max_restarts))
+    from threefold.distributed.comm import CommError
+    from threefold.train.checkpoint import CheckpointError
     from threefold.train.trainer import TrainingError, train as run_training
 
     try:
@@ -49,6 +52,16 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     except TrainingError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(1)
+    except CheckpointError as err:  # raised on every rank alike: one of them says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    except CommError as err:
+        # The group is broken: tearing it down would wait out every collective still in flight with
+        # a rank that is gone or stuck (parallel.timeout_s each). Say why and leave at once.
+        click.echo(f"error: {err}", err=True)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @click.command()

@@ -14,9 +14,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from threefold.config import Config, ConfigError
+from threefold.config import AUTO, Config, ConfigError
+from threefold.configure import resolve_world
 from threefold.data import BatchSampler, prepare_dataset, val_batches
-from threefold.distributed.launch import restart_count
+from threefold.distributed.launch import StopRequest, restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
@@ -35,6 +36,7 @@ class TrainResult:
     checkpoint: str | None = None
     unigram_entropy: float | None = None
     seconds: float = 0.0
+    stopped_at: int | None = None  # the step after which a SIGTERM stopped the run
 
 
 def set_threads(cfg: Config) -> None:
@@ -59,8 +61,17 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch
 
 def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
           console: Console | None = None) -> TrainResult:
+    stop = StopRequest(restart_count())  # from here on, SIGTERM means: finish the step, save, exit 0
+    try:
+        return _train(cfg, metrics_file, progress, console or Console(stderr=True), stop)
+    finally:
+        stop.close()
+
+
+def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Console, stop: StopRequest) -> TrainResult:
+    auto_dp = cfg.parallel.dp == AUTO
+    cfg = resolve_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the engine gets a concrete layout
     t = cfg.train
-    console = console or Console(stderr=True)
     resuming = t.resume or (restart_count() and t.checkpoint_dir)  # or torchrun restarted us after a failure
     if t.checkpoint_dir:
         checkpoint.check_root(t.checkpoint_dir)
@@ -112,8 +123,10 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
             start = meta["step"]
             if main:
                 saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
-                moved = f" (saved on {saved}, resharded to {now})" if saved != now else ""
-                console.print(f"resumed from {found[-1]} at step {start}{moved}")
+                derived = f"; parallel.dp = \"auto\" on {engine.world_size} ranks" if auto_dp else ""
+                moved = f" (saved on {saved}, resharded to {now}{derived})" if saved != now else ""
+                console.print(f"resumed from {found[-1]} at step {start}{moved}", markup=False, highlight=False,
+                              soft_wrap=True)  # one line, whatever the terminal's width
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
 
@@ -163,14 +176,24 @@ def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
                     bar.console.print(f"step {step + 1}: train loss {loss:.4f}, validation loss {record['val_loss']:.4f}")
             writer.write(record)
             bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
-            if t.checkpoint_dir and ((t.checkpoint_every and (step + 1) % t.checkpoint_every == 0) or step + 1 == t.steps):
+            stopping = step + 1 < t.steps and stop.stop_after(step + 1)  # every rank decides the same
+            if t.checkpoint_dir and (stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0)
+                                     or step + 1 == t.steps):
                 saved = checkpointer.save(t.checkpoint_dir, step + 1, cfg, sampler.state_dict(), dataset.tokenizer,
                                           t.keep_checkpoints)
                 result.checkpoint = str(saved) if saved else None
+            if stopping:
+                result.stopped_at = step + 1
+                break
     checkpointer.close()  # the last save is complete and published before the run ends
+    if result.stopped_at is not None and main:
+        kept = (f"saved {checkpoint.step_dir(t.checkpoint_dir, result.stopped_at)}; train.resume=true continues it"
+                if t.checkpoint_dir else "nothing saved (no train.checkpoint_dir)")
+        console.print(f"SIGTERM: stopped after step {result.stopped_at} of {t.steps}, {kept}", markup=False,
+                      highlight=False, soft_wrap=True)
     writer.close()
     result.seconds = time.perf_counter() - began
-    if t.sample_tokens:
+    if t.sample_tokens and result.stopped_at is None:
         plain = engine.plain_model()  # a collective under ZeRO-3: every rank takes part
         if main:
             result.sample = sample_text(plain, dataset.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
