@@ -80,7 +80,7 @@ def check_mixtral(cfg: ModelConfig, where: str) -> None:
                "moe_first_dense": (cfg.moe_first_dense or cfg.moe_every > 1) and "dense layers among the MoE ones"}
     for key, what in refused.items():
         if what:
-            raise ConfigError(f"{where}: model.{key}: Mixtral's format has no {what}")
+            raise ConfigError(f"{where}: model.{key}: Mixtral's format cannot hold {what}")
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:

@@ -144,7 +144,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)  # an empty one keeps stride 0
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
