@@ -7,6 +7,7 @@ import torch
 from threefold.config import ModelConfig
 from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.models.presets import PRESETS, get_preset
+from threefold.models.sizes import moe_parameter_counts
 
 SMALL = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, vocab_size=128, seq_len=32)
 
@@ -19,7 +20,10 @@ def test_parameter_count_matches_module(name, tied):
         cfg.vocab_size = 4096
     with torch.device("meta"):
         model = Llama(cfg)
-    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    # count_parameters counts the dense model; moe_parameter_counts the experts too (its total).
+    assert moe_parameter_counts(cfg)[0] == sum(p.numel() for p in model.parameters())
+    if not cfg.moe_experts:
+        assert count_parameters(cfg) == moe_parameter_counts(cfg)[0]
 
 
 def test_known_sizes():

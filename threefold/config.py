@@ -38,6 +38,18 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_from: str | None = None  # weights to start from: a Hugging Face folder or a threefold checkpoint
+    # Mixture-of-Experts (threefold/models/moe.py; docs/moe.md). moe_experts = 0: every layer dense.
+    moe_experts: int = 0  # routed experts per MoE layer
+    moe_top_k: int | None = None  # experts per token; None: 2
+    moe_ffn: int | None = None  # each expert's SwiGLU width; None: the dense width (ffn_hidden)
+    moe_shared_experts: int = 0  # experts every token passes through (one SwiGLU of this many times moe_ffn)
+    moe_every: int = 1  # after the first moe_first_dense layers, every moe_every-th layer is MoE
+    moe_first_dense: int = 0  # leading layers that stay dense (DeepSeek-V3: 3)
+    moe_router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3), computed in fp32
+    moe_renormalize: bool = True  # the top-k weights of a token scaled to sum to 1
+    moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor·tokens·k/experts)
+    moe_aux_loss_coef: float = 0.01  # the Switch/GShard load-balancing loss's coefficient; 0: none
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free bias step γ; 0: no bias
 
     @property
     def n_kv_heads(self) -> int:
@@ -46,6 +58,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def moe_top_k_experts(self) -> int:
+        return self.moe_top_k or 2
+
+    @property
+    def moe_ffn_hidden(self) -> int:
+        return self.moe_ffn or self.ffn_hidden
 
     @property
     def ffn_hidden(self) -> int:
@@ -74,12 +94,42 @@ class ModelConfig:
         for key in ("norm_eps", "rope_theta"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}: must be positive, got {getattr(self, key)}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ConfigError(f"model.moe_experts: must not be negative (0 = dense), got {self.moe_experts}")
+        if not self.moe_experts:
+            for key in ("moe_top_k", "moe_ffn"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"model.{key}: set without model.moe_experts (0 = a dense model)")
+            if self.moe_shared_experts:
+                raise ConfigError("model.moe_shared_experts: set without model.moe_experts (0 = a dense model)")
+            return
+        if self.moe_top_k is not None and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError(f"model.moe_top_k: must be between 1 and model.moe_experts={self.moe_experts}, "
+                              f"got {self.moe_top_k}")
+        if self.moe_ffn is not None and self.moe_ffn < 1:
+            raise ConfigError(f"model.moe_ffn: must be positive, got {self.moe_ffn}")
+        if self.moe_shared_experts < 0 or self.moe_every < 1 or self.moe_first_dense < 0:
+            raise ConfigError("model.moe_shared_experts/moe_every/moe_first_dense: need shared >= 0, every >= 1, "
+                              f"first_dense >= 0, got {self.moe_shared_experts}, {self.moe_every}, "
+                              f"{self.moe_first_dense}")
+        if self.moe_first_dense >= self.layers:
+            raise ConfigError(f"model.moe_first_dense: {self.moe_first_dense} leaves no MoE layer among the "
+                              f"{self.layers} layers")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.moe_router: must be 'softmax' or 'sigmoid', got {self.moe_router!r}")
+        for key in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}: must not be negative, got {getattr(self, key)}")
 
 
 # What must agree for two sets of weights to be the same model (seq_len may differ: the weights
 # do not depend on it).
 WEIGHT_DEFINING_KEYS = ("arch", "layers", "hidden", "heads", "n_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings",
-                        "norm_eps", "rope_theta")
+                        "norm_eps", "rope_theta", "moe_experts", "moe_ffn_hidden", "moe_shared_experts", "moe_every",
+                        "moe_first_dense")
 
 
 def llama_ffn(hidden: int, multiple_of: int = 64) -> int:

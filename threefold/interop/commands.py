@@ -83,10 +83,13 @@ def import_model(source: str | Path, out: str | Path) -> ModelConfig:
 
 
 def describe(cfg: ModelConfig) -> str:
-    from threefold.models.llama import count_parameters
+    from threefold.models.sizes import moe_parameter_counts
 
-    return (f"{count_parameters(cfg) / 1e6:.1f}M parameters: {cfg.layers} layers, hidden {cfg.hidden}, "
-            f"{cfg.heads} heads ({cfg.n_kv_heads} kv), ffn {cfg.ffn_hidden}, vocabulary {cfg.vocab_size}, "
+    total, active = moe_parameter_counts(cfg)
+    experts = (f", {cfg.moe_experts} experts of {cfg.moe_ffn_hidden} (top-{cfg.moe_top_k_experts}, "
+               f"{active / 1e6:.1f}M active)" if cfg.moe_experts else "")
+    return (f"{total / 1e6:.1f}M parameters: {cfg.layers} layers, hidden {cfg.hidden}, "
+            f"{cfg.heads} heads ({cfg.n_kv_heads} kv), ffn {cfg.ffn_hidden}{experts}, vocabulary {cfg.vocab_size}, "
             f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings")
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face's Llama format, both ways.
+"""Hugging Face's Llama and Mixtral formats, both ways.
 
 An HF folder holds ``config.json`` (a ``LlamaConfig``), the weights in ``model.safetensors``
 (or in shards listed by ``model.safetensors.index.json``) and the tokenizer in ``tokenizer.json``.
@@ -6,9 +6,16 @@ An HF folder holds ``config.json`` (a ``LlamaConfig``), the weights in ``model.s
 embeddings in the same rotate-half convention, so every tensor maps to one tensor unchanged.
 What our model cannot represent (biases, rope scaling, another architecture or activation) is
 refused with one line, never silently dropped.
+
+A model with experts (``moe_experts``) is a ``MixtralForCausalLM``: the same attention, and in
+every layer a softmax top-k router (``block_sparse_moe.gate``) over SwiGLU experts stored one
+by one (``block_sparse_moe.experts.{e}.w1/w3/w2`` = our gate/up/down, each our stacked tensor's
+row e), the layout Mistral's checkpoints have and transformers writes. transformers runs it
+dropless, so an exported model gives its logits without a capacity limit.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -18,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from threefold.config import WEIGHT_DEFINING_KEYS, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, Tokenizer, load_tokenizer, save_tokenizer
+from threefold.models.sizes import is_moe_layer
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -36,6 +44,7 @@ BLOCK_NAMES = {
     "mlp.w_up": "mlp.up_proj",
     "mlp.w_down": "mlp.down_proj",
 }
+MIXTRAL_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}  # ours → Mixtral's, inside experts.{e}
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
@@ -45,12 +54,34 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """
     names = {"embed.weight": "model.embed_tokens.weight"}
     for i in range(cfg.layers):
+        moe = is_moe_layer(cfg, i)
         for ours, theirs in BLOCK_NAMES.items():
-            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+            if not (moe and ours.startswith("mlp.")):
+                names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+        if moe:
+            names[f"blocks.{i}.mlp.router.weight"] = f"model.layers.{i}.block_sparse_moe.gate.weight"
     names["norm.weight"] = "model.norm.weight"
     if not cfg.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
     return names
+
+
+def expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our stacked expert tensor → Mixtral's tensors of experts 0, 1, …, E−1."""
+    return {f"blocks.{i}.mlp.experts.{ours}": [f"model.layers.{i}.block_sparse_moe.experts.{e}.{theirs}.weight"
+                                               for e in range(cfg.moe_experts)]
+            for i in range(cfg.layers) if is_moe_layer(cfg, i) for ours, theirs in MIXTRAL_EXPERTS.items()}
+
+
+def check_mixtral(cfg: ModelConfig, where: str) -> None:
+    """Refuse, in one line, an MoE model that Mixtral's format cannot represent."""
+    refused = {"moe_shared_experts": cfg.moe_shared_experts and "shared experts",
+               "moe_router": cfg.moe_router != "softmax" and "a sigmoid router",
+               "moe_renormalize": not cfg.moe_renormalize and "top-k weights that are not renormalised",
+               "moe_first_dense": (cfg.moe_first_dense or cfg.moe_every > 1) and "dense layers among the MoE ones"}
+    for key, what in refused.items():
+        if what:
+            raise ConfigError(f"{where}: model.{key}: Mixtral's format cannot hold {what}")
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -65,7 +96,13 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
-    """config.json of ``LlamaForCausalLM`` for ``cfg``; readable by transformers 4.x and 5.x."""
+    """config.json of ``LlamaForCausalLM`` (``MixtralForCausalLM`` with experts) for ``cfg``;
+    readable by transformers 4.x and 5.x."""
+    if cfg.moe_experts:
+        return dict(hf_config(dataclasses.replace(cfg, moe_experts=0, moe_top_k=None), dtype, eos_id),
+                    architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=cfg.moe_experts,
+                    num_experts_per_tok=cfg.moe_top_k_experts, intermediate_size=cfg.moe_ffn_hidden,
+                    router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -97,10 +134,17 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     Absent keys take ``LlamaConfig``'s defaults, as transformers would.
     """
     architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]:
+    mixtral = (config.get("model_type"), architectures) == ("mixtral", ["MixtralForCausalLM"])
+    if not mixtral and (config.get("model_type") != "llama" or architectures != ["LlamaForCausalLM"]):
         raise ConfigError(f"{where}: not a Llama model (model_type {config.get('model_type')!r}, architectures "
-                          f"{architectures}); only LlamaForCausalLM can be imported")
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+                          f"{architectures}); only LlamaForCausalLM and MixtralForCausalLM can be imported")
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    if mixtral:
+        required += ("num_local_experts", "num_experts_per_tok")
+        if config.get("sliding_window") is not None:
+            raise ConfigError(f"{where}: sliding_window {config['sliding_window']} is not supported "
+                              "(the model attends to the whole sequence)")
+    for key in required:
         if key not in config:
             raise ConfigError(f"{where}: config.json lacks {key!r}")
         if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
@@ -132,6 +176,10 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
+    if mixtral:  # every layer has experts as wide as intermediate_size (moe_ffn unset: the dense width)
+        cfg = dataclasses.replace(cfg, moe_experts=config["num_local_experts"],
+                                  moe_top_k=config["num_experts_per_tok"],
+                                  moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
     cfg.validate()
     return cfg
 
@@ -142,14 +190,22 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
 def to_hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     """Our full state dict → Hugging Face's tensors, checking that every tensor is there in its shape."""
     shapes = parameter_shapes(cfg)
+    if cfg.moe_experts:
+        check_mixtral(cfg, where)
+        biased = [key for key in shapes if key.endswith("expert_bias") and key in state and state[key].any()]
+        if biased:
+            raise ConfigError(f"{where}: {biased[0]} is not zero; Mixtral routes without a bias")
     tensors = {}
-    for ours, theirs in hf_names(cfg).items():
+    for ours, theirs in {**hf_names(cfg), **expert_names(cfg)}.items():
         if ours not in state:
             raise ConfigError(f"{where}: the state dict lacks {ours!r}")
         if state[ours].shape != shapes[ours]:
             raise ConfigError(f"{where}: {ours} has shape {tuple(state[ours].shape)}, the config needs "
                               f"{tuple(shapes[ours])}")
-        tensors[theirs] = state[ours].detach().contiguous()
+        if isinstance(theirs, list):  # one stacked tensor → one tensor per expert
+            tensors.update(zip(theirs, (e.contiguous() for e in state[ours].detach().unbind(0))))
+        else:
+            tensors[theirs] = state[ours].detach().contiguous()
     return tensors
 
 
@@ -158,15 +214,15 @@ def from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: s
     biases = sorted(name for name in tensors if name.endswith(".bias"))
     if biases:
         raise ConfigError(f"{where}: holds a bias ({biases[0]}); the model has no biases")
-    names = hf_names(cfg)
+    names, experts = hf_names(cfg), expert_names(cfg)
     # Older transformers saved the rotary inverse frequencies; with tied embeddings transformers
     # ignores a stored lm_head and uses the embedding, and so do we.
     ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
         ignored.add("lm_head.weight")
-    unexpected = sorted(set(tensors) - set(names.values()) - ignored)
+    unexpected = sorted(set(tensors) - set(names.values()) - {n for each in experts.values() for n in each} - ignored)
     if unexpected:
-        raise ConfigError(f"{where}: holds {unexpected[0]!r}, which a Llama of this config does not have")
+        raise ConfigError(f"{where}: holds {unexpected[0]!r}, which a model of this config does not have")
     shapes = parameter_shapes(cfg)
     state = {}
     for ours, theirs in names.items():
@@ -176,6 +232,16 @@ def from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: s
             raise ConfigError(f"{where}: {theirs} has shape {tuple(tensors[theirs].shape)}, config.json needs "
                               f"{tuple(shapes[ours])}")
         state[ours] = tensors[theirs].float()
+    for ours, theirs in experts.items():
+        missing = [name for name in theirs if name not in tensors]
+        if missing:
+            raise ConfigError(f"{where}: lacks the tensor {missing[0]!r}")
+        state[ours] = torch.stack([tensors[name] for name in theirs]).float()
+        if state[ours].shape != shapes[ours]:
+            raise ConfigError(f"{where}: {theirs[0]} has shape {tuple(tensors[theirs[0]].shape)}, config.json "
+                              f"needs {tuple(shapes[ours][1:])}")
+    for i in (i for i in range(cfg.layers) if is_moe_layer(cfg, i)):
+        state[f"blocks.{i}.mlp.expert_bias"] = torch.zeros(cfg.moe_experts)  # Mixtral routes without one
     if cfg.tie_embeddings:
         state["head.weight"] = state["embed.weight"]
     return state

@@ -5,7 +5,8 @@ SwiGLU MLP, optional tied embeddings. No parallel code lives here; the strategie
 Names of the sub-modules are part of the contract with the strategies (the tensor-parallel
 plan maps them to styles) and with checkpoint export:
 ``embed``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{wq,wk,wv,wo}``, ``blocks.{i}.mlp_norm``,
-``blocks.{i}.mlp.{w_gate,w_up,w_down}``, ``norm``, ``head``.
+``blocks.{i}.mlp.{w_gate,w_up,w_down}``, ``norm``, ``head``; an MoE layer's ``blocks.{i}.mlp`` holds
+``router``, ``experts.{w_gate,w_up,w_down}`` (stacked), ``shared`` and ``expert_bias`` (models/moe.py).
 
 Two seams let a strategy replace a part without this file knowing of it:
 ``blocks.{i}.attn.core`` is the attention core (``AttentionCore``: q, k, v and the tokens'
@@ -24,7 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from threefold.config import ModelConfig
-from threefold.models.sizes import count_parameters  # noqa: F401  (re-exported: sizes need no torch)
+from threefold.models.moe import MoE, step_statistics
+from threefold.models.sizes import count_parameters, is_moe_layer  # noqa: F401  (re-exported: sizes need no torch)
 
 
 class RMSNorm(nn.Module):
@@ -140,11 +142,12 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
-        self.w_up = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+        width = width or cfg.ffn_hidden
+        self.w_gate = nn.Linear(cfg.hidden, width, bias=False)
+        self.w_up = nn.Linear(cfg.hidden, width, bias=False)
+        self.w_down = nn.Linear(width, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
@@ -152,7 +155,10 @@ class SwiGLU(nn.Module):
 
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward block of layer ``layer``: the seam where experts replace the dense MLP."""
-    return SwiGLU(cfg)
+    if not is_moe_layer(cfg, layer):
+        return SwiGLU(cfg)
+    shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.moe_ffn_hidden) if cfg.moe_shared_experts else None
+    return MoE(cfg, shared)
 
 
 class Block(nn.Module):
@@ -193,6 +199,7 @@ class Llama(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.moe_last_step: dict | None = None  # the statistics end_moe_step recorded
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -204,7 +211,7 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+                std = residual_std if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
         self._refresh_rope()
 
@@ -217,6 +224,32 @@ class Llama(nn.Module):
         for block in self.blocks:
             block.recompute = mode == "full"
             block.attn.core.recompute = mode == "selective"
+
+    # --- Mixture-of-Experts: the step's routing counters and what happens after the optimizer step
+    def moe_layers(self) -> list[MoE]:
+        """This model's MoE blocks, in layer order (a pipeline stage's: those it holds)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        """The factor the engine puts on each micro-batch's loss (1/micro-batches): the aux loss
+        gets the same, so its gradient sums like the loss's."""
+        for layer in self.moe_layers():
+            layer.aux_loss_scale = scale
+
+    def moe_token_counts(self) -> torch.Tensor | None:
+        """(MoE layers, E) int64: tokens routed to each expert over this step's micro-batches
+        (this process's); None for a dense model."""
+        layers = self.moe_layers()
+        return torch.stack([layer.step_tokens for layer in layers]) if layers else None
+
+    def end_moe_step(self, counts: torch.Tensor, update_bias: bool = True) -> None:
+        """Call after the optimizer step with ``moe_token_counts()`` (summed over the ranks that
+        share the weights, where there are several): each layer's bias takes its step (when
+        ``moe_bias_rate``), the step's statistics go to ``moe_last_step``, the counters restart."""
+        layers = self.moe_layers()
+        self.moe_last_step = step_statistics(layers, counts)
+        for layer, layer_counts in zip(layers, counts):
+            layer.end_step(layer_counts, update_bias)
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks=None, cache: KVCache | None = None
                    ) -> torch.Tensor:

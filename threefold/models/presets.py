@@ -38,6 +38,33 @@ PRESETS: dict[str, ModelConfig] = {
     # on our Llama block, whose SwiGLU costs what GLM's GeGLU does.
     "glm-130b": ModelConfig(layers=70, hidden=12288, heads=96, ffn=32768, vocab_size=150528, seq_len=2048,
                             tie_embeddings=False),
+    # --- Mixture-of-Experts (docs/moe.md). moe_ffn unset: each expert is as wide as ffn.
+    # The tiny MoE: the tiny model's attention, 8 experts of half the dense width, top-2, so a
+    # token computes with as many FFN parameters as in "tiny" (2 × 352 = 704), plus the router.
+    "tiny-moe": ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, seq_len=256, moe_experts=8, moe_top_k=2,
+                            moe_ffn=352),
+    # Mistral's Mixtral 8x7B and 8x22B: every layer MoE, softmax top-2, renormalised; 46.7B/12.9B
+    # and 140.6B/39.2B parameters (total/active), as published. Planned at 4096 tokens a sequence
+    # (their context windows are 32K and 64K).
+    "mixtral-8x7b": ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=32000,
+                                seq_len=4096, tie_embeddings=False, rope_theta=1e6, moe_experts=8, moe_top_k=2),
+    "mixtral-8x22b": ModelConfig(layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab_size=32768,
+                                 seq_len=4096, tie_embeddings=False, rope_theta=1e6, moe_experts=8, moe_top_k=2),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8 renormalised, no shared expert. Its attention has
+    # head_dim 128 with 32 query heads (q width 4096 > hidden) and a norm on q and k; ours has
+    # head_dim = hidden/heads = 64, so attention holds 0.4B fewer parameters (30.1B/2.9B, not 30.5B/3.3B).
+    "qwen3-30b-a3b": ModelConfig(layers=48, hidden=2048, heads=32, kv_heads=4, ffn=6144, vocab_size=151936,
+                                 seq_len=4096, tie_embeddings=False, rope_theta=1e6, moe_experts=128,
+                                 moe_top_k=8, moe_ffn=768),
+    # DeepSeek-V3's shape (61 layers, the first 3 dense of 18432; then 256 routed experts of 2048,
+    # top-8 by sigmoid affinity + the auxiliary-loss-free bias (γ = 0.001), one shared expert)
+    # with standard multi-head attention (128 heads of 56) in place of multi-latent attention,
+    # and without its multi-token-prediction module and node-limited routing: 672B/38.7B parameters
+    # (DeepSeek-V3: 671B/37B, multi-latent attention having 187M parameters a layer to our 206M).
+    "deepseek-v3-like": ModelConfig(layers=61, hidden=7168, heads=128, ffn=18432, vocab_size=129280, seq_len=4096,
+                                    tie_embeddings=False, moe_experts=256, moe_top_k=8, moe_ffn=2048,
+                                    moe_shared_experts=1, moe_first_dense=3, moe_router="sigmoid",
+                                    moe_aux_loss_coef=0.0001, moe_bias_rate=0.001),
 }
 
 
