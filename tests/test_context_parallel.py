@@ -1,0 +1,189 @@
+"""Context parallelism at the attention level (every method against full causal attention, its
+bytes against the planner's formulas, load balance, the ring's overlap) and apply_cp on the
+tiny model at cp=2 against one process.
+
+Tolerance, fp32. The reference is scaled_dot_product_attention over the whole sequence; the
+cores compute the same softmax in another order: per block, with exp(s − lse) and merges of
+partial outputs through logaddexp, and the gradients from the saved log-sum-exp (the flash
+attention backward). Each output or gradient entry is a sum of at most seq_len = 32 products of
+O(1) numbers, so reordering changes it by a few ulps of fp32 (ε = 1.2e-7) times the terms'
+size; we measured at most 1.5e-6 at these sizes (scores of ~N(0, 1)·√d/√d, values N(0, 1)), and
+allow 1e-5: a wrong mask, a lost block or a missing 1/√d changes entries by 1e-2 or more.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from threefold.parallel.context_parallel import (chunk_ids, join_sequence, split_positions, split_sequence)
+from threefold.plan.context import cp_bytes_per_layer, recompute_bytes_per_layer, qkv_bytes
+
+ATOL = 1e-5  # see the module docstring
+CASES = [("ring", 8, 4), ("ring", 4, 1), ("allgather", 8, 4), ("allgather", 4, 1), ("ulysses", 8, 4)]
+
+
+# --- the split, without processes ----------------------------------------------------------------
+def test_zigzag_holds_chunks_r_and_2cp_minus_1_minus_r():
+    assert [chunk_ids(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert split_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert split_positions(16, 4, 1, "contiguous").tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_split_then_join_gives_the_sequence_back(layout):
+    x = torch.arange(2 * 24 * 3).view(2, 24, 3)
+    parts = [split_sequence(x, 3, r, dim=1, layout=layout) for r in range(3)]
+    assert sorted(torch.cat(parts, 1)[0, :, 0].tolist()) == x[0, :, 0].tolist()  # each token on one rank
+    assert torch.equal(join_sequence(parts, dim=1, layout=layout), x)
+
+
+def test_a_sequence_that_does_not_split_is_refused():
+    with pytest.raises(ValueError, match="does not split into 2·cp = 8 equal chunks"):
+        split_positions(12, 4, 0)
+
+
+# --- on gloo workers: one attention call, forward and backward ------------------------------------
+def attention_against_full(method: str, heads: int, kv_heads: int, layout: str = "zigzag") -> dict:
+    import torch.distributed as dist
+
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.models.llama import attention_core
+    from threefold.parallel.context_parallel import CORES
+
+    mesh = ParallelMesh({"cp": dist.get_world_size()}, rank=dist.get_rank(), timeout_s=30)
+    comm = Comm(mesh)
+    cp, rank = mesh.size("cp"), mesh.coord("cp")
+    batch, seq, dim = 2, 8 * cp, 8
+    gen = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+    q, weight = (torch.randn(batch, heads, seq, dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=gen) for _ in range(2))
+
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    full_out = attention_core(*full)
+    (full_out * weight).sum().backward()
+
+    def mine(x):
+        return split_sequence(x, cp, rank, dim=2, layout=layout)
+
+    local = [mine(x).requires_grad_() for x in (q, k, v)]
+    core = CORES[method](comm, layout)
+    out = core(*local, split_positions(seq, cp, rank, layout))
+    forward_records = list(comm.ledger.records)
+    (out * mine(weight)).sum().backward()
+    backward_records = comm.ledger.records[len(forward_records):]
+    errors = {"out": (out - mine(full_out)).abs().max().item()}
+    for name, x, y in zip("qkv", local, full):
+        errors[f"d{name}"] = (x.grad - mine(y.grad)).abs().max().item()
+    b_q, b_kv = qkv_bytes(batch, seq, heads, kv_heads, dim, cp)
+    result = {"errors": errors, "bytes": comm.ledger.take(), "b_q": b_q, "b_kv": b_kv, "blocks": core.blocks,
+              "sends": {"forward": [r.started for r in forward_records if r.op == "send"],
+                        "backward": [r.started for r in backward_records if r.op == "send"]},
+              "compute_ends": core.compute_ends}
+    mesh.shutdown()
+    return result
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method, heads, kv_heads", CASES)
+def test_each_method_equals_full_causal_attention(distributed, cp, method, heads, kv_heads):
+    for result in distributed.run(cp, attention_against_full, method, heads, kv_heads):
+        assert max(result["errors"].values()) < ATOL, result["errors"]
+        # One call, forward and backward: the bytes threefold/plan/context.py predicts.
+        assert result["bytes"] == {"cp": round(cp_bytes_per_layer(method, cp, result["b_q"], result["b_kv"]))}
+
+
+def test_the_ring_sends_3cp_minus_2_kv_blocks_forward_cp_minus_1_backward_2cp_minus_1(distributed):
+    """(3·cp−2)·B_kv is exactly what the ring sends: cp−1 key/value blocks forward; backward the
+    cp−1 key/value blocks again and cp gradient blocks (the last hop takes each home)."""
+    cp = 4
+    for result in distributed.run(cp, attention_against_full, "ring", 8, 4):
+        assert len(result["sends"]["forward"]) == cp - 1
+        assert len(result["sends"]["backward"]) == (cp - 1) + cp
+        assert result["bytes"]["cp"] == (3 * cp - 2) * result["b_kv"]
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_zigzag_balances_the_blocks_and_the_contiguous_split_does_not(distributed, method):
+    cp = 4
+    zigzag = [r["blocks"] for r in distributed.run(cp, attention_against_full, method, 8, 4, "zigzag")]
+    contiguous = distributed.run(cp, attention_against_full, method, 8, 4, "contiguous")
+    assert zigzag == [2 * cp + 1] * cp  # chunks r and 2cp−1−r: (r + 1) + (2cp − r) blocks
+    assert [r["blocks"] for r in contiguous] == [4 * r + 3 for r in range(cp)]  # 3, 7, 11, 15
+    assert all(max(r["errors"].values()) < ATOL for r in contiguous)  # unbalanced, but still correct
+
+
+def test_the_ring_sends_the_next_block_before_the_current_product_ends(distributed):
+    """Forward step t launches the send of the block it is computing before that block's
+    products end, and after step t−1's ended (so it is this step's transfer, hidden behind it).
+    Backward: the key/value send of step t is the first of its step's two sends."""
+    cp = 4
+    for result in distributed.run(cp, attention_against_full, "ring", 8, 4):
+        ends, sends = result["compute_ends"]["forward"], result["sends"]["forward"]
+        assert len(ends) == cp
+        for step, started in enumerate(sends):
+            assert started < ends[step]
+            assert step == 0 or started > ends[step - 1]
+        ends, kv_sends = result["compute_ends"]["backward"], result["sends"]["backward"][0:2 * (cp - 1):2]
+        for step, started in enumerate(kv_sends):
+            assert started < ends[step] and (step == 0 or started > ends[step - 1])
+
+
+# --- apply_cp on the tiny model --------------------------------------------------------------------
+def tiny_model_step(method: str, recompute: str) -> dict:
+    """One forward and backward of the tiny model on this rank's tokens, and the single-process
+    loss and gradients of the same batch, computed on every rank."""
+    import torch.distributed as dist
+
+    from threefold.config import load_config
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.models.llama import Llama, cross_entropy
+    from threefold.parallel.context_parallel import apply_cp, attention_blocks, context_parallel_batch
+
+    cfg = load_config(None, ["model.preset=tiny", "model.vocab_size=512"]).model
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+
+    reference = Llama(cfg)
+    reference.init_weights(seed=0)
+    reference_loss = cross_entropy(reference(tokens), targets)
+    reference_loss.backward()
+
+    mesh = ParallelMesh({"cp": dist.get_world_size()}, rank=dist.get_rank(), timeout_s=60)
+    comm = Comm(mesh)
+    model = Llama(cfg)
+    model.init_weights(seed=0)
+    model.set_recompute(recompute)
+    apply_cp(model, comm, method)
+    my_tokens, my_targets, positions = context_parallel_batch(tokens, targets, comm)
+    loss = cross_entropy(model(my_tokens, positions), my_targets)  # this rank's mean: equal token counts
+    loss.backward()
+    attention_bytes = comm.ledger.take()
+    comm.all_reduce(mean := loss.detach().clone(), "cp", tag="loss")
+    grad_error = 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.clone()
+        comm.all_reduce(g, "cp", tag="grads")  # what the engine's dp × cp reduction does
+        grad_error = max(grad_error, (g / mesh.size("cp") - q.grad).abs().max().item())
+    b_q, b_kv = qkv_bytes(2, cfg.seq_len, cfg.heads, cfg.n_kv_heads, cfg.head_dim, mesh.size("cp"))
+    mesh.shutdown()
+    return {"loss": mean.item() / mesh.size("cp"), "reference_loss": reference_loss.item(),
+            "grad_error": grad_error, "bytes": attention_bytes, "b_q": b_q, "b_kv": b_kv,
+            "layers": cfg.layers, "blocks": attention_blocks(model)}
+
+
+@pytest.mark.parametrize("method, recompute", [
+    ("ring", "none"), ("ring", "selective"), ("ring", "full"), ("allgather", "none"), ("allgather", "selective"),
+    ("ulysses", "none"), ("ulysses", "selective"), ("ulysses", "full")])
+def test_apply_cp_on_the_tiny_model_equals_one_process(distributed, method, recompute):
+    """Loss and every weight gradient of one step at cp=2 against one process. fp32; the
+    gradients sum over the whole model, so allow 1e-5 as in the attention test (measured ≤ 2e-7)."""
+    cp = 2
+    for result in distributed.run(cp, tiny_model_step, method, recompute):
+        assert abs(result["loss"] - result["reference_loss"]) < 1e-5
+        assert result["grad_error"] < 1e-5
+        per_layer = cp_bytes_per_layer(method, cp, result["b_q"], result["b_kv"])
+        per_layer += recompute_bytes_per_layer(method, recompute, cp, result["b_q"], result["b_kv"])
+        assert result["bytes"] == {"cp": round(result["layers"] * per_layer)}
