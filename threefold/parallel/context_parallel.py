@@ -237,6 +237,23 @@ def _running(q_grouped):
     return [torch.zeros_like(x) for x in half], [x.new_full(x.shape[:-1], float("-inf")) for x in half]
 
 
+def _save_for_backward(ctx, core, q, k, v, outs, lses) -> torch.Tensor:
+    """Keep the inputs, the output and its log-sum-exp (not the blocks); return the output."""
+    out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.core = core
+    return out.reshape(q.shape)
+
+
+def _saved(ctx, dout):
+    """What a backward starts from: the saved tensors, q and dout grouped by key/value head,
+    delta = rowsum(dout · out), and the softmax scale."""
+    q, k, v, out, lse = ctx.saved_tensors
+    core = ctx.core
+    qg, dout = core.grouped(q, k), core.grouped(dout.contiguous(), k)
+    return core, q, k, v, qg, dout, lse, (dout * out).sum(-1), 1 / math.sqrt(q.shape[-1])
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, core: "RingAttention"):
@@ -256,19 +273,12 @@ class _Ring(torch.autograd.Function):
                 sending.wait()
                 receiving.wait()
                 kv = incoming
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.core = core
-        return out.reshape(q.shape)
+        return _save_for_backward(ctx, core, q, k, v, outs, lses)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        core = ctx.core
+        core, q, k, v, qg, dout, lse, delta, scale = _saved(ctx, dout)
         comm, cp, rank = core.comm, core.cp, core.rank
-        scale = 1 / math.sqrt(q.shape[-1])
-        qg, dout = core.grouped(q, k), core.grouped(dout.contiguous(), k)
-        delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qg)
         kv = torch.stack([k, v])
         receiving_grad = sending_grad = None
@@ -316,18 +326,11 @@ class _AllGather(torch.autograd.Function):
             core.blocks += attend_blocks(qg, gathered[owner], core.chunks(core.rank), core.chunks(owner),
                                          outs, lses, scale)
         core.compute_ends["forward"].append(time.perf_counter())
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.core = core
-        return out.reshape(q.shape)
+        return _save_for_backward(ctx, core, q, k, v, outs, lses)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        core = ctx.core
-        scale = 1 / math.sqrt(q.shape[-1])
-        qg, dout = core.grouped(q, k), core.grouped(dout.contiguous(), k)
-        delta = (dout * out).sum(-1)
+        core, q, k, v, qg, dout, lse, delta, scale = _saved(ctx, dout)
         dq = torch.zeros_like(qg)
         gathered = core.gather(torch.stack([k, v]))  # again: the gathered sequence was not kept
         grads = torch.stack([attend_blocks_backward(qg, gathered[owner], dout, lse, delta, core.chunks(core.rank),
