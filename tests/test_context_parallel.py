@@ -3,9 +3,9 @@ bytes against the planner's formulas, load balance, the ring's overlap) and appl
 tiny model at cp=2 against one process.
 
 Tolerance, fp32. The reference is scaled_dot_product_attention over the whole sequence; ring
-and all-gather compute the same softmax in another order: per block, with exp(s − lse), merges
-of partial outputs through logaddexp, and the gradients from the saved log-sum-exp (the flash
-attention backward). An entry of the output or of dq is a sum over at most seq_len = 32 keys,
+and all-gather compute the same softmax in another order: per block (PyTorch's flash kernel for
+CPU, or the same arithmetic written out), merging partial outputs through logaddexp, and the
+gradients from the saved log-sum-exp (the flash attention backward). An entry of the output or of dq is a sum over at most seq_len = 32 keys,
 one of dk or dv over 32 queries times the group of query heads, of O(1) terms (q, k, v and the
 output's weights drawn from N(0, 1)); reordering such sums moves them by a few ulps of fp32
 (ε = 1.2e-7) times their size. Measured at these sizes, cp 2 and 4, both layouts: at most
@@ -45,8 +45,10 @@ def test_a_sequence_that_does_not_split_is_refused():
 
 
 # --- on gloo workers: one attention call, forward and backward ------------------------------------
-def attention_against_full(method: str, heads: int, kv_heads: int, layout: str = "zigzag") -> dict:
+def attention_against_full(method: str, heads: int, kv_heads: int, layout: str = "zigzag", flash: bool = True) -> dict:
     import torch.distributed as dist
+
+    from threefold.parallel import context_parallel
 
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh
@@ -70,9 +72,13 @@ def attention_against_full(method: str, heads: int, kv_heads: int, layout: str =
 
     local = [mine(x).requires_grad_() for x in (q, k, v)]
     core = CORES[method](comm, layout)
-    out = core(*local, split_positions(seq, cp, rank, layout))
-    forward_records = list(comm.ledger.records)
-    (out * mine(weight)).sum().backward()
+    saved, context_parallel.FLASH = context_parallel.FLASH, flash and context_parallel.FLASH
+    try:  # the kernel for this call's forward and backward
+        out = core(*local, split_positions(seq, cp, rank, layout))
+        forward_records = list(comm.ledger.records)
+        (out * mine(weight)).sum().backward()
+    finally:
+        context_parallel.FLASH = saved
     backward_records = comm.ledger.records[len(forward_records):]
     errors = {"out": (out - mine(full_out)).abs().max().item()}
     for name, x, y in zip("qkv", local, full):
@@ -93,6 +99,13 @@ def test_each_method_equals_full_causal_attention(distributed, cp, method, heads
         assert max(result["errors"].values()) < ATOL, result["errors"]
         # One call, forward and backward: the bytes threefold/plan/context.py predicts.
         assert result["bytes"] == {"cp": round(cp_bytes_per_layer(method, cp, result["b_q"], result["b_kv"]))}
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_the_written_out_kernel_gives_the_same_attention(distributed, method):
+    """The block arithmetic written out (the kernel off CPU) instead of PyTorch's flash kernel."""
+    for result in distributed.run(2, attention_against_full, method, 8, 4, "zigzag", False):
+        assert max(result["errors"].values()) < ATOL, result["errors"]
 
 
 def test_the_ring_sends_3cp_minus_2_kv_blocks_forward_cp_minus_1_backward_2cp_minus_1(distributed):
@@ -159,7 +172,7 @@ def tiny_model_step(method: str, recompute: str) -> dict:
     model.init_weights(seed=0)
     model.set_recompute(recompute)
     apply_cp(model, comm, method)
-    my_tokens, my_targets, positions = context_parallel_batch(tokens, targets, comm)
+    my_tokens, my_targets, positions = context_parallel_batch(tokens, targets, mesh)
     loss = cross_entropy(model(my_tokens, positions), my_targets)  # this rank's mean: equal token counts
     loss.backward()
     attention_bytes = comm.ledger.take()

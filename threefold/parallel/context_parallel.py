@@ -57,6 +57,7 @@ from torch.utils.checkpoint import checkpoint
 
 from threefold.config import ConfigError
 from threefold.distributed.comm import Comm, all_to_all_autograd
+from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
 
 METHODS = ("ring", "allgather", "ulysses")
@@ -96,9 +97,9 @@ def join_sequence(parts: list[torch.Tensor], dim: int = 1, layout: str = "zigzag
     return torch.cat(parts, dim).index_select(dim, torch.argsort(held).to(parts[0].device))
 
 
-def context_parallel_batch(tokens: torch.Tensor, targets: torch.Tensor, comm: Comm, layout: str = "zigzag"):
+def context_parallel_batch(tokens: torch.Tensor, targets: torch.Tensor, mesh: ParallelMesh, layout: str = "zigzag"):
     """This rank's (tokens, targets, positions) of a micro-batch of whole sequences (batch, seq)."""
-    cp, rank = comm.mesh.size("cp"), comm.mesh.coord("cp")
+    cp, rank = mesh.size("cp"), mesh.coord("cp")
     positions = split_positions(tokens.shape[1], cp, rank, layout).to(tokens.device)
     return tokens.index_select(1, positions), targets.index_select(1, positions), positions
 
@@ -106,33 +107,62 @@ def context_parallel_batch(tokens: torch.Tensor, targets: torch.Tensor, comm: Co
 # ---------------------------------------------------------------------------------------------
 # One block: a chunk of queries against a chunk of keys, forward and backward
 # ---------------------------------------------------------------------------------------------
-# Shapes: q (b, h_kv, g, c, d) with g = h / h_kv query heads per key/value head; k, v (b, h_kv, c, d).
-# A block is either whole (every key precedes every query) or diagonal (the same chunk: causal).
+# q (b, h, c, d), k and v (b, h_kv, c, d). A block is either whole (every key precedes every
+# query) or diagonal (the same chunk of the sequence: causal inside). Its forward gives the
+# output of a softmax over the block's keys only and each query's log-sum-exp; its backward
+# takes the *final* output and log-sum-exp of the queries, so the probabilities it recomputes
+# are those of the softmax over the whole sequence.
+#
+# Two kernels compute them. On CPU, PyTorch's flash attention for CPU (the kernel behind
+# scaled_dot_product_attention, which also returns the log-sum-exp and takes grouped-query
+# key/value heads as they are), as ring-flash-attention calls flash_attn's forward and
+# backward. Elsewhere, or with ``FLASH = False``, the same arithmetic written out below; it is
+# the reference the tests hold the flash kernel to, about ten times slower on this CPU.
 
-def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
-    s = torch.einsum("bkgqd,bkjd->bkgqj", q, k) * scale
+FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return FLASH and q.device.type == "cpu"
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, h, c, …) → (b, h_kv, h/h_kv, c, …): query head i belongs to key/value head i // (h/h_kv)."""
+    return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
+
+
+def _scores(qg, k, diagonal: bool) -> torch.Tensor:
+    s = torch.einsum("bkgqd,bkjd->bkgqj", qg, k) / math.sqrt(qg.shape[-1])
     if diagonal:
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
     return s
 
 
-def block_forward(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's output, softmax over its own keys only, and each query's log-sum-exp."""
-    s = _scores(q, k, diagonal, scale)
+def block_forward(q, k, v, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, h, c, d), lse (b, h, c)) of one block."""
+    if _use_flash(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal)
+    s = _scores(_grouped(q, k.shape[1]), k, diagonal)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.einsum("bkgqj,bkjd->bkgqd", torch.exp(s - lse[..., None]), v), lse
+    out = torch.einsum("bkgqj,bkjd->bkgqd", torch.exp(s - lse[..., None]), v)
+    return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def block_backward(q, k, v, dout, lse, delta, diagonal: bool, scale: float):
-    """dq, dk, dv of one block, from the final log-sum-exp of the queries (so the block's
-    probabilities are those of the whole softmax) and delta = rowsum(dout · out)."""
-    p = torch.exp(_scores(q, k, diagonal, scale) - lse[..., None])
-    dv = torch.einsum("bkgqj,bkgqd->bkjd", p, dout)
+def block_backward(q, k, v, out, dout, lse, diagonal: bool):
+    """(dq, dk, dv) of one block, from the queries' final ``out``, ``dout`` and ``lse``."""
+    if _use_flash(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diagonal)
+    kv_heads, scale = k.shape[1], 1 / math.sqrt(q.shape[-1])
+    qg, dout, lse = _grouped(q, kv_heads), _grouped(dout, kv_heads), _grouped(lse, kv_heads)
+    delta = (dout * _grouped(out, kv_heads)).sum(-1)  # rowsum(dout · out)
+    p = torch.exp(_scores(qg, k, diagonal) - lse[..., None])
+    dv = torch.einsum("bkgqj,bkgqd->bkjd", p, dout)  # sums over the group of query heads
     ds = p * (torch.einsum("bkgqd,bkjd->bkgqj", dout, v) - delta[..., None])
     dq = torch.einsum("bkgqj,bkjd->bkgqd", ds, k) * scale
-    dk = torch.einsum("bkgqj,bkgqd->bkjd", ds, q) * scale
-    return dq, dk, dv
+    dk = torch.einsum("bkgqj,bkgqd->bkjd", ds, qg) * scale
+    return dq.reshape(q.shape), dk, dv
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -147,29 +177,27 @@ def _pairs(q_chunks, kv_chunks):
     return [(a, b, qi == kj) for a, qi in enumerate(q_chunks) for b, kj in enumerate(kv_chunks) if kj <= qi]
 
 
-def _halves(x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+def _halves(x: torch.Tensor, dim: int = -2) -> list[torch.Tensor]:
     return list(x.chunk(2, dim=dim))
 
 
-def attend_blocks(q, kv, q_chunks, kv_chunks, outs, lses, scale) -> int:
+def attend_blocks(q, kv, q_chunks, kv_chunks, outs, lses) -> int:
     """Merge the blocks of one rank's keys/values ``kv`` (2, b, h_kv, s, d) into the running
     outputs of this rank's two query halves; returns the number of blocks computed."""
-    qs, ks, vs = _halves(q, -2), _halves(kv[0], -2), _halves(kv[1], -2)
+    qs, ks, vs = _halves(q), _halves(kv[0]), _halves(kv[1])
     pairs = _pairs(q_chunks, kv_chunks)
     for a, b, diagonal in pairs:
-        outs[a], lses[a] = _merge(outs[a], lses[a], *block_forward(qs[a], ks[b], vs[b], diagonal, scale))
+        outs[a], lses[a] = _merge(outs[a], lses[a], *block_forward(qs[a], ks[b], vs[b], diagonal))
     return len(pairs)
 
 
-def attend_blocks_backward(q, kv, dout, lse, delta, q_chunks, kv_chunks, dq, scale) -> torch.Tensor:
+def attend_blocks_backward(q, kv, out, dout, lse, q_chunks, kv_chunks, dq) -> torch.Tensor:
     """Add the blocks' query gradients into ``dq``; return the gradient of ``kv``."""
     dkv = torch.zeros_like(kv)
-    qs, ks, vs = _halves(q, -2), _halves(kv[0], -2), _halves(kv[1], -2)
-    dqs, dks, dvs = _halves(dq, -2), _halves(dkv[0], -2), _halves(dkv[1], -2)
-    dos, lse_s, delta_s = _halves(dout, -2), _halves(lse, -1), _halves(delta, -1)
+    qs, ks, vs, outs, douts = _halves(q), _halves(kv[0]), _halves(kv[1]), _halves(out), _halves(dout)
+    dqs, dks, dvs, lse_s = _halves(dq), _halves(dkv[0]), _halves(dkv[1]), _halves(lse, -1)
     for a, b, diagonal in _pairs(q_chunks, kv_chunks):
-        dq_block, dk_block, dv_block = block_backward(qs[a], ks[b], vs[b], dos[a], lse_s[a], delta_s[a],
-                                                      diagonal, scale)
+        dq_block, dk_block, dv_block = block_backward(qs[a], ks[b], vs[b], outs[a], douts[a], lse_s[a], diagonal)
         dqs[a] += dq_block  # views: these add into dq and dkv
         dks[b] += dk_block
         dvs[b] += dv_block
@@ -225,15 +253,11 @@ class ContextParallelCore(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
-    def grouped(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """q (b, h, s, d) viewed as (b, h_kv, h/h_kv, s, d)."""
-        b, h, s, d = q.shape
-        return q.reshape(b, k.shape[1], h // k.shape[1], s, d)
 
 
-def _running(q_grouped):
+def _running(q):
     """Zero outputs and −∞ log-sum-exps for the two query halves."""
-    half = _halves(q_grouped, -2)
+    half = _halves(q)
     return [torch.zeros_like(x) for x in half], [x.new_full(x.shape[:-1], float("-inf")) for x in half]
 
 
@@ -242,32 +266,21 @@ def _save_for_backward(ctx, core, q, k, v, outs, lses) -> torch.Tensor:
     out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.core = core
-    return out.reshape(q.shape)
-
-
-def _saved(ctx, dout):
-    """What a backward starts from: the saved tensors, q and dout grouped by key/value head,
-    delta = rowsum(dout · out), and the softmax scale."""
-    q, k, v, out, lse = ctx.saved_tensors
-    core = ctx.core
-    qg, dout = core.grouped(q, k), core.grouped(dout.contiguous(), k)
-    return core, q, k, v, qg, dout, lse, (dout * out).sum(-1), 1 / math.sqrt(q.shape[-1])
+    return out
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, core: "RingAttention"):
         comm, cp, rank = core.comm, core.cp, core.rank
-        scale = 1 / math.sqrt(q.shape[-1])
-        qg = core.grouped(q, k)
-        outs, lses = _running(qg)
+        outs, lses = _running(q)
         kv = torch.stack([k, v])
         for step in range(cp):
             if step < cp - 1:  # the next block in flight while this one is computed
                 incoming = torch.empty_like(kv)
                 sending = comm.send(kv, "cp", (rank + 1) % cp)
                 receiving = comm.recv(incoming, "cp", (rank - 1) % cp)
-            core.blocks += attend_blocks(qg, kv, core.chunks(rank), core.chunks((rank - step) % cp), outs, lses, scale)
+            core.blocks += attend_blocks(q, kv, core.chunks(rank), core.chunks((rank - step) % cp), outs, lses)
             core.compute_ends["forward"].append(time.perf_counter())
             if step < cp - 1:
                 sending.wait()
@@ -277,9 +290,10 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        core, q, k, v, qg, dout, lse, delta, scale = _saved(ctx, dout)
+        q, k, v, out, lse = ctx.saved_tensors
+        core, dout = ctx.core, dout.contiguous()
         comm, cp, rank = core.comm, core.cp, core.rank
-        dq = torch.zeros_like(qg)
+        dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
         receiving_grad = sending_grad = None
         for step in range(cp):
@@ -287,8 +301,7 @@ class _Ring(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 sending = comm.send(kv, "cp", (rank + 1) % cp)
                 receiving = comm.recv(incoming, "cp", (rank - 1) % cp)
-            dkv = attend_blocks_backward(qg, kv, dout, lse, delta, core.chunks(rank),
-                                         core.chunks((rank - step) % cp), dq, scale)
+            dkv = attend_blocks_backward(q, kv, out, dout, lse, core.chunks(rank), core.chunks((rank - step) % cp), dq)
             core.compute_ends["backward"].append(time.perf_counter())
             if receiving_grad is not None:  # the gradient of this block from the ranks it visited before
                 receiving_grad.wait()
@@ -303,7 +316,7 @@ class _Ring(torch.autograd.Function):
                 kv = incoming
         receiving_grad.wait()  # this rank's own block, back home with every rank's share
         sending_grad.wait()
-        return dq.reshape(q.shape), incoming_grad[0], incoming_grad[1], None
+        return dq, incoming_grad[0], incoming_grad[1], None
 
 
 class RingAttention(ContextParallelCore):
@@ -318,27 +331,25 @@ class RingAttention(ContextParallelCore):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, core: "AllGatherAttention"):
-        scale = 1 / math.sqrt(q.shape[-1])
-        qg = core.grouped(q, k)
-        outs, lses = _running(qg)
+        outs, lses = _running(q)
         gathered = core.gather(torch.stack([k, v]))
         for owner in range(core.cp):
-            core.blocks += attend_blocks(qg, gathered[owner], core.chunks(core.rank), core.chunks(owner),
-                                         outs, lses, scale)
+            core.blocks += attend_blocks(q, gathered[owner], core.chunks(core.rank), core.chunks(owner), outs, lses)
         core.compute_ends["forward"].append(time.perf_counter())
         return _save_for_backward(ctx, core, q, k, v, outs, lses)
 
     @staticmethod
     def backward(ctx, dout):
-        core, q, k, v, qg, dout, lse, delta, scale = _saved(ctx, dout)
-        dq = torch.zeros_like(qg)
+        q, k, v, out, lse = ctx.saved_tensors
+        core, dout = ctx.core, dout.contiguous()
+        dq = torch.zeros_like(q)
         gathered = core.gather(torch.stack([k, v]))  # again: the gathered sequence was not kept
-        grads = torch.stack([attend_blocks_backward(qg, gathered[owner], dout, lse, delta, core.chunks(core.rank),
-                                                    core.chunks(owner), dq, scale) for owner in range(core.cp)])
+        grads = torch.stack([attend_blocks_backward(q, gathered[owner], out, dout, lse, core.chunks(core.rank),
+                                                    core.chunks(owner), dq) for owner in range(core.cp)])
         core.compute_ends["backward"].append(time.perf_counter())
         mine = torch.empty_like(grads[0])
         core.comm.reduce_scatter(mine.view(-1), grads.view(-1), "cp")
-        return dq.reshape(q.shape), mine[0], mine[1], None
+        return dq, mine[0], mine[1], None
 
 
 class AllGatherAttention(ContextParallelCore):
