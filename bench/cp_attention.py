@@ -16,7 +16,6 @@ over that kernel on this machine).
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from common import join_gloo, spawn_ranks
+from common import join_gloo, save_and_print, spawn_ranks
 from threefold.models.presets import get_preset
 
 RESULTS = Path(__file__).parent / "results" / "cp_attention.json"
@@ -145,10 +144,7 @@ def main(seq_len, micro_batch, warmup, repeats, cps, out) -> None:
         for method, run in runs.items():
             run["formula_bytes"] = round(cp_bytes_per_layer(method, cp, b_q, b_kv))
         results["cp"][str(cp)] = runs
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(results_table(results))
-    console.print(f"wrote {out}")
+    save_and_print(results, out, results_table(results), console)
 
 
 if __name__ == "__main__":
