@@ -202,3 +202,49 @@ def test_apply_cp_on_the_tiny_model_equals_one_process(distributed, method, reco
         per_layer = cp_bytes_per_layer(method, cp, result["b_q"], result["b_kv"])
         per_layer += recompute_bytes_per_layer(method, recompute, cp, result["b_q"], result["b_kv"])
         assert result["bytes"] == {"cp": round(result["layers"] * per_layer)}
+
+
+# --- bad layouts: one line naming the key ---------------------------------------------------------
+@pytest.mark.parametrize("sets, cp, method, message", [
+    (["model.seq_len=36"], 4, "ring",
+     "parallel.cp: the zigzag split cuts model.seq_len=36 into 2·cp = 8 equal chunks; 36 is not divisible by 8"),
+    (["model.heads=6", "model.kv_heads=2"], 4, "ulysses",
+     "parallel.cp_method: ulysses splits the heads over cp=4, but this rank has 6 heads and 2 key/value heads"),
+    ([], 2, "stripes", "parallel.cp_method: 'stripes' is not one of ring, allgather, ulysses"),
+])
+def test_a_layout_context_parallelism_cannot_run_is_refused_in_one_line(sets, cp, method, message):
+    from threefold.config import ConfigError, load_config
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.models.llama import Llama
+    from threefold.parallel.context_parallel import apply_cp
+
+    cfg = load_config(None, ["model.layers=1", "model.hidden=48", "model.heads=4", "model.vocab_size=64",
+                             "model.seq_len=32", *sets])
+    with pytest.raises(ConfigError) as err:
+        apply_cp(Llama(cfg.model), Comm(ParallelMesh({"cp": cp}, rank=0)), method)  # no process starts
+    assert str(err.value) == message
+
+
+def wrong_positions() -> str:
+    import torch.distributed as dist
+
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.context_parallel import RingAttention
+
+    mesh = ParallelMesh({"cp": 2}, rank=dist.get_rank())
+    q = torch.zeros(1, 2, 8, 4)
+    try:
+        RingAttention(Comm(mesh))(q, q, q, torch.arange(8) + 8 * mesh.rank)  # a contiguous slice, not the zigzag
+    except ValueError as err:
+        return str(err)
+    finally:
+        mesh.shutdown()
+    return "no error"
+
+
+def test_a_batch_not_split_in_zigzag_is_refused(distributed):
+    for rank, message in enumerate(distributed.run(2, wrong_positions)):
+        assert message == (f"ring attention on cp rank {rank} expects the zigzag split's positions; "
+                           "pass the batch through context_parallel_batch")

@@ -37,9 +37,9 @@ threefold/plan/context.py, which the planner uses; these cores send exactly thos
     kv_heads/cp of the key/value heads, which must divide too), attends with plain causal
     attention, and an all-to-all turns the output back. 2 · (cp−1)/cp · (2·B_q + B_kv).
 
-Grouped-query attention: q is (b, h, s, d) and k, v (b, h_kv, s, d); the cores view q as
-(b, h_kv, h/h_kv, s, d) so a key/value head meets its group of query heads without copies,
-and its gradient sums over the group.
+Grouped-query attention: q is (b, h, s, d) and k, v (b, h_kv, s, d), never repeated to h heads
+(that would multiply the bytes on the ring by h/h_kv); the block kernels take them as they are
+and a key/value head's gradient sums over its group of query heads.
 
 Composition (the engine does it, not this file): ``apply_cp(model, comm, method)`` swaps the
 cores, ``context_parallel_batch`` gives this rank its tokens, targets and positions, the loss is
@@ -213,8 +213,8 @@ class ContextParallelCore(nn.Module):
     of this rank's tokens in, this rank's outputs of causal attention over the whole sequence
     out. Counts the attention blocks it computes (``blocks``; ring and all-gather, which skip
     the blocks causality masks out; Ulysses attends the whole causal triangle for heads/cp
-    heads, balanced by construction) and, per step, when each step's products ended
-    (``compute_ends``), so load balance and overlap can be checked."""
+    heads, balanced by construction) and, per step of its last call, when that step's products
+    ended (``compute_ends``), so load balance and overlap can be checked."""
 
     method = ""
 
@@ -254,7 +254,6 @@ class ContextParallelCore(nn.Module):
         return fn(*args)
 
 
-
 def _running(q):
     """Zero outputs and −∞ log-sum-exps for the two query halves."""
     half = _halves(q)
@@ -275,6 +274,7 @@ class _Ring(torch.autograd.Function):
         comm, cp, rank = core.comm, core.cp, core.rank
         outs, lses = _running(q)
         kv = torch.stack([k, v])
+        core.compute_ends["forward"] = []
         for step in range(cp):
             if step < cp - 1:  # the next block in flight while this one is computed
                 incoming = torch.empty_like(kv)
@@ -295,6 +295,7 @@ class _Ring(torch.autograd.Function):
         comm, cp, rank = core.comm, core.cp, core.rank
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
+        core.compute_ends["backward"] = []
         receiving_grad = sending_grad = None
         for step in range(cp):
             if step < cp - 1:
@@ -335,7 +336,7 @@ class _AllGather(torch.autograd.Function):
         gathered = core.gather(torch.stack([k, v]))
         for owner in range(core.cp):
             core.blocks += attend_blocks(q, gathered[owner], core.chunks(core.rank), core.chunks(owner), outs, lses)
-        core.compute_ends["forward"].append(time.perf_counter())
+        core.compute_ends["forward"] = [time.perf_counter()]
         return _save_for_backward(ctx, core, q, k, v, outs, lses)
 
     @staticmethod
@@ -346,7 +347,7 @@ class _AllGather(torch.autograd.Function):
         gathered = core.gather(torch.stack([k, v]))  # again: the gathered sequence was not kept
         grads = torch.stack([attend_blocks_backward(q, gathered[owner], out, dout, lse, core.chunks(core.rank),
                                                     core.chunks(owner), dq) for owner in range(core.cp)])
-        core.compute_ends["backward"].append(time.perf_counter())
+        core.compute_ends["backward"] = [time.perf_counter()]
         mine = torch.empty_like(grads[0])
         core.comm.reduce_scatter(mine.view(-1), grads.view(-1), "cp")
         return dq, mine[0], mine[1], None
@@ -383,7 +384,7 @@ class UlyssesAttention(ContextParallelCore):
         in_order = torch.argsort(held)
         qh, kh, vh = (self._to_heads(x).index_select(2, in_order) for x in (q, k, v))
         out = self.recomputed(attention_core, qh, kh, vh)  # the local attention only: no all-to-all again
-        self.compute_ends["forward"].append(time.perf_counter())
+        self.compute_ends["forward"] = [time.perf_counter()]
         return self._to_sequence(out.index_select(2, held))
 
     def _to_heads(self, x):
