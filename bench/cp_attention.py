@@ -4,8 +4,10 @@ The tiny preset's attention (8 heads, 4 key/value heads, head dimension 32) over
 ``--seq-len`` tokens, split in the zigzag layout over cp gloo processes of one thread each, for
 each method of ``threefold.parallel.context_parallel`` (ring, allgather, ulysses). Reported per
 method: the median time of a call (the slowest rank's), the bytes one rank sent on the cp axis
-(against threefold/plan/context.py's formula), the time ranks were blocked waiting on those
-transfers (what compute did not hide), and the attention blocks each rank computed.
+(against threefold/plan/context.py's formula), the time each rank was blocked waiting on those
+transfers (what compute did not hide, and on an unbalanced split the wait for slower ranks),
+and the attention blocks each rank computed. The ring runs on the plain contiguous split too,
+to show what the zigzag buys.
 
 References, on one process of one thread: PyTorch's scaled_dot_product_attention over the whole
 sequence, and our own blocked kernel at cp=1 (the ring core with no ring: the same arithmetic
@@ -16,6 +18,7 @@ over that kernel on this machine).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +33,9 @@ from common import join_gloo, save_and_print, spawn_ranks
 from threefold.models.presets import get_preset
 
 RESULTS = Path(__file__).parent / "results" / "cp_attention.json"
+# name → (method, layout): the three methods on the zigzag split, and the ring on the plain split
+VARIANTS = {"ring": ("ring", "zigzag"), "allgather": ("allgather", "zigzag"), "ulysses": ("ulysses", "zigzag"),
+            "ring-contiguous": ("ring", "contiguous")}
 
 
 def tensors(seq_len: int, micro_batch: int):
@@ -58,11 +64,12 @@ def worker(rank: int, world: int, port: int, seq_len: int, micro_batch: int, war
 
     mesh = ParallelMesh({"cp": world}, rank=rank, timeout_s=300)
     comm = Comm(mesh)
-    q, k, v, weight = (split_sequence(x, world, rank, dim=2) for x in tensors(seq_len, micro_batch))
-    positions = split_positions(seq_len, world, rank)
+    whole = tensors(seq_len, micro_batch)
     results = {}
-    for method, make in CORES.items():
-        core = make(comm)
+    for name, (method, layout) in VARIANTS.items():
+        q, k, v, weight = (split_sequence(x, world, rank, dim=2, layout=layout) for x in whole)
+        positions = split_positions(seq_len, world, rank, layout)
+        core = CORES[method](comm, layout)
         times, waited, sent = [], [], []
         for call in range(warmup + repeats):
             dist.barrier()
@@ -78,8 +85,8 @@ def worker(rank: int, world: int, port: int, seq_len: int, micro_batch: int, war
         dist.all_gather_object(blocks, core.blocks // (warmup + repeats))
         waited_all = [None] * world
         dist.all_gather_object(waited_all, statistics.median(waited))
-        results[method] = {"call_s": statistics.median(times), "bytes_per_call": sent[0],
-                           "waited_s_per_rank": waited_all, "blocks_per_rank": blocks}
+        results[name] = {"method": method, "layout": layout, "call_s": statistics.median(times),
+                         "bytes_per_call": sent[0], "waited_s_per_rank": waited_all, "blocks_per_rank": blocks}
     if rank == 0:
         queue.put(results)
     mesh.shutdown()
@@ -108,14 +115,15 @@ def results_table(results: dict) -> Table:
     table = Table(title=f"one attention call, forward + backward: tiny preset, {results['seq_len']} tokens × "
                         f"{results['micro_batch']}, 1 thread per rank; cp=1: SDPA {results['cp1']['sdpa']:.3f} s, "
                         f"blocked {results['cp1']['blocked']:.3f} s")
-    for column in ("cp", "method", "call (s)", "cp1 blocked / call", "bytes sent", "formula", "waited (s, max rank)",
+    for column in ("cp", "method", "call (s)", "cp1 blocked / call", "bytes sent", "formula", "waited (s) per rank",
                    "blocks per rank"):
         table.add_column(column, justify="right")
-    for cp, methods in results["cp"].items():
-        for method, run in methods.items():
-            table.add_row(cp, method, f"{run['call_s']:.3f}", f"{results['cp1']['blocked'] / run['call_s']:.2f}",
+    for cp, variants in results["cp"].items():
+        for name, run in variants.items():
+            table.add_row(cp, name, f"{run['call_s']:.3f}", f"{results['cp1']['blocked'] / run['call_s']:.2f}",
                           f"{run['bytes_per_call']:,}", f"{run['formula_bytes']:,}",
-                          f"{max(run['waited_s_per_rank']):.3f}", " ".join(map(str, run["blocks_per_rank"])))
+                          " ".join(f"{w:.2f}" for w in run["waited_s_per_rank"]),
+                          " ".join(map(str, run["blocks_per_rank"])))
     return table
 
 
@@ -141,9 +149,10 @@ def main(seq_len, micro_batch, warmup, repeats, cps, out) -> None:
         with console.status(f"cp={cp}: every method"):
             runs = spawn_ranks(cp, worker, seq_len, micro_batch, warmup, repeats)
         b_q, b_kv = qkv_bytes(micro_batch, seq_len, cfg.heads, cfg.n_kv_heads, cfg.head_dim, cp)
-        for method, run in runs.items():
-            run["formula_bytes"] = round(cp_bytes_per_layer(method, cp, b_q, b_kv))
+        for run in runs.values():
+            run["formula_bytes"] = round(cp_bytes_per_layer(run["method"], cp, b_q, b_kv))
         results["cp"][str(cp)] = runs
+    results["load_average_1min"] = os.getloadavg()[0]  # other processes on the machine, at the end
     save_and_print(results, out, results_table(results), console)
 
 
