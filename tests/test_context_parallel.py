@@ -44,6 +44,27 @@ def test_a_sequence_that_does_not_split_is_refused():
         split_positions(12, 4, 0)
 
 
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+def test_at_cp1_each_core_is_plain_causal_attention(method):
+    """A world of one: no process group; the cores still attend (nothing to exchange)."""
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.models.llama import attention_core
+    from threefold.parallel.context_parallel import CORES
+
+    gen = torch.Generator().manual_seed(0)
+    q, weight = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(2))
+    results = []
+    for attend in (attention_core, lambda *x: CORES[method](Comm(ParallelMesh({})))(*x, torch.arange(16))):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attend(*leaves)
+        (out * weight).sum().backward()
+        results.append([out, *(x.grad for x in leaves)])
+    for want, got in zip(*results):
+        assert (want - got).abs().max() < ATOL
+
+
 # --- on gloo workers: one attention call, forward and backward ------------------------------------
 def attention_against_full(method: str, heads: int, kv_heads: int, layout: str = "zigzag", flash: bool = True) -> dict:
     import torch.distributed as dist

@@ -172,6 +172,17 @@ def test_the_ledger_key_joins_the_axes_of_size_above_one():
     assert ring_bytes("all_to_all", 1000, 4) == 750 and ring_bytes("broadcast", 1000, 4) == 1000
 
 
+def test_in_a_group_of_one_an_out_of_place_op_copies_its_input():
+    from threefold.distributed.comm import Comm
+
+    comm = Comm(ParallelMesh({}))
+    for op in (comm.all_gather, comm.reduce_scatter, comm.all_to_all):
+        out = torch.zeros(6)
+        op(out, torch.arange(6.0), ("dp", "cp"))
+        assert torch.equal(out, torch.arange(6.0)), op.__name__
+    assert comm.ledger.take() == {}  # nothing crossed a process boundary
+
+
 def wrong_world() -> str:
     with pytest.raises(ConfigError) as err:
         ParallelMesh.from_config(ParallelConfig(dp=4))

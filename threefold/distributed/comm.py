@@ -161,7 +161,8 @@ class Comm:
 
         ``output`` may be that chunk of ``input`` itself (in place)."""
         return self._run("reduce_scatter", axis, tag, _nbytes(input), async_op,
-                         lambda group: dist.reduce_scatter_single(output, input, group=group, async_op=async_op))
+                         lambda group: dist.reduce_scatter_single(output, input, group=group, async_op=async_op),
+                         alone=lambda: _copy(output, input))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: Axes, *, async_op: bool = False,
                    tag: str | None = None) -> Pending | None:
@@ -169,7 +170,8 @@ class Comm:
 
         ``input`` may be this rank's chunk of ``output`` itself (in place)."""
         return self._run("all_gather", axis, tag, _nbytes(output), async_op,
-                         lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op))
+                         lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op),
+                         alone=lambda: _copy(output, input))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: Axes, *,
                    output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
@@ -191,7 +193,8 @@ class Comm:
             sent = float((sum(input_split_sizes) - input_split_sizes[me]) * row_bytes)
         return self._run("all_to_all", axis, tag, _nbytes(input), async_op,
                          lambda group: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                              group=group, async_op=async_op), sent=sent)
+                                                              group=group, async_op=async_op),
+                         sent=sent, alone=lambda: _copy(output, input))
 
     def broadcast(self, tensor: torch.Tensor, axis: Axes, src: int, *, async_op: bool = False,
                   tag: str | None = None) -> Pending | None:
@@ -260,13 +263,17 @@ class Comm:
                 f"{list(record.group)} did not reach it (dead, or stuck elsewhere)")
 
     def _run(self, op: str, axis: Axes, tag: str | None, nbytes: int, async_op: bool, call,
-             peer: int | None = None, sent: float | None = None) -> Pending | None:
+             peer: int | None = None, sent: float | None = None, alone=None) -> Pending | None:
+        """Run ``call(group)`` and record it; in a group of one rank, ``alone()`` instead (what
+        the operation does there: an out-of-place gather or scatter copies its input)."""
         axes = _axes(axis)
         n = self.mesh.size(*axes)
         group = tuple(self.mesh.ranks(*axes))
         record = CommRecord(op, self.mesh.label(*axes), tag, ring_bytes(op, nbytes, n) if sent is None else sent,
                             time.perf_counter(), group, self._issued.get(group, 0), peer)
         if n == 1:  # nothing to exchange
+            if alone is not None:
+                alone()
             return Pending(None, record, self) if async_op else None
         self._issued[group] = record.sequence + 1
         self.ledger.add(record)
@@ -282,6 +289,11 @@ class Comm:
 
 def _axes(axis: Axes) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _copy(output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.data_ptr() != input.data_ptr():
+        output.view(-1).copy_(input.reshape(-1))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -308,6 +308,8 @@ class _Ring(torch.autograd.Function):
                 receiving_grad.wait()
                 dkv += incoming_grad
                 sending_grad.wait()
+            if cp == 1:  # the only block is this rank's own: no hop
+                return dq, dkv[0], dkv[1], None
             incoming_grad = torch.empty_like(kv)
             sending_grad = comm.send(dkv, "cp", (rank + 1) % cp)
             receiving_grad = comm.recv(incoming_grad, "cp", (rank - 1) % cp)
