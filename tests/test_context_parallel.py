@@ -166,9 +166,10 @@ def test_the_ring_sends_the_next_block_before_the_current_product_ends(distribut
 
 
 # --- apply_cp on the tiny model --------------------------------------------------------------------
-def tiny_model_step(method: str, recompute: str) -> dict:
-    """One forward and backward of the tiny model on this rank's tokens, and the single-process
-    loss and gradients of the same batch, computed on every rank."""
+def tiny_model_step(method: str, recompute: str, dp: int = 1) -> dict:
+    """One forward and backward of the tiny model on this rank's tokens (its dp share of the
+    two sequences, its cp part of each), and the single-process loss and gradients of the same
+    batch, computed on every rank."""
     import torch.distributed as dist
 
     from threefold.config import load_config
@@ -187,27 +188,30 @@ def tiny_model_step(method: str, recompute: str) -> dict:
     reference_loss = cross_entropy(reference(tokens), targets)
     reference_loss.backward()
 
-    mesh = ParallelMesh({"cp": dist.get_world_size()}, rank=dist.get_rank(), timeout_s=60)
+    mesh = ParallelMesh({"dp": dp, "cp": dist.get_world_size() // dp}, rank=dist.get_rank(), timeout_s=60)
     comm = Comm(mesh)
     model = Llama(cfg)
     model.init_weights(seed=0)
     model.set_recompute(recompute)
     apply_cp(model, comm, method)
-    my_tokens, my_targets, positions = context_parallel_batch(tokens, targets, mesh)
+    mine = slice(mesh.coord("dp") * 2 // dp, (mesh.coord("dp") + 1) * 2 // dp)  # this dp rank's sequences
+    my_tokens, my_targets, positions = context_parallel_batch(tokens[mine], targets[mine], mesh)
     loss = cross_entropy(model(my_tokens, positions), my_targets)  # this rank's mean: equal token counts
     loss.backward()
     attention_bytes = comm.ledger.take()
-    comm.all_reduce(mean := loss.detach().clone(), "cp", tag="loss")
+    ranks = mesh.size("dp", "cp")
+    comm.all_reduce(mean := loss.detach().clone(), ("dp", "cp"), tag="loss")
     grad_error = 0.0
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters()):
         g = p.grad.clone()
-        comm.all_reduce(g, "cp", tag="grads")  # what the engine's dp × cp reduction does
-        grad_error = max(grad_error, (g / mesh.size("cp") - q.grad).abs().max().item())
-    b_q, b_kv = qkv_bytes(2, cfg.seq_len, cfg.heads, cfg.n_kv_heads, cfg.head_dim, mesh.size("cp"))
+        comm.all_reduce(g, ("dp", "cp"), tag="grads")  # the engine's weight-gradient reduction over dp × cp
+        grad_error = max(grad_error, (g / ranks - q.grad).abs().max().item())
+    b_q, b_kv = qkv_bytes(2 // dp, cfg.seq_len, cfg.heads, cfg.n_kv_heads, cfg.head_dim, mesh.size("cp"))
+    keys = sorted(comm.ledger.take())
     mesh.shutdown()
-    return {"loss": mean.item() / mesh.size("cp"), "reference_loss": reference_loss.item(),
+    return {"loss": mean.item() / ranks, "reference_loss": reference_loss.item(),
             "grad_error": grad_error, "bytes": attention_bytes, "b_q": b_q, "b_kv": b_kv,
-            "layers": cfg.layers, "blocks": attention_blocks(model)}
+            "layers": cfg.layers, "blocks": attention_blocks(model), "reduction_keys": keys}
 
 
 @pytest.mark.parametrize("method, recompute", [
@@ -269,3 +273,14 @@ def test_a_batch_not_split_in_zigzag_is_refused(distributed):
     for rank, message in enumerate(distributed.run(2, wrong_positions)):
         assert message == (f"ring attention on cp rank {rank} expects the zigzag split's positions; "
                            "pass the batch through context_parallel_batch")
+
+
+def test_dp2_cp2_reduces_the_weight_gradients_over_dp_and_cp_together(distributed):
+    """World 4 as dp=2 × cp=2: each dp rank one of the two sequences, each cp rank half of it;
+    the gradients summed over the (dp, cp) group, counted under "dp+cp", equal one process's."""
+    for result in distributed.run(4, tiny_model_step, "ring", "none", 2):
+        assert abs(result["loss"] - result["reference_loss"]) < 1e-5
+        assert result["grad_error"] < 1e-5
+        assert result["bytes"] == {"cp": round(result["layers"] * cp_bytes_per_layer("ring", 2, result["b_q"],
+                                                                                      result["b_kv"]))}
+        assert result["reduction_keys"] == ["dp+cp.grads", "dp+cp.loss"]
