@@ -1,23 +1,24 @@
 """Context parallelism at the attention level (every method against full causal attention, its
-bytes against the planner's formulas, load balance, the ring's overlap) and apply_cp on the
-tiny model at cp=2 against one process.
+bytes against the planner's formulas, load balance, the ring's overlap), apply_cp on the tiny
+model at cp=2 and at dp2·cp2 against one process, and the refusals.
 
 Tolerance, fp32. The reference is scaled_dot_product_attention over the whole sequence; ring
 and all-gather compute the same softmax in another order: per block (PyTorch's flash kernel for
 CPU, or the same arithmetic written out), merging partial outputs through logaddexp, and the
-gradients from the saved log-sum-exp (the flash attention backward). An entry of the output or of dq is a sum over at most seq_len = 32 keys,
-one of dk or dv over 32 queries times the group of query heads, of O(1) terms (q, k, v and the
-output's weights drawn from N(0, 1)); reordering such sums moves them by a few ulps of fp32
-(ε = 1.2e-7) times their size. Measured at these sizes, cp 2 and 4, both layouts: at most
-2.3e-6 (Ulysses: 0, it runs the very same kernel on head-split inputs). We allow 1e-5; a wrong
-mask, a lost or doubled block or a missing 1/√d moves entries by 1e-2 or more.
+gradients from the saved log-sum-exp (the flash attention backward). An entry of the output or
+of dq is a sum over at most seq_len = 32 keys, one of dk or dv over 32 queries times the group
+of query heads, of O(1) terms (q, k, v and the output's weights drawn from N(0, 1)); reordering
+such sums moves them by a few ulps of fp32 (ε = 1.2e-7) times their size. Measured at these
+sizes, cp 2 and 4, both layouts: at most 2.3e-6 (Ulysses: 0, it runs the very same kernel on
+head-split inputs). We allow 1e-5; a wrong mask, a lost or doubled block or a missing 1/√d
+moves entries by 1e-2 or more.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from threefold.parallel.context_parallel import (chunk_ids, join_sequence, split_positions, split_sequence)
+from threefold.parallel.context_parallel import chunk_ids, join_sequence, split_positions, split_sequence
 from threefold.plan.context import cp_bytes_per_layer, recompute_bytes_per_layer, qkv_bytes
 
 ATOL = 1e-5  # see the module docstring
