@@ -103,6 +103,16 @@ def summarise_pair(out: dict) -> dict:
     return out
 
 
+def save_and_print(results: dict, out, table, console) -> None:
+    """Write ``results`` as JSON to ``out`` (a Path), print ``table`` and where the file went."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for the ranks' rendezvous."""
     with socket.socket() as s:

@@ -21,7 +21,6 @@ untied: PyTorch's stages would not keep the two copies of a tied weight in step.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import click
@@ -36,7 +35,8 @@ from threefold.models.llama import Llama, cross_entropy
 from threefold.parallel.pipeline.partition import partition
 from threefold.train.engine import build_adamw
 
-from common import alternate_steps, fresh_model, join_gloo, spawn_ranks, summarise_pair, train_step
+from common import (alternate_steps, fresh_model, join_gloo, save_and_print, spawn_ranks, summarise_pair,
+                    train_step)
 
 RESULTS = Path(__file__).parent / "results" / "pp.json"
 PP = 4
@@ -185,10 +185,7 @@ def main(layers, hidden, micro_batch, microbatches, warmup, steps, pairs, out) -
     results = {"pp": PP, "layers": layers, "hidden": hidden, "vocab_size": 4096, "seq_len": 128,
                "micro_batch": micro_batch, "microbatches": microbatches, "threads_per_rank": 1,
                "warmup_steps": warmup, "timed_steps": steps, "torch_version": torch.__version__, "pairs": runs}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(results_table(results))
-    console.print(f"wrote {out}")
+    save_and_print(results, out, results_table(results), console)
 
 
 if __name__ == "__main__":

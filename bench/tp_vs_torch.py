@@ -16,7 +16,6 @@ parameter as both the embedding's rows and the head's.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import click
@@ -29,7 +28,8 @@ from rich.table import Table
 from threefold.config import Config
 from threefold.models.llama import Llama
 
-from common import alternate_steps, fresh_model, join_gloo, preset_config, spawn_ranks, summarise_pair, train_step
+from common import (alternate_steps, fresh_model, join_gloo, preset_config, save_and_print, spawn_ranks,
+                    summarise_pair, train_step)
 
 RESULTS = Path(__file__).parent / "results" / "tp.json"
 TP = 2
@@ -165,10 +165,7 @@ def main(micro_batch, warmup, steps, modes, out) -> None:
     results = {"tp": TP, "preset": "small", "vocab_size": cfg.model.vocab_size, "seq_len": cfg.model.seq_len,
                "micro_batch": micro_batch, "tokens_per_step": micro_batch * cfg.model.seq_len, "threads_per_rank": 1,
                "warmup_steps": warmup, "timed_steps": steps, "torch_version": torch.__version__, "modes": runs}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(results_table(results))
-    console.print(f"wrote {out}")
+    save_and_print(results, out, results_table(results), console)
 
 
 if __name__ == "__main__":

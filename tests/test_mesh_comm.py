@@ -100,6 +100,90 @@ def test_collectives_are_correct_and_counted(distributed):
         assert result["after_take"] == {}
 
 
+def next_axes_ops(sizes: dict) -> dict:
+    """A group over dp and cp, uneven all-to-all (plain, async, through autograd) and broadcast."""
+    import torch.distributed as dist
+
+    from threefold.distributed.comm import Comm, all_to_all_autograd
+
+    mesh = ParallelMesh(sizes, rank=dist.get_rank(), timeout_s=30)
+    comm, axes = Comm(mesh), ("dp", "cp")
+    n, me, r = mesh.size(*axes), mesh.coord(*axes), mesh.rank
+    checks = {}
+    x = torch.full((1000,), float(r))
+    comm.all_reduce(x, axes)
+    checks["all_reduce"] = bool(torch.all(x == sum(mesh.ranks(*axes))))
+    bytes_all_reduce = comm.ledger.take()
+    # Rank i sends i + 2j + 1 rows of 3 numbers, each 100·i + j, to rank j: uneven and asymmetric.
+    send_rows = [me + 2 * j + 1 for j in range(n)]
+    recv_rows = [j + 2 * me + 1 for j in range(n)]
+    rows = torch.cat([torch.full((k, 3), 100.0 * me + j) for j, k in enumerate(send_rows)])
+    want = torch.cat([torch.full((k, 3), 100.0 * j + me) for j, k in enumerate(recv_rows)])
+    out = torch.empty(sum(recv_rows), 3)
+    comm.all_to_all(out, rows, axes, output_split_sizes=recv_rows, input_split_sizes=send_rows)
+    checks["all_to_all"] = torch.equal(out, want)
+    bytes_all_to_all = comm.ledger.take()
+    out.zero_()
+    comm.all_to_all(out, rows, axes, output_split_sizes=recv_rows, input_split_sizes=send_rows,
+                    async_op=True).wait()
+    checks["all_to_all_async"] = torch.equal(out, want)
+    bytes_async = comm.ledger.take()
+    leaf = rows.clone().requires_grad_()
+    y = all_to_all_autograd(comm, leaf, axes, output_split_sizes=recv_rows, input_split_sizes=send_rows)
+    bytes_autograd_forward = comm.ledger.take()
+    (y * (me + 1.0)).sum().backward()  # so the gradient of a row sent to rank j is j + 1
+    checks["autograd_values"] = torch.equal(y.detach(), want)
+    checks["autograd_grad"] = torch.equal(leaf.grad, torch.cat([torch.full((k, 3), j + 1.0)
+                                                                for j, k in enumerate(send_rows)]))
+    bytes_autograd_backward = comm.ledger.take()
+    b = torch.full((10,), float(r))
+    comm.broadcast(b, axes, src=1)
+    checks["broadcast"] = bool(torch.all(b == mesh.ranks(*axes)[1]))
+    pending = comm.broadcast(b.fill_(r), axes, src=0, async_op=True)
+    pending.wait()
+    checks["broadcast_async"] = bool(torch.all(b == mesh.ranks(*axes)[0]))
+    bytes_broadcast = comm.ledger.take()
+    mesh.shutdown()
+    return {"checks": checks, "n": n, "me": me, "all_reduce": bytes_all_reduce, "all_to_all": bytes_all_to_all,
+            "async": bytes_async, "autograd_forward": bytes_autograd_forward,
+            "autograd_backward": bytes_autograd_backward, "broadcast": bytes_broadcast}
+
+
+@pytest.mark.parametrize("world, sizes, key", [(2, {"dp": 2}, "dp"), (4, {"dp": 2, "cp": 2}, "dp+cp")])
+def test_next_axes_ops_are_correct_and_counted(distributed, world, sizes, key):
+    """With cp=1 the (dp, cp) group is the dp group and keeps its key; at dp2·cp2 it is "dp+cp"."""
+    for result in distributed.run(world, next_axes_ops, sizes):
+        assert all(result["checks"].values()), result["checks"]
+        n, me = result["n"], result["me"]
+        assert n == world
+        assert result["all_reduce"] == {key: round(2 * (n - 1) / n * 4000)}
+        # Exactly the rows this rank sends to the others, 12 bytes each; the backward sends the
+        # gradient rows back along the transposed splits.
+        forward = sum(me + 2 * j + 1 for j in range(n) if j != me) * 12
+        backward = sum(j + 2 * me + 1 for j in range(n) if j != me) * 12
+        assert forward != backward
+        assert result["all_to_all"] == result["async"] == result["autograd_forward"] == {key: forward}
+        assert result["autograd_backward"] == {key: backward}
+        assert result["broadcast"] == {key: 2 * 40}  # B on every rank, twice
+
+
+def test_the_ledger_key_joins_the_axes_of_size_above_one():
+    mesh = ParallelMesh({"dp": 2, "cp": 2}, rank=0)
+    assert mesh.label("cp", "dp") == "dp+cp" and mesh.label("dp", "tp") == "dp" and mesh.label("tp") == "tp"
+    assert ring_bytes("all_to_all", 1000, 4) == 750 and ring_bytes("broadcast", 1000, 4) == 1000
+
+
+def test_in_a_group_of_one_an_out_of_place_op_copies_its_input():
+    from threefold.distributed.comm import Comm
+
+    comm = Comm(ParallelMesh({}))
+    for op in (comm.all_gather, comm.reduce_scatter, comm.all_to_all):
+        out = torch.zeros(6)
+        op(out, torch.arange(6.0), ("dp", "cp"))
+        assert torch.equal(out, torch.arange(6.0)), op.__name__
+    assert comm.ledger.take() == {}  # nothing crossed a process boundary
+
+
 def wrong_world() -> str:
     with pytest.raises(ConfigError) as err:
         ParallelMesh.from_config(ParallelConfig(dp=4))

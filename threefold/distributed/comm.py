@@ -3,12 +3,24 @@
 ``Comm`` binds a mesh to a ``CommLedger``: ``comm.all_reduce(t, "dp")`` runs over the mesh's dp
 group and records the operation, the axis, the bytes this rank sent, and the time it took.
 
+Every operation takes one axis name or a tuple of axes: ``comm.all_reduce(t, ("dp", "cp"))``
+runs over the group spanning both (the mesh creates it, see ``ParallelMesh(combined=...)``),
+with ranks ordered by ``mesh.coord(*axes)``, and is counted under the joined key ``"dp+cp"``
+(axes in the mesh's order). Axes of size 1 drop out of the key, so with cp=1 the same call is
+counted under ``"dp"``, exactly as ``comm.all_reduce(t, "dp")``.
+
 Bytes follow the ring convention of nccl-tests ("bus bytes"), the traffic one rank puts on
 its link when the collective runs as a ring over n ranks, for a tensor of B bytes:
 
     all-reduce        2(n−1)/n · B      (a reduce-scatter followed by an all-gather)
     reduce-scatter     (n−1)/n · B      (B is the full input; each rank keeps B/n)
     all-gather         (n−1)/n · B      (B is the full output)
+    all-to-all         (n−1)/n · B      (B is this rank's input; with uneven splits, exactly the
+                                        bytes of the splits it sends to the other ranks, its own
+                                        split excluded)
+    broadcast                  B        (on every rank of the group, the source included:
+                                        nccl-tests' bus factor 1, a pipelined ring in which each
+                                        rank forwards the whole tensor once)
     send                       B        (a point-to-point send; its receive counts 0)
 
 These are the numbers the planner's formulas use (threefold/plan/costs.py), whatever
@@ -48,7 +60,7 @@ class CommError(RuntimeError):
 @dataclass
 class CommRecord:
     op: str
-    axis: str
+    axis: str  # the axis, or the joined key of several ("dp+cp")
     tag: str | None
     bytes: float  # sent by this rank, ring convention
     started: float  # time.perf_counter() at launch
@@ -68,7 +80,7 @@ def ring_bytes(op: str, nbytes: int, n: int) -> float:
     if n <= 1:
         return 0.0
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-              "send": 1.0, "recv": 0.0}
+              "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0, "recv": 0.0}
     return factor[op] * nbytes
 
 
@@ -124,49 +136,86 @@ class Pending:
         self.work = None
 
 
+Axes = str | tuple[str, ...]  # one mesh axis, or several spanning one group
+
+
 class Comm:
-    """Collectives along the axes of one mesh, each recorded in ``ledger``."""
+    """Collectives along the axes of one mesh, each recorded in ``ledger``. ``axis`` is one axis
+    name or a tuple of them (see the module docstring); ``peer`` and ``src`` are coordinates in
+    that group, ``mesh.coord(*axes)``."""
 
     def __init__(self, mesh: ParallelMesh, ledger: CommLedger | None = None):
         self.mesh = mesh
         self.ledger = ledger or CommLedger()
         self._issued: dict[tuple[int, ...], int] = {}  # operations issued per group, for CommRecord.sequence
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
+    def all_reduce(self, tensor: torch.Tensor, axis: Axes, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    tag: str | None = None) -> Pending | None:
         """Reduce ``tensor`` in place over the group along ``axis``."""
         return self._run("all_reduce", axis, tag, _nbytes(tensor), async_op,
                          lambda group: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str, *, async_op: bool = False,
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: Axes, *, async_op: bool = False,
                        tag: str | None = None) -> Pending | None:
         """Sum ``input`` over the group; this rank gets chunk ``coord(axis)`` of the sum in ``output``.
 
         ``output`` may be that chunk of ``input`` itself (in place)."""
         return self._run("reduce_scatter", axis, tag, _nbytes(input), async_op,
-                         lambda group: dist.reduce_scatter_single(output, input, group=group, async_op=async_op))
+                         lambda group: dist.reduce_scatter_single(output, input, group=group, async_op=async_op),
+                         alone=lambda: _copy(output, input))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str, *, async_op: bool = False,
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: Axes, *, async_op: bool = False,
                    tag: str | None = None) -> Pending | None:
         """Concatenate every rank's ``input`` into ``output`` (flat, in ``coord(axis)`` order).
 
         ``input`` may be this rank's chunk of ``output`` itself (in place)."""
         return self._run("all_gather", axis, tag, _nbytes(output), async_op,
-                         lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op))
+                         lambda group: dist.all_gather_single(output, input, group=group, async_op=async_op),
+                         alone=lambda: _copy(output, input))
 
-    def send(self, tensor: torch.Tensor, axis: str, peer: int, *, tag: str | None = None) -> Pending:
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, axis: Axes, *,
+                   output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
+                   async_op: bool = False, tag: str | None = None) -> Pending | None:
+        """Rank i's ``input`` rows ``input_split_sizes[j]`` (along dim 0, in order) go to the rank
+        at coordinate j, which receives them as its rows ``output_split_sizes[i]``. Without
+        split sizes, every rank sends and receives equal shares. Counted as the bytes of the
+        splits this rank sends to the other ranks (its own split stays)."""
+        axes = _axes(axis)
+        n, me = self.mesh.size(*axes), self.mesh.coord(*axes)
+        for name, splits, tensor in (("input", input_split_sizes, input), ("output", output_split_sizes, output)):
+            if splits is not None and (len(splits) != n or sum(splits) != (tensor.shape[0] if tensor.dim() else 1)):
+                raise ValueError(f"all_to_all over {self.mesh.label(*axes)!r}: {name}_split_sizes {list(splits)} "
+                                 f"must have {n} entries summing to the {name}'s {tensor.shape[0]} rows")
+        if input_split_sizes is None:
+            sent = ring_bytes("all_to_all", _nbytes(input), n)
+        else:
+            row_bytes = _nbytes(input) // max(input.shape[0], 1)
+            sent = float((sum(input_split_sizes) - input_split_sizes[me]) * row_bytes)
+        return self._run("all_to_all", axis, tag, _nbytes(input), async_op,
+                         lambda group: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                              group=group, async_op=async_op),
+                         sent=sent, alone=lambda: _copy(output, input))
+
+    def broadcast(self, tensor: torch.Tensor, axis: Axes, src: int, *, async_op: bool = False,
+                  tag: str | None = None) -> Pending | None:
+        """Copy the ``tensor`` of the rank at coordinate ``src`` into every rank's ``tensor``."""
+        root = self.mesh.ranks(*_axes(axis))[src]
+        return self._run("broadcast", axis, tag, _nbytes(tensor), async_op,
+                         lambda group: dist.broadcast(tensor, src=root, group=group, async_op=async_op))
+
+    def send(self, tensor: torch.Tensor, axis: Axes, peer: int, *, tag: str | None = None) -> Pending:
         """Start sending ``tensor`` to the rank at coordinate ``peer`` along ``axis``; never blocks.
         Between two ranks messages arrive in the order they were sent (one tag, as NCCL and gloo
         match them), so the receiver posts its ``recv`` calls in the same order. ``tensor`` must
         stay unchanged until ``wait()`` returns."""
-        dst = self.mesh.ranks(axis)[peer]
+        dst = self.mesh.ranks(*_axes(axis))[peer]
         return self._run("send", axis, tag, _nbytes(tensor), True,
                          lambda group: dist.isend(tensor, dst=dst, group=group), peer=dst)
 
-    def recv(self, tensor: torch.Tensor, axis: str, peer: int, *, tag: str | None = None) -> Pending:
+    def recv(self, tensor: torch.Tensor, axis: Axes, peer: int, *, tag: str | None = None) -> Pending:
         """Start receiving into ``tensor`` from the rank at coordinate ``peer`` along ``axis``;
         ``wait()`` blocks until it has arrived. Counted as 0 bytes: the sender counts them."""
-        src = self.mesh.ranks(axis)[peer]
+        src = self.mesh.ranks(*_axes(axis))[peer]
         return self._run("recv", axis, tag, _nbytes(tensor), True,
                          lambda group: dist.irecv(tensor, src=src, group=group), peer=src)
 
@@ -213,18 +262,23 @@ class Comm:
         return (f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of the group "
                 f"{list(record.group)} did not reach it (dead, or stuck elsewhere)")
 
-    def _run(self, op: str, axis: str, tag: str | None, nbytes: int, async_op: bool, call,
-             peer: int | None = None) -> Pending | None:
-        n = self.mesh.size(axis)
-        group = tuple(self.mesh.ranks(axis))
-        record = CommRecord(op, axis, tag, ring_bytes(op, nbytes, n), time.perf_counter(), group,
-                            self._issued.get(group, 0), peer)
+    def _run(self, op: str, axis: Axes, tag: str | None, nbytes: int, async_op: bool, call,
+             peer: int | None = None, sent: float | None = None, alone=None) -> Pending | None:
+        """Run ``call(group)`` and record it; in a group of one rank, ``alone()`` instead (what
+        the operation does there: an out-of-place gather or scatter copies its input)."""
+        axes = _axes(axis)
+        n = self.mesh.size(*axes)
+        group = tuple(self.mesh.ranks(*axes))
+        record = CommRecord(op, self.mesh.label(*axes), tag, ring_bytes(op, nbytes, n) if sent is None else sent,
+                            time.perf_counter(), group, self._issued.get(group, 0), peer)
         if n == 1:  # nothing to exchange
+            if alone is not None:
+                alone()
             return Pending(None, record, self) if async_op else None
         self._issued[group] = record.sequence + 1
         self.ledger.add(record)
         try:
-            work = call(self.mesh.group(axis))
+            work = call(self.mesh.group(*axes))
         except RuntimeError as err:
             raise self.error(record, err) from err
         if async_op:
@@ -233,5 +287,45 @@ class Comm:
         return None
 
 
+def _axes(axis: Axes) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _copy(output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.data_ptr() != input.data_ptr():
+        output.view(-1).copy_(input.reshape(-1))
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all`` as a differentiable operation. Its transpose is itself with the split
+    sizes swapped: the gradient of each row goes back to the rank that sent the row."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis, output_split_sizes, input_split_sizes, tag):
+        ctx.comm, ctx.axis, ctx.tag = comm, axis, tag
+        ctx.splits = (output_split_sizes, input_split_sizes)
+        rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        out = x.new_empty((rows, *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), axis, output_split_sizes=output_split_sizes,
+                        input_split_sizes=input_split_sizes, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_split_sizes, input_split_sizes = ctx.splits
+        rows = grad.shape[0] if input_split_sizes is None else sum(input_split_sizes)
+        grad_in = grad.new_empty((rows, *grad.shape[1:]))
+        ctx.comm.all_to_all(grad_in, grad.contiguous(), ctx.axis, output_split_sizes=input_split_sizes,
+                            input_split_sizes=output_split_sizes, tag=ctx.tag)
+        return grad_in, None, None, None, None, None
+
+
+def all_to_all_autograd(comm: Comm, x: torch.Tensor, axis: Axes, *, output_split_sizes: list[int] | None = None,
+                        input_split_sizes: list[int] | None = None, tag: str | None = None) -> torch.Tensor:
+    """``comm.all_to_all`` of ``x`` into a new tensor, through autograd (backward: the
+    transposed all-to-all, counted like the forward one)."""
+    return _AllToAll.apply(x, comm, axis, output_split_sizes, input_split_sizes, tag)

@@ -24,13 +24,16 @@ import torch.distributed as dist
 from threefold.config import ConfigError, ParallelConfig
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first; the grid's dimensions in this order
+# Groups over several axes created by default: weight gradients of a context-parallel model
+# are reduced over dp × cp; experts are placed over dp × ep (or dp × tp when ep reuses tp's ranks).
+COMBINED = (("dp", "cp"), ("dp", "tp"), ("dp", "ep"))
 
 
 class ParallelMesh:
     """This rank's place in the grid of ranks, and a process group for each axis (or set of axes)."""
 
     def __init__(self, sizes: dict[str, int], rank: int = 0, timeout_s: float = 300.0,
-                 combined: tuple[tuple[str, ...], ...] = (("dp", "cp"),),
+                 combined: tuple[tuple[str, ...], ...] = COMBINED,
                  device: torch.device | None = None, owns_process_group: bool = False):
         unknown = set(sizes) - set(AXES)
         if unknown:
@@ -106,6 +109,11 @@ class ParallelMesh:
         if key not in self._groups:
             raise KeyError(f"no process group was created for axes {key}; pass it to ParallelMesh(combined=...)")
         return self._groups[key]
+
+    def label(self, *axes: str) -> str:
+        """The key the ledger counts a group's traffic under: its axes of size > 1 joined in the
+        grid's order ("dp+cp"), or the axes as given when all have size 1."""
+        return "+".join(self._key(axes) or self._ordered(axes))
 
     def shutdown(self) -> None:
         """Destroy the groups this mesh created, and the job's group if the mesh started it."""
