@@ -173,7 +173,7 @@ def tiny_model_step(method: str, recompute: str, dp: int = 1) -> dict:
     batch, computed on every rank."""
     import torch.distributed as dist
 
-    from threefold.config import load_config
+    from threefold.configure import load_config
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh
     from threefold.models.llama import Llama, cross_entropy
@@ -239,7 +239,8 @@ def test_apply_cp_on_the_tiny_model_equals_one_process(distributed, method, reco
     ([], 2, "stripes", "parallel.cp_method: 'stripes' is not one of ring, allgather, ulysses"),
 ])
 def test_a_layout_context_parallelism_cannot_run_is_refused_in_one_line(sets, cp, method, message):
-    from threefold.config import ConfigError, load_config
+    from threefold.config import ConfigError
+    from threefold.configure import load_config
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh
     from threefold.models.llama import Llama

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from test_train import config, corpus  # noqa: F401  (the 40 kB corpus fixture)
-from threefold.config import Config, ConfigError, ModelConfig, load_config
+from threefold.config import Config, ConfigError, ModelConfig
+from threefold.configure import load_config
 from threefold.models import moe
 from threefold.models.llama import Llama, SwiGLU, cross_entropy
 from threefold.models.presets import PRESETS, get_preset

@@ -16,7 +16,7 @@ import pytest
 from test_faults import children, losses
 from test_train import TINY, corpus  # noqa: F401  (the corpus fixture)
 
-from threefold.config import load_config
+from threefold.configure import load_config
 from threefold.train.checkpoint import list_checkpoints
 from threefold.train.trainer import train
 
