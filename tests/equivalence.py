@@ -70,12 +70,13 @@ def train_steps(engine, cfg, batches) -> dict:
 
 
 def new_engine(cfg):
-    """The plain model from the run's seed, transformed by the public ``build_engine``."""
+    """The plain model built on the meta device and transformed by the public ``build_engine``,
+    which draws this rank's tensors from the run's seed, as the trainer does."""
     from threefold.models.llama import Llama
     from threefold.train.engine import build_engine
 
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
     model.set_recompute(cfg.train.recompute)
     return build_engine(model, cfg)
 
@@ -121,7 +122,10 @@ def run_case(name: str) -> dict:
     """One rank's run of a matrix case (the workers call this)."""
     cfg = matrix_config(*CASES[name])
     engine = new_engine(cfg)
+    out_initial = engine.model_state_dict()  # built on meta, materialised per rank
+    engine.comm_bytes()  # the gathers of that state are not a step's
     out = train_steps(engine, cfg, global_batches(cfg, STEPS))
+    out["initial"] = out_initial
     out["state"] = engine.model_state_dict()
     out["coords"] = dict(engine.mesh.coords)
     out["local_numel"] = sum(s.tensor.numel() for s in engine.weight_shards())  # the pieces this rank holds
@@ -169,6 +173,8 @@ def reference(name: str) -> dict:
 def assert_same_training(results: list[dict], ref: dict, loss_rtol: float = LOSS_RTOL,
                          param_rtol: float = PARAM_RTOL) -> None:
     for r in results:
+        if "initial" in r:  # every layout starts from exactly the single-process weights
+            assert all(torch.equal(r["initial"][k], v) for k, v in ref["initial"].items())
         assert r["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
         assert r["norms"] == pytest.approx(ref["norms"], rel=10 * loss_rtol)
         assert r.get("round_trip", True)

@@ -18,6 +18,7 @@ sequence split across ranks), and each block's feed-forward comes from ``make_ml
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +154,22 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+def initial_value(cfg: ModelConfig, name: str, shape, seed: int) -> torch.Tensor:
+    """The initial value of the full parameter ``name`` (a plain-model key) of shape ``shape``:
+    norm gains 1; everything else Normal(0, 0.02), the projections that write into the residual
+    stream (wo, w_down, the experts' w_down) scaled by 1/√(2·layers), as GPT-2 and Megatron do.
+
+    Each parameter has its own generator, seeded by the run's seed and the parameter's name, so
+    a rank that holds a few tensors (a pipeline stage, a tp shard cut from the full tensor) draws
+    exactly the values every other layout draws for them, without generating the rest."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    residual = name.endswith(("wo.weight", "w_down.weight", "experts.w_down"))
+    std = 0.02 / math.sqrt(2 * cfg.layers) if residual else 0.02
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+    return torch.randn(tuple(shape), generator=generator) * std
+
+
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward block of layer ``layer``: the seam where experts replace the dense MLP."""
     if not is_moe_layer(cfg, layer):
@@ -203,16 +220,10 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, 0.02) everywhere; the projections that write into the residual stream
-        (wo, w_down) scaled by 1/√(2·layers), as GPT-2 and Megatron do. Deterministic in the seed."""
-        gen = torch.Generator().manual_seed(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
+        """Every parameter drawn as ``initial_value`` draws it (its own generator, seeded by the
+        run's seed and its name). Deterministic in the seed, whatever holds the tensor."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.copy_(initial_value(self.cfg, name, p.shape, seed))
         self._refresh_rope()
 
     def _refresh_rope(self) -> None:

@@ -106,6 +106,21 @@ def region(full: torch.Tensor, offsets, shape) -> torch.Tensor:
     return full
 
 
+def local_piece(full: torch.Tensor, placement: Placement, local_shape) -> torch.Tensor:
+    """The part of the full tensor that a rank holding ``local_shape`` at ``placement`` keeps:
+    the whole, or the slice along ``placement.dim``, zero-padded where it reaches past the end
+    (a vocabulary tp does not divide). The inverse of a piece's placement."""
+    if placement.dim is None:
+        return full
+    dim, size = placement.dim, local_shape[placement.dim]
+    short = placement.start + size - full.shape[dim]
+    if short > 0:
+        padding = list(full.shape)
+        padding[dim] = short
+        full = torch.cat([full, full.new_zeros(padding)], dim=dim)
+    return full.narrow(dim, placement.start, size)
+
+
 def _placed(name: str, placement: Placement, offsets, view: torch.Tensor, also_sharded=()) -> list[Shard]:
     """The local box at ``offsets`` (held by ``view``) moved into the full tensor."""
     offsets = list(offsets)

@@ -8,7 +8,13 @@ transforms the plain model, which every rank built from the same seed, in one do
   3. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
                                          fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=1);
 
-then assembles the parts, their gradient synchronisation, one torch AdamW over what each rank
+A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
+step 2: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
+per parameter, seeded by the run's seed and its name), cuts its piece by the placement, and
+holds it on its own device; so peak memory while building is this rank's share plus the largest
+single tensor, and every layout starts from the single-process weights bit for bit.
+
+Then it assembles the parts, their gradient synchronisation, one torch AdamW over what each rank
 updates, and a driver: the plain micro-batch loop, or the pipeline runtime playing this rank's
 actions of the schedule. Every local tensor has a ``Placement`` (placements.py), written by
 the transformation that cut it, from which the gradient norm, the full state dict and the
@@ -42,10 +48,11 @@ from torch import nn
 from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
-from threefold.models.llama import Llama, cross_entropy
+from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
 from threefold.parallel.data_parallel import BucketGradSync, LocalGradSync
-from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, region, \
-    sum_partial_grads
+from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
+    sum_partial_grads, whole_shards
 
 
 def decay_groups(named_params) -> tuple[list, list]:
@@ -105,6 +112,82 @@ def named_plain_parameters(part: nn.Module, tied: bool) -> list[tuple[str, nn.Pa
     return [("embed.weight" if tied and key == "head.weight" else key, p) for key, p in part.named_parameters()]
 
 
+@dataclasses.dataclass
+class CutModel:
+    """This rank's part of the model after tensor parallelism and the pipeline split."""
+    parts: dict[int, nn.Module]  # stage → module (one part, stage 0, without a pipeline)
+    placements: dict[str, Placement]  # plain-model key → where this rank's tensor sits
+    tp: object | None  # tensor_parallel.TensorParallelGroup, when tp > 1
+    schedule: object | None  # pipeline/schedule.Schedule, when pp > 1
+    tied_param: nn.Parameter | None = None  # pipeline, tied embeddings: the copy this rank's end stage holds
+    tied_stage: int | None = None
+
+
+def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
+    """Transformations 1 and 2 of the plain ``model``, in place: tensor (and sequence)
+    parallelism, then this rank's pipeline stages; a model on the meta device is then
+    materialised, this rank's tensors only."""
+    p = cfg.parallel
+    on_meta = any(q.is_meta for q in model.parameters())
+    if not on_meta:
+        model.to(mesh.device)
+    placements = {k: Placement(tuple(v.shape)) for k, v in model.state_dict().items()}
+
+    # 1. tensor (and sequence) parallelism
+    tp = None
+    if mesh.size("tp") > 1:
+        from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
+
+        tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel, cfg.model.vocab_size)
+        placements.update(apply_tp(model, tp))
+
+    # 2. pipeline: this rank's stages (one part per stage), or the whole model as one part
+    cut = CutModel({0: model}, placements, tp, None)
+    if mesh.size("pp") > 1:
+        from threefold.parallel.pipeline.partition import partition
+        from threefold.parallel.pipeline.schedule import build_schedule
+        from threefold.parallel.pipeline.stages import stage_modules
+
+        cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
+        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), p.virtual_stages),
+                                  cut.schedule.stages_of(mesh.coord("pp")))
+        if cfg.model.tie_embeddings:
+            ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
+            cut.tied_param = ends[0].weight if ends else None
+            cut.tied_stage = next((st for st, m in cut.parts.items() if m.first or m.last), None)
+            if not any(m.first for m in cut.parts.values()):  # the last stage's copy: counted once, by stage 0
+                for key in ("embed.weight", "head.weight"):
+                    placements[key] = dataclasses.replace(placements[key], duplicate=True)
+    if on_meta:  # draw the tensors this rank keeps, and only those
+        materialise(cut, cfg, mesh.device)
+    return cut
+
+
+@torch.no_grad()
+def materialise(cut: CutModel, cfg: Config, device: torch.device) -> None:
+    """Give every meta tensor of this rank's parts its real value on ``device``: a parameter its
+    initial value (drawn whole, then cut by its placement), a buffer zeros, the rotary tables
+    computed."""
+    m = cfg.model
+    for part in cut.parts.values():
+        real = {}  # id of a meta parameter → its materialised replacement (a tied one is made once)
+        for key, q in named_plain_parameters(part, m.tie_embeddings):
+            if q.is_meta:
+                full = initial_value(m, key, cut.placements[key].full_shape, cfg.train.seed)
+                real[id(q)] = nn.Parameter(local_piece(full, cut.placements[key], q.shape).to(device).clone(),
+                                           requires_grad=q.requires_grad)
+        for module in part.modules():
+            for name, q in module._parameters.items():
+                if q is not None and id(q) in real:
+                    module._parameters[name] = real[id(q)]
+        if cut.tied_param is not None and id(cut.tied_param) in real:
+            cut.tied_param = real[id(cut.tied_param)]
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+        part.rope_cos, part.rope_sin = (t.to(device) for t in rotary_tables(m.head_dim, m.seq_len, m.rope_theta))
+
+
 def build_engine(model: Llama, cfg: Config) -> "Engine":
     """The engine for ``cfg.parallel`` on this rank: joins the job's process group (creating it
     under torchrun), builds the mesh, and transforms the full plain ``model`` every rank built
@@ -127,43 +210,12 @@ class Engine:
         self.activation_meter = None  # set by the trainer: counts bytes saved for backward
         self.tied = cfg.model.tie_embeddings
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # the plain model's
-        model.to(mesh.device)
-        self.placements = {k: Placement(shape) for k, shape in self.shapes.items()}
-
-        # 1. tensor (and sequence) parallelism
-        self.tp = None
-        self.loss_fn = cross_entropy
-        if mesh.size("tp") > 1:
-            from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp, vocab_parallel_cross_entropy
-
-            self.tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel,
-                                          cfg.model.vocab_size)
-            self.placements.update(apply_tp(model, self.tp))
-            self.loss_fn = functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
-
-        # 2. pipeline: this rank's stages (one part per stage), or the whole model as one part
-        self.schedule = self.runtime = None
-        self.tied_param = None  # pipeline with tied embeddings: the copy this rank's end stage holds
-        if self.pp > 1:
-            from threefold.parallel.pipeline.partition import partition
-            from threefold.parallel.pipeline.schedule import build_schedule
-            from threefold.parallel.pipeline.stages import stage_modules
-
-            self.schedule = build_schedule(p.schedule, self.pp, cfg.microbatches, p.virtual_stages)
-            self.parts = stage_modules(model, partition(cfg.model, self.pp, p.virtual_stages),
-                                       self.schedule.stages_of(self.pp_rank))
-            if self.tied:
-                ends = ([m.embed for m in self.parts.values() if m.first] +
-                        [m.head for m in self.parts.values() if m.last])
-                self.tied_param = ends[0].weight if ends else None
-                self.tied_stage = next((st for st, m in self.parts.items() if m.first or m.last), None)
-                if not any(m.first for m in self.parts.values()):  # the last stage's copy: counted once, by stage 0
-                    for key in ("embed.weight", "head.weight"):
-                        self.placements[key] = dataclasses.replace(self.placements[key], duplicate=True)
-            self.model = nn.ModuleList(self.parts.values())
-        else:
-            self.parts = {0: model}
-            self.model = model
+        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 and 2, and materialisation
+        self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
+        self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
+        self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
+        self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
+        self.runtime = None
 
         # 3. gradient synchronisation over dp, per part
         zero = p.zero if self.dp_size > 1 else 0  # ZeRO over one replica shards nothing
@@ -401,7 +453,16 @@ class Engine:
 
     # --- layout-independent checkpoints: this rank's pieces of the full states --------------
     def weight_shards(self) -> list[Shard]:
-        return [s for sync in self.syncs.values() for s in sync.weight_shards()]
+        """This rank's pieces of the model's state: its parameters (as its gradient sync holds
+        them) and its persistent buffers (whole: the experts' routing biases)."""
+        buffers = [s for part in self.parts.values() for key, b in self._persistent_buffers(part)
+                   for s in whole_shards(f"model/{key}", b, Placement(tuple(b.shape)))]
+        return [s for sync in self.syncs.values() for s in sync.weight_shards()] + buffers
+
+    @staticmethod
+    def _persistent_buffers(part: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        keys = set(part.state_dict(keep_vars=True))
+        return [(key, b) for key, b in part.named_buffers() if key in keys]
 
     def moment_shards(self) -> list[Shard]:
         """Adam's moments of what this rank updates (created as AdamW would, if no step ran yet)."""

@@ -94,7 +94,10 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
     t = cfg.train
 
-    model = Llama(cfg.model)
+    # Built on the meta device: the engine draws only the tensors this rank keeps. Weights loaded
+    # from a file are read whole, into a real model.
+    with torch.device("cpu" if cfg.model.init_from else "meta"):
+        model = Llama(cfg.model)
     if cfg.model.init_from:  # pretrained weights from a Hugging Face folder or a checkpoint
         from threefold.interop.hf import describe_init_from, init_from_state
 
@@ -102,8 +105,6 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         if _is_main_process():
             console.print(f"model.init_from: loaded {describe_init_from(cfg.model.init_from)}", markup=False,
                           highlight=False)
-    else:
-        model.init_weights(t.seed)
     model.set_recompute(t.recompute)
     n_params = sum(p.numel() for p in model.parameters())  # before a strategy keeps its part
     moe = bool(model.moe_layers())
