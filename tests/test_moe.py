@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from test_train import config, corpus  # noqa: F401  (the 40 kB corpus fixture)
 from threefold.config import Config, ConfigError, ModelConfig, load_config
 from threefold.models import moe
-from threefold.models.llama import Llama, SwiGLU, cross_entropy
+from threefold.models.llama import Llama, cross_entropy
 from threefold.models.presets import PRESETS, get_preset
 from threefold.models.sizes import is_moe_layer, moe_parameter_counts
 from threefold.train.engine import Engine
@@ -163,14 +163,11 @@ def test_the_aux_loss_gradient_is_the_scaled_loss_added_to_the_objective():
 
     m.zero_grad()
     m.eval()
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0]))) for layer in m.moe_layers()]
+    inputs = layer_inputs(m, x)  # a forward of its own: the sum of both graphs' gradients is the objective's
     loss = cross_entropy(m(x), x)
-    routings = [mod.route(h.reshape(-1, h.shape[-1])) for mod, h in inputs]
+    routings = [layer.route(h) for layer, h in zip(m.moe_layers(), inputs)]
     aux = sum(coef * moe.load_balancing_loss(r.scores, r.experts) for r in routings)
     (loss + scale * aux).backward()
-    for hook in hooks:
-        hook.remove()
     assert recorded == pytest.approx(aux.item(), rel=1e-5)
     for name, g in grads(m).items():
         torch.testing.assert_close(attached[name], g, rtol=1e-5, atol=1e-7, msg=name)
