@@ -430,3 +430,16 @@ def test_export_refuses_what_mixtral_cannot_represent(changes, needle):
     state["blocks.1.mlp.expert_bias"][2] = 0.5
     with pytest.raises(ConfigError, match="blocks.1.mlp.expert_bias is not zero; Mixtral routes without a bias"):
         hf.to_hf_tensors(cfg, state, "run")
+
+
+def test_the_demo_config_is_the_tiny_moe_with_the_tiny_models_active_size():
+    from pathlib import Path
+
+    from threefold.interop.commands import describe
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "moe.toml").model
+    assert cfg.preset == "tiny-moe" and cfg.moe_experts == 8 and cfg.moe_top_k_experts * cfg.moe_ffn_hidden == \
+        get_preset("tiny").ffn_hidden
+    cfg = dataclasses.replace(cfg, vocab_size=4096)
+    assert describe(cfg).startswith("10.5M parameters: 4 layers, hidden 256, 8 heads (4 kv), ffn 704, "
+                                    "8 experts of 352 (top-2, 4.0M active)")
