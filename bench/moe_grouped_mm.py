@@ -97,9 +97,9 @@ def main(repeats: int) -> None:
             t = numbers[key]
             table.add_row(name, label, f"{t['grouped']:.4f}", f"{t['loop']:.4f}", f"{t['dense']:.4f}",
                           f"{t['loop'] / t['grouped']:.2f}", f"{factor * numbers['gflop_forward'] / t['grouped']:.0f}")
-    console.print(table)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    console.print(table)
     console.print(f"written to {RESULTS}")
 
 

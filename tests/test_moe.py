@@ -13,7 +13,7 @@ from test_train import config, corpus  # noqa: F401  (the 40 kB corpus fixture)
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.configure import load_config
 from threefold.models import moe
-from threefold.models.llama import Llama, SwiGLU, cross_entropy
+from threefold.models.llama import Llama, cross_entropy
 from threefold.models.presets import PRESETS, get_preset
 from threefold.models.sizes import is_moe_layer, moe_parameter_counts
 from threefold.train.engine import Engine
@@ -164,14 +164,11 @@ def test_the_aux_loss_gradient_is_the_scaled_loss_added_to_the_objective():
 
     m.zero_grad()
     m.eval()
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0]))) for layer in m.moe_layers()]
+    inputs = layer_inputs(m, x)  # a forward of its own: the sum of both graphs' gradients is the objective's
     loss = cross_entropy(m(x), x)
-    routings = [mod.route(h.reshape(-1, h.shape[-1])) for mod, h in inputs]
+    routings = [layer.route(h) for layer, h in zip(m.moe_layers(), inputs)]
     aux = sum(coef * moe.load_balancing_loss(r.scores, r.experts) for r in routings)
     (loss + scale * aux).backward()
-    for hook in hooks:
-        hook.remove()
     assert recorded == pytest.approx(aux.item(), rel=1e-5)
     for name, g in grads(m).items():
         torch.testing.assert_close(attached[name], g, rtol=1e-5, atol=1e-7, msg=name)
@@ -434,3 +431,16 @@ def test_export_refuses_what_mixtral_cannot_represent(changes, needle):
     state["blocks.1.mlp.expert_bias"][2] = 0.5
     with pytest.raises(ConfigError, match="blocks.1.mlp.expert_bias is not zero; Mixtral routes without a bias"):
         hf.to_hf_tensors(cfg, state, "run")
+
+
+def test_the_demo_config_is_the_tiny_moe_with_the_tiny_models_active_size():
+    from pathlib import Path
+
+    from threefold.interop.commands import describe
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "moe.toml").model
+    assert cfg.preset == "tiny-moe" and cfg.moe_experts == 8 and cfg.moe_top_k_experts * cfg.moe_ffn_hidden == \
+        get_preset("tiny").ffn_hidden
+    cfg = dataclasses.replace(cfg, vocab_size=4096)
+    assert describe(cfg).startswith("10.5M parameters: 4 layers, hidden 256, 8 heads (4 kv), ffn 704, "
+                                    "8 experts of 352 (top-2, 4.0M active)")

@@ -66,8 +66,6 @@ from torch import nn
 
 from threefold.config import ModelConfig
 
-ROUTERS = ("softmax", "sigmoid")
-
 
 # --- step 1: route and permute ----------------------------------------------------------------
 
