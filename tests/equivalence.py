@@ -3,8 +3,9 @@
 Every case trains the same tiny model from the same seed on the same global batches for a few
 AdamW steps, and must reproduce the single-process run's losses, gradient norms and parameters,
 and send exactly the bytes per mesh axis that the planner's formulas give. The strategy test
-files use the helpers here (``global_batches``, ``my_micro_batches``, ``train_steps``,
-``train_reference``) for their own, strategy-specific checks.
+files (test_data_parallel, test_tensor_parallel, test_pipeline) run their layouts through the
+same ``case`` and ``reference`` and compare them with the same ``assert_same_training``; what
+they add are checks specific to their strategy (bytes, memory, overlap, activations).
 
 Tolerances (fp32), in one place. A parallel layout computes the same sums in another order:
 per-rank partial gradients then their reduction (dp), row-parallel partial products and
@@ -64,6 +65,8 @@ def train_steps(engine, cfg, batches) -> dict:
         out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
         engine.optimizer_step(cfg.train.lr)
         out["memory"] = engine.memory_bytes()
+        # Gradient elements this rank sums over an axis (SP's norm gains over tp), as it holds them.
+        out["partial_numel"] = sum(s.tensor.numel() for s in engine.grad_shards() if s.partial)
         engine.zero_grad()
         out["comm"].append(engine.comm_bytes())
     return out
@@ -97,8 +100,105 @@ def train_reference(cfg, steps: int):
     return engine, out
 
 
+# --- running a layout, and its single-process reference -----------------------------------------
+def run_layout(overrides: tuple[str, ...], steps: int = STEPS) -> dict:
+    """One rank's run of the layout ``overrides`` (the workers call this): the steps, the states
+    before and after, where the rank sits, and an evaluation after the steps."""
+    from threefold.configure import load_config
+
+    cfg = load_config(None, list(overrides))
+    engine = new_engine(cfg)
+    initial = engine.model_state_dict()  # built on meta, materialised per rank
+    engine.comm_bytes()  # the gathers of that state are not a step's
+    out = train_steps(engine, cfg, global_batches(cfg, steps))
+    out["initial"], out["state"] = initial, engine.model_state_dict()
+    out["timeline"] = engine.step_timeline()
+    out["coords"], out["pp_rank"] = dict(engine.mesh.coords), engine.pp_rank
+    out["stage_numel"] = stage_numel(engine)
+    engine.load_model_state_dict(out["state"])
+    again, plain = engine.model_state_dict(), engine.plain_model().state_dict()
+    out["round_trip"] = all(torch.equal(again[k], v) and torch.equal(plain[k], v) for k, v in out["state"].items())
+    engine.comm_bytes()  # the gathers above
+    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    out["eval_comm"] = engine.comm_bytes()
+    engine.shutdown()
+    return out
+
+
+def stage_numel(engine) -> int:
+    """Elements of this rank's stages' parameters as tp leaves them (the dp group replicates them):
+    what ``costs.dp_bytes_per_step`` is given. Counted from the placements, so ZeRO-3 counts too."""
+    import math
+
+    local = 0
+    for key in {key for sync in engine.syncs.values() for key in sync.keys}:
+        placement = engine.placements[key]
+        shape = list(placement.full_shape)
+        if placement.dim is not None:
+            shape[placement.dim] = -(-shape[placement.dim] // engine.mesh.size("tp"))  # padded tp slice
+        local += math.prod(shape)
+    return local
+
+
+_cases: dict = {}
+
+
+def case(distributed, overrides) -> list[dict]:
+    """Every rank's ``run_layout`` of ``overrides``; each layout runs once per session."""
+    from threefold.configure import load_config
+
+    overrides = tuple(overrides)
+    if overrides not in _cases:
+        world = load_config(None, list(overrides)).parallel.world_size
+        _cases[overrides] = distributed.run(world, run_layout, overrides)
+    return _cases[overrides]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(overrides: tuple[str, ...]) -> dict:
+    from threefold.configure import load_config
+
+    cfg = load_config(None, [o for o in overrides if not o.startswith("parallel.")])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread like each worker: the same kernels
+    try:
+        engine, out = train_reference(cfg, STEPS)
+        out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def reference(overrides) -> dict:
+    """The layout's single-process run: the same overrides without the [parallel] keys (the same
+    global batches, split into the micro-batches one process takes)."""
+    return _reference(tuple(overrides))
+
+
+def assert_same_training(results: list[dict], ref: dict, loss_rtol: float = LOSS_RTOL,
+                         param_rtol: float = PARAM_RTOL) -> None:
+    for r in results:
+        if "initial" in r:  # every layout starts from exactly the single-process weights
+            assert all(torch.equal(r["initial"][k], v) for k, v in ref["initial"].items())
+        assert r["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=10 * loss_rtol)
+        if "eval_loss" in r and "eval_loss" in ref:
+            assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=loss_rtol)
+        assert r.get("round_trip", True)
+    state = results[0]["state"]
+    assert list(state) == list(ref["state"])  # the plain model's keys, in order, with its shapes
+    for key, want in ref["state"].items():
+        got = state[key]
+        assert got.shape == want.shape, key
+        error = (got - want).norm().item()
+        assert error <= param_rtol * want.norm().item(), key
+        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
+        for other in results[1:]:
+            assert torch.equal(other["state"][key], got), f"ranks differ in {key}"
+
+
 # --- the matrix ---------------------------------------------------------------------------------
-# name → the layout's overrides. The single-process reference of a case drops its [parallel] keys.
+# name → the layout's overrides (on TINY). Among them, the layouts the one engine made possible.
 CASES = {
     "dp2": ["parallel.dp=2"],
     "dp2-zero3": ["parallel.dp=2", "parallel.zero=3"],
@@ -118,73 +218,5 @@ CASES = {
 }
 
 
-def run_case(name: str) -> dict:
-    """One rank's run of a matrix case (the workers call this)."""
-    cfg = matrix_config(*CASES[name])
-    engine = new_engine(cfg)
-    out_initial = engine.model_state_dict()  # built on meta, materialised per rank
-    engine.comm_bytes()  # the gathers of that state are not a step's
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["initial"] = out_initial
-    out["state"] = engine.model_state_dict()
-    out["coords"] = dict(engine.mesh.coords)
-    out["local_numel"] = sum(s.tensor.numel() for s in engine.weight_shards())  # the pieces this rank holds
-    out["stage_numel"] = stage_numel(engine)
-    engine.load_model_state_dict(out["state"])
-    out["round_trip"] = all(torch.equal(engine.model_state_dict()[k], v) for k, v in out["state"].items())
-    engine.comm_bytes()  # the gathers above
-    engine.shutdown()
-    return out
-
-
-def stage_numel(engine) -> int:
-    """Elements of this rank's stages' parameters as tp leaves them (the dp group replicates them):
-    what ``costs.dp_bytes_per_step`` is given. Counted from the placements, so ZeRO-3 counts too."""
-    import math
-
-    keys = {key for sync in engine.syncs.values() for key in sync.keys}
-    local = 0
-    for key in keys:
-        placement = engine.placements[key]
-        shape = list(placement.full_shape)
-        if placement.dim is not None:
-            shape[placement.dim] = -(-shape[placement.dim] // engine.mesh.size("tp"))  # padded tp slice
-        local += math.prod(shape)
-    return local
-
-
-@functools.lru_cache(maxsize=None)
-def reference(name: str) -> dict:
-    """One process, one thread like each worker (the same kernels), the case's batch split."""
-    cfg = matrix_config(*CASES[name])
-    single = [o for o in CASES[name] if not o.startswith("parallel.")]
-    # The same micro-batches per replica as the case: global_batch / (dp · micro_batch) each.
-    ref_cfg = matrix_config(*single)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _, out = train_reference(ref_cfg, STEPS)
-    finally:
-        torch.set_num_threads(threads)
-    out["cfg"] = cfg
-    return out
-
-
-def assert_same_training(results: list[dict], ref: dict, loss_rtol: float = LOSS_RTOL,
-                         param_rtol: float = PARAM_RTOL) -> None:
-    for r in results:
-        if "initial" in r:  # every layout starts from exactly the single-process weights
-            assert all(torch.equal(r["initial"][k], v) for k, v in ref["initial"].items())
-        assert r["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
-        assert r["norms"] == pytest.approx(ref["norms"], rel=10 * loss_rtol)
-        assert r.get("round_trip", True)
-    state = results[0]["state"]
-    assert list(state) == list(ref["state"])  # the plain model's keys, in order, with its shapes
-    for key, want in ref["state"].items():
-        got = state[key]
-        assert got.shape == want.shape, key
-        error = (got - want).norm().item()
-        assert error <= param_rtol * want.norm().item(), key
-        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
-        for other in results[1:]:
-            assert torch.equal(other["state"][key], got), f"ranks differ in {key}"
+def matrix_case(name: str) -> tuple[str, ...]:
+    return tuple(TINY + CASES[name])

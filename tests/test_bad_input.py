@@ -185,6 +185,9 @@ ZERO_MEANS = {
     "train.checkpoint_every": "a checkpoint at the end only",
     "train.sample_tokens": "no sample at the end",
     "train.seed": "seed 0",
+    "model.moe_experts": "a dense model",
+    "model.moe_shared_experts": "no shared expert",
+    "model.moe_first_dense": "experts from the first layer on",
 }
 PATH_KEYS = ["data.corpus", "data.tokenizer", "data.cache_dir", "train.checkpoint_dir", "model.init_from"]
 

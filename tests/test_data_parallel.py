@@ -6,24 +6,18 @@ run must reproduce its losses and parameters, send exactly the bytes the planner
 ``costs.estimate`` adds) and hold exactly the model-state bytes it predicts
 (``costs.model_state_bytes``).
 
-Tolerances. Data parallelism sums the same gradients in another order (per rank, then across
-ranks), so fp32 results differ from the reference by rounding. Losses and gradient norms agree
-to ~1e-7 (asserted: 1e-6). Parameters: Adam divides each gradient by its own running RMS, which
-turns rounding noise on near-zero gradients into differences of up to lr per step. The
-reference compared with itself under another micro-batch split shows the size of that floor:
-per-tensor relative L2 error ~6e-7 after 5 steps at lr 1e-3. We assert 1e-5 per tensor, and
-that the error stays under 1e-3 of the distance the parameters travelled (a wrong gradient
-gives errors of the order of that distance). Replicas must be bitwise identical to each other.
+Every layout runs through tests/equivalence.py's ``case`` and is compared by its
+``assert_same_training``, whose tolerances are justified there, once for all strategies.
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
 import torch
 
-from equivalence import global_batches, my_micro_batches, train_reference, train_steps
+import equivalence
+from equivalence import assert_same_training, global_batches, my_micro_batches, new_engine, train_steps
 from threefold.configure import load_config
 from threefold.models.llama import Llama, count_parameters, cross_entropy
 from threefold.plan.costs import dp_bytes_per_step, model_state_bytes
@@ -36,28 +30,23 @@ TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2"
 
 
 def make_config(dp: int = 1, zero: int = 0, *extra: str):
-    return load_config(None, TINY + [f"parallel.dp={dp}", f"parallel.zero={zero}", *extra])
+    return load_config(None, list(layout(dp, zero, *extra)))
 
 
-def new_engine(cfg):
-    from threefold.train.engine import build_engine
+def layout(dp: int = 1, zero: int = 0, *extra: str) -> tuple[str, ...]:
+    return tuple(TINY + [f"parallel.dp={dp}", f"parallel.zero={zero}", *extra])
 
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    model.set_recompute(cfg.train.recompute)
-    return build_engine(model, cfg)
+
+def case(distributed, dp: int, zero: int, *extra: str) -> list[dict]:
+    """Each layout runs once; the equivalence, ledger and memory tests read the same run."""
+    return equivalence.case(distributed, layout(dp, zero, *extra))
+
+
+def reference(*extra: str) -> dict:
+    return equivalence.reference(layout(1, 0, *extra))
 
 
 # --- functions the workers run (module level, so they pickle) ---------------------------------
-def run_case(dp: int, zero: int, *extra: str) -> dict:
-    cfg = make_config(dp, zero, *extra)
-    engine = new_engine(cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["state"] = engine.model_state_dict()
-    engine.shutdown()
-    return out
-
-
 def run_resume(dp: int, zero: int, folder: str) -> bool:
     """3 steps, checkpoint, 2 more; a fresh engine loaded from the checkpoint runs the same 2: identical?"""
     from threefold.train import checkpoint
@@ -131,43 +120,6 @@ def run_activation_bytes() -> int:
     measured = saved_activation_bytes(engine, engine.parameter_storages)
     engine.shutdown()
     return measured
-
-
-# --- the single-process reference ---------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def reference(*extra: str) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the pool's workers are up beside us: one thread each avoids spinning
-    try:
-        return train_reference(make_config(1, 0, *extra), STEPS)[1]
-    finally:
-        torch.set_num_threads(threads)
-
-
-_cases: dict = {}
-
-
-def case(distributed, dp: int, zero: int, *extra: str) -> list[dict]:
-    """Each layout runs once; the equivalence, ledger and memory tests read the same run."""
-    key = (dp, zero, extra)
-    if key not in _cases:
-        _cases[key] = distributed.run(dp, run_case, dp, zero, *extra)
-    return _cases[key]
-
-
-def assert_same_training(results: list[dict], ref: dict, loss_rtol: float = 1e-6, param_rtol: float = 1e-5) -> None:
-    for rank_result in results:
-        assert rank_result["losses"] == pytest.approx(ref["losses"], rel=loss_rtol)
-        assert rank_result["norms"] == pytest.approx(ref["norms"], rel=10 * loss_rtol)
-    state = results[0]["state"]
-    assert list(state) == list(ref["state"])  # the plain model's keys, in order
-    for key, want in ref["state"].items():
-        got = state[key]
-        error = (got - want).norm().item()
-        assert error <= param_rtol * want.norm().item(), key
-        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
-        for other in results[1:]:
-            assert torch.equal(other["state"][key], got), f"replicas differ in {key}"
 
 
 LAYOUTS = [(dp, zero) for dp in (2, 4) for zero in (0, 1, 2, 3)]

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from equivalence import CASES, assert_same_training, matrix_config, reference, run_case
+from equivalence import CASES, assert_same_training, case, matrix_case, matrix_config, reference
 from threefold.plan import costs
-
-_runs: dict = {}
 
 
 def run(distributed, name: str) -> list[dict]:
-    if name not in _runs:
-        _runs[name] = distributed.run(matrix_config(*CASES[name]).parallel.world_size, run_case, name)
-    return _runs[name]
+    return case(distributed, matrix_case(name))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(distributed, name):
-    assert_same_training(run(distributed, name), reference(name))
+    assert_same_training(run(distributed, name), reference(matrix_case(name)))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -3,21 +3,14 @@ ledger against the planner, the measured bubble against the simulator, and bad i
 
 The reference is ``Engine`` on one process with the same seed and the same global batches.
 
-Tolerances. A pipeline runs the same kernels on the same tensors as one process, micro-batch
-by micro-batch, and accumulates each parameter's gradient in the same order. Two sums change
-order: a tied weight's gradient is the first stage's embedding part plus the last stage's head
-part, each accumulated over the micro-batches (one process adds the two per micro-batch), and
-the gradient norm is summed stage by stage; with tp, the tp test's sums too. Rounding differs
-at ~1e-7, and Adam, dividing each gradient by its running RMS, turns that noise on near-zero
-gradients into parameter differences. Measured after 5 AdamW steps (lr 1e-3): losses and
-gradient norms agree to ≤ 1.2e-7 relative; parameters to ≤ 1.2e-7 relative L2 per tensor with
-pp alone and ≤ 3.6e-6 in the 3D run, ≤ 1.1e-5 of the distance each tensor travelled. We assert
-1e-6 on losses and norms, 1e-4 per tensor and 1e-3 of the distance travelled (a lost
-micro-batch, a missing reduction or a stale tied copy gives errors of that distance's order).
+Every layout runs through tests/equivalence.py's ``case`` and is compared by its
+``assert_same_training``, whose tolerances are justified there, once for all strategies. (A
+pipeline changes two sums' order: the tied weight's gradient is the first stage's embedding part
+plus the last stage's head part, and the gradient norm is summed stage by stage; measured after
+5 steps, parameters agree to ≤ 1.2e-7 relative per tensor with pp alone and ≤ 3.6e-6 in 3D.)
 """
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -25,93 +18,40 @@ import sys
 import pytest
 import torch
 
-from equivalence import global_batches, my_micro_batches, train_reference, train_steps
+import equivalence
+from equivalence import assert_same_training, global_batches, my_micro_batches, new_engine, train_steps
 from threefold.config import ConfigError
 from threefold.configure import load_config
-from threefold.models.llama import Llama
 from threefold.parallel.layout import check_pipeline
 from threefold.parallel.pipeline.partition import partition
 from threefold.parallel.pipeline.runtime import send_release_points
 from threefold.parallel.pipeline.schedule import build_schedule
 from threefold.plan import costs
 
-STEPS = 5
 TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.vocab_size=64", "model.seq_len=16",
         "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=1.0", "train.warmup_steps=0",
         "parallel.bucket_mb=0.01", "parallel.timeout_s=60"]
 
 
+def layout(pp=1, m=4, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra) -> tuple[str, ...]:
+    return tuple(TINY + [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+                         f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
+                         f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={2 * m * dp}",
+                         *extra])
+
+
 def make_config(pp=1, m=4, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra):
-    layout = [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-              f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.zero={zero}",
-              f"parallel.sequence_parallel={str(sp).lower()}", f"train.global_batch={2 * m * dp}"]
-    return load_config(None, TINY + layout + list(extra))
-
-
-# --- what the workers run ----------------------------------------------------------------------
-def new_engine(cfg):
-    from threefold.train.engine import build_engine
-
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    return build_engine(model, cfg)
-
-
-def run_case(*layout, steps: int = STEPS) -> dict:
-    cfg = make_config(*layout)
-    engine = new_engine(cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, steps))
-    out["timeline"] = engine.step_timeline()
-    out["state"] = engine.model_state_dict()
-    out["pp_rank"], out["numel"] = engine.pp_rank, sum(q.numel() for q in engine.model.parameters())
-    engine.load_model_state_dict(out["state"])
-    out["round_trip"] = all(torch.equal(engine.model_state_dict()[k], v) for k, v in out["state"].items())
-    engine.comm_bytes()  # the checkpoint gathers' traffic
-    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
-    out["eval_comm"] = engine.comm_bytes()
-    engine.shutdown()
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def reference(m: int, *extra: str) -> dict:
-    """One process, one thread like each worker (the same kernels), m micro-batches per step."""
-    cfg = make_config(1, m, "1f1b", 1, 1, 1, 0, False, *extra)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine, out = train_reference(cfg, STEPS)
-        out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-_cases: dict = {}
+    return load_config(None, list(layout(pp, m, schedule, v, dp, tp, zero, sp, *extra)))
 
 
 def case(distributed, pp, m, schedule="1f1b", v=1, dp=1, tp=1, zero=0, sp=False, *extra) -> list[dict]:
     """Each layout runs once; equivalence and ledger tests read the same run."""
-    key = (pp, m, schedule, v, dp, tp, zero, sp, *extra)
-    if key not in _cases:
-        _cases[key] = distributed.run(pp * dp * tp, run_case, *key)
-    return _cases[key]
+    return equivalence.case(distributed, layout(pp, m, schedule, v, dp, tp, zero, sp, *extra))
 
 
-def assert_same_training(results: list[dict], ref: dict) -> None:
-    for r in results:
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-6)
-        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
-        assert r["round_trip"]
-    state = results[0]["state"]
-    assert list(state) == list(ref["state"])
-    for key, want in ref["state"].items():
-        error = (state[key] - want).norm().item()
-        assert error <= 1e-4 * want.norm().item(), key
-        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
-        for other in results[1:]:
-            assert torch.equal(other["state"][key], state[key]), f"ranks differ in {key}"
+def reference(m: int, *extra: str) -> dict:
+    """One process, m micro-batches per step."""
+    return equivalence.reference(layout(1, m, "1f1b", 1, 1, 1, 0, False, *extra))
 
 
 # --- equivalence with one process ----------------------------------------------------------------
@@ -204,7 +144,7 @@ def test_pp_bytes_equal_the_planner(distributed, schedule, pp, m, v, dp, tp, sp)
                 r["pp_rank"], pp, m, v, cfg.train.micro_batch, cfg.model.seq_len, cfg.model.hidden, tp)
             assert step.get("tp.scatter_gather", 0) == gathered  # Megatron's scatter/gather without SP
             assert step["pp.scalar"] == 2 * (pp - 1) / pp * 4 * 2  # the loss and the gradient norm
-            dp_bytes = costs.dp_bytes_per_step(r["numel"], dp, zero, m)
+            dp_bytes = costs.dp_bytes_per_step(r["stage_numel"], dp, zero, m)
             assert step.get("dp", 0) == round(dp_bytes)
         assert set(r["eval_comm"]) <= {"pp.eval", "tp.eval"}
 
@@ -364,7 +304,7 @@ def test_activation_meter_sees_the_micro_batches_in_flight(distributed, schedule
 def run_overlap_timestamps(overlap: bool) -> dict:
     """dp2 × pp2, 1F1B, 8 micro-batches: this rank's dp reductions (absolute launch times, seconds
     blocked waiting) and the step's pipeline timeline (relative to ``origin_s``, the same clock)."""
-    from equivalence import matrix_config, new_engine
+    from equivalence import matrix_config
 
     cfg = matrix_config("parallel.dp=2", "parallel.pp=2", "train.global_batch=32", "parallel.bucket_mb=0.05",
                         f"parallel.overlap_grad_reduce={str(overlap).lower()}")

@@ -3,24 +3,16 @@ the single-process engine, on gloo worker pools.
 
 The reference is ``Engine`` on one process with the same global batches and the same seed.
 
-Tolerances. Tensor parallelism computes the same sums in another order: a row-parallel product
-adds t partial sums, the loss sums exponentials shard by shard, gradients of replicated inputs
-arrive as an all-reduce of partial products. In fp32 that changes results by rounding only:
-losses and gradient norms agree to ~1e-7 (asserted: 1e-6 and 1e-5). Parameters after 5 AdamW
-steps: Adam divides each gradient by its own running RMS, which turns rounding noise on
-near-zero gradients into differences of up to lr per step; the measured per-tensor relative L2
-error is ~1e-7–1e-6, we assert 1e-5 per tensor and under 1e-3 of the distance the parameters
-travelled (a wrong gradient, e.g. a missing all-reduce, gives errors of that distance's order).
-Ranks must agree bitwise on the gathered model.
+Every layout runs through tests/equivalence.py's ``case`` and is compared by its
+``assert_same_training``, whose tolerances are justified there, once for all strategies.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
-import torch
 
-from equivalence import global_batches, my_micro_batches, train_reference, train_steps
+import equivalence
+from equivalence import assert_same_training, global_batches, my_micro_batches, new_engine
 from threefold.config import ConfigError
 from threefold.configure import load_config
 from threefold.models.llama import Llama
@@ -28,47 +20,31 @@ from threefold.plan import costs
 from threefold.train.engine import Engine
 from threefold.train.metrics import ActivationMeter
 
-STEPS = 5
 # 8 heads and 4 kv heads split over tp 2 and 4; vocabulary 250 is padded to 252 and 252/256.
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=8", "model.kv_heads=4", "model.vocab_size=250",
         "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2", "train.lr=1e-3", "train.grad_clip=0.5",
         "parallel.bucket_mb=0.1", "parallel.timeout_s=60"]
 
 
+def layout(tp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False, *extra: str) -> tuple[str, ...]:
+    return tuple(TINY + [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.zero={zero}",
+                         f"parallel.sequence_parallel={str(sp).lower()}", *extra])
+
+
 def make_config(tp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False, *extra: str):
-    return load_config(None, TINY + [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.zero={zero}",
-                                     f"parallel.sequence_parallel={str(sp).lower()}", *extra])
+    return load_config(None, list(layout(tp, dp, zero, sp, *extra)))
 
 
-def new_engine(cfg):
-    from threefold.train.engine import build_engine
+def case(distributed, tp: int, dp: int, zero: int, sp: bool, *extra: str) -> list[dict]:
+    """Each layout runs once; the equivalence and ledger tests read the same run."""
+    return equivalence.case(distributed, layout(tp, dp, zero, sp, *extra))
 
-    model = Llama(cfg.model)
-    model.init_weights(cfg.train.seed)
-    model.set_recompute(cfg.train.recompute)
-    return build_engine(model, cfg)
+
+def reference(*extra: str) -> dict:
+    return equivalence.reference(layout(1, 1, 0, False, *extra))
 
 
 # --- functions the workers run ------------------------------------------------------------------
-def run_case(tp: int, dp: int, zero: int, sp: bool, *extra: str) -> dict:
-    cfg = make_config(tp, dp, zero, sp, *extra)
-    engine = new_engine(cfg)
-    out = train_steps(engine, cfg, global_batches(cfg, STEPS))
-    out["state"] = engine.model_state_dict()
-    out["memory"] = engine.memory_bytes()
-    out["norm_grad_numel"] = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"] if p.dim() == 1)
-    # Loading the gathered state back reproduces it; the plain model holds the same weights.
-    engine.load_model_state_dict(out["state"])
-    again = engine.model_state_dict()
-    plain = engine.plain_model().state_dict()
-    out["round_trip"] = all(torch.equal(again[k], v) and torch.equal(plain[k], v) for k, v in out["state"].items())
-    engine.comm_bytes()  # forget the gathers above
-    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
-    out["eval_comm"] = engine.comm_bytes()
-    engine.shutdown()
-    return out
-
-
 def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
     """One block's bytes saved for backward on this rank, by one micro-batch's forward: the
     difference between a 3-layer and a 1-layer model, halved."""
@@ -88,45 +64,6 @@ def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
         engine.shutdown()
         peaks.append(engine.activation_meter.peak)
     return (peaks[0] - peaks[1]) / 2
-
-
-# --- the single-process reference ---------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def reference(*extra: str) -> dict:
-    cfg = make_config(1, 1, 0, False, *extra)
-    engine, out = train_reference(cfg, STEPS)
-    engine.comm_bytes()  # forget the gathers above
-    out["eval_loss"] = engine.eval_loss(my_micro_batches(global_batches(cfg, 1)[0], cfg, 0, 1)[:2])
-    return out
-
-
-_cases: dict = {}
-
-
-def case(distributed, tp: int, dp: int, zero: int, sp: bool, *extra: str) -> list[dict]:
-    """Each layout runs once; the equivalence and ledger tests read the same run."""
-    key = (tp, dp, zero, sp, extra)
-    if key not in _cases:
-        _cases[key] = distributed.run(tp * dp, run_case, tp, dp, zero, sp, *extra)
-    return _cases[key]
-
-
-def assert_same_training(results: list[dict], ref: dict) -> None:
-    for r in results:
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-        assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
-        assert r["round_trip"]
-    state = results[0]["state"]
-    assert list(state) == list(ref["state"])  # the plain model's keys, in order, with its shapes
-    for key, want in ref["state"].items():
-        got = state[key]
-        assert got.shape == want.shape, key
-        error = (got - want).norm().item()
-        assert error <= 1e-5 * want.norm().item(), key
-        assert error <= 1e-3 * (want - ref["initial"][key]).norm().item(), key
-        for other in results[1:]:
-            assert torch.equal(other["state"][key], got), f"ranks differ in {key}"
 
 
 LAYOUTS = [  # tp, dp, zero, sequence parallel
@@ -167,7 +104,7 @@ def test_ledger(distributed, tp, dp, zero, sp):
         for step in r["comm"]:
             assert_ledger(step, want)
             # SP: the norm gains' gradients this rank holds after the dp reduction, summed over tp.
-            assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["norm_grad_numel"]) if sp else 0)
+            assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["partial_numel"]) if sp else 0)
             assert step["tp.scalar"] == round(2 * (tp - 1) / tp * 4)  # the gradient norm's squares
             assert set(step) <= {"tp", "tp.loss", "tp.norm_grads", "tp.scalar", "dp", "dp.scalar"}
         assert "tp.eval" in r["eval_comm"] and set(r["eval_comm"]) <= {"tp.eval", "dp.eval"}  # not the step's

@@ -99,6 +99,9 @@ class ModelConfig:
     def _validate_moe(self) -> None:
         if self.moe_experts < 0:
             raise ConfigError(f"model.moe_experts: must not be negative (0 = dense), got {self.moe_experts}")
+        for key, least in (("moe_shared_experts", 0), ("moe_every", 1), ("moe_first_dense", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"model.{key}: must be at least {least}, got {getattr(self, key)}")
         if not self.moe_experts:
             for key in ("moe_top_k", "moe_ffn"):
                 if getattr(self, key) is not None:
@@ -111,10 +114,6 @@ class ModelConfig:
                               f"got {self.moe_top_k}")
         if self.moe_ffn is not None and self.moe_ffn < 1:
             raise ConfigError(f"model.moe_ffn: must be positive, got {self.moe_ffn}")
-        if self.moe_shared_experts < 0 or self.moe_every < 1 or self.moe_first_dense < 0:
-            raise ConfigError("model.moe_shared_experts/moe_every/moe_first_dense: need shared >= 0, every >= 1, "
-                              f"first_dense >= 0, got {self.moe_shared_experts}, {self.moe_every}, "
-                              f"{self.moe_first_dense}")
         if self.moe_first_dense >= self.layers:
             raise ConfigError(f"model.moe_first_dense: {self.moe_first_dense} leaves no MoE layer among the "
                               f"{self.layers} layers")
