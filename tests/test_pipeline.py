@@ -73,9 +73,13 @@ def test_untied_embeddings_and_fewer_microbatches_than_stages(distributed, sched
 
 
 def test_bfloat16_autocast(distributed):
-    """Stages compute under autocast, the residual stream (what crosses stages) stays fp32."""
+    """Stages compute under autocast, the residual stream (what crosses stages) stays fp32. The
+    first steps' losses are bitwise those of one process; the tied weight's gradient, summed in
+    another order, moves a weight by an fp32 ulp, which can flip a bf16 rounding later: measured
+    1.8e-6 relative on the 5th step's loss (Zen 4), so bf16 gets 2e-5 on losses (2e-4 on norms)."""
     extra = ("train.dtype=bfloat16",)
-    assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 1, 1, 0, False, *extra), reference(2, *extra))
+    assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 1, 1, 0, False, *extra), reference(2, *extra),
+                         loss_rtol=2e-5)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
