@@ -106,9 +106,9 @@ def test_rank_zero_counts_what_the_engine_builds(tp, pp, v, schedule, tie, vocab
     import torch
 
     from threefold.models.llama import Llama
-    from threefold.parallel.pipeline.engine import StageModule
+    from threefold.parallel.pipeline.stages import StageModule
     from threefold.parallel.pipeline.schedule import build_schedule, partition
-    from threefold.parallel.tensor_parallel import TensorParallelGroup, parallelize
+    from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
 
     cfg = load_config(None, ["model.preset=tiny", "model.layers=8", f"model.vocab_size={vocab}",
                              f"model.tie_embeddings={str(tie).lower()}", f"parallel.tp={tp}", f"parallel.pp={pp}",
@@ -116,7 +116,7 @@ def test_rank_zero_counts_what_the_engine_builds(tp, pp, v, schedule, tie, vocab
     with torch.device("meta"):
         model = Llama(cfg.model)
         if tp > 1:
-            parallelize(model, TensorParallelGroup(None, 0, tp, False, vocab))
+            apply_tp(model, TensorParallelGroup(None, 0, tp, False, vocab))
     if pp == 1:
         held = [model]
     else:

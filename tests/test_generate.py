@@ -43,7 +43,7 @@ def test_cached_logits_equal_the_full_forward():
     with torch.no_grad():
         full = model(tokens)
         cache = KVCache(CFG.layers)
-        pieces = [model(tokens[:, :10], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(10, 30)]
+        pieces = [model(tokens[:, :10], cache=cache)] + [model(tokens[:, i:i + 1], cache=cache) for i in range(10, 30)]
     assert cache.length == 30
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
 
