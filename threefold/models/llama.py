@@ -110,7 +110,8 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.recompute = False  # selective recomputation, set by Llama.set_recompute
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | range
+                ) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(attention_core, q, k, v, use_reentrant=False)
         return attention_core(q, k, v)
@@ -262,11 +263,18 @@ class Llama(nn.Module):
         for layer, layer_counts in zip(layers, counts):
             layer.end_step(layer_counts, update_bias)
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks=None, cache: KVCache | None = None
-                   ) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor | range, blocks=None,
+                   cache: KVCache | None = None) -> torch.Tensor:
         """The block loop, over ``blocks`` (default: all of them; a pipeline stage passes its
-        own), for hidden states ``x`` of the tokens at ``positions`` (s,); ``cache`` when generating."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        own), for hidden states ``x`` of the tokens at ``positions``; ``cache`` when generating.
+
+        ``positions`` is a ``range`` when the tokens are a contiguous run of the sequence (the
+        rotary tables are then views of the buffers: nothing new is saved for backward), or a
+        tensor of positions (context parallelism's zigzag), gathered from the tables."""
+        if isinstance(positions, range):
+            cos, sin = self.rope_cos[positions.start:positions.stop], self.rope_sin[positions.start:positions.stop]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, block in enumerate(self.blocks if blocks is None else blocks):
             x = block(x, cos, sin, positions, None if cache is None else (cache, i))
         return x
@@ -276,7 +284,7 @@ class Llama(nn.Module):
         """With a ``cache``, ``tokens`` are the positions after those it holds, and it grows by them."""
         if positions is None:
             start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+            positions = range(start, start + tokens.shape[1])
         return self.norm(self.run_blocks(self.embed(tokens), positions, cache=cache))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

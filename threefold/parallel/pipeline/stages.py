@@ -33,8 +33,7 @@ class StageModule(nn.Module):
     def forward(self, hidden: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The next stage's input, or on the last stage the logits. ``seq_len``: the tokens'
         length (the hidden state holds fewer positions under sequence parallelism)."""
-        positions = torch.arange(seq_len, device=hidden.device)
-        hidden = Llama.run_blocks(self, hidden, positions, self.blocks.values())
+        hidden = Llama.run_blocks(self, hidden, range(seq_len), self.blocks.values())
         if self.last:
             return self.head(self.norm(hidden))
         return hidden
