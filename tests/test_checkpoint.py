@@ -129,9 +129,14 @@ def test_lost_moments_are_caught(tmp_path, uninterrupted):
     for shard in engine.checkpoint_shards():
         if not shard.name.startswith("model/"):
             shard.tensor.zero_()
-    losses = train_steps(engine, cfg, global_batches(cfg, BEFORE + AFTER)[BEFORE:])["losses"]
-    assert losses[0] == pytest.approx(uninterrupted["losses"][BEFORE], rel=1e-6)  # same weights
-    assert abs(losses[-1] / uninterrupted["losses"][-1] - 1) > 1e-4
+    out = train_steps(engine, cfg, global_batches(cfg, BEFORE + AFTER)[BEFORE:])
+    assert out["losses"][0] == pytest.approx(uninterrupted["losses"][BEFORE], rel=1e-6)  # same weights
+    # Zeroed moments make Adam's first update after the load a unit step of lr on every weight:
+    # the weights move far beyond the 1e-4 the resharding tests allow, and so does the loss.
+    state = engine.model_state_dict()
+    moved = max(relative(state[key], value) for key, value in uninterrupted["state"].items())
+    assert moved > 1e-2
+    assert abs(out["losses"][-1] / uninterrupted["losses"][-1] - 1) > 1e-5
 
 
 def test_untied_model_moves_between_pipeline_and_tensor_parallel(distributed, tmp_path):

@@ -128,7 +128,9 @@ def inspect(checkpoint_path, key, as_json):
                "damage": checkpoint.damage(path)}
     if as_json:
         click.echo(json.dumps({**summary, "tensors": stored} if key else summary, indent=1))
-        sys.exit(1 if summary["damage"] else 0)
+        if summary["damage"]:
+            sys.exit(1)
+        return
     console = Console()
     layout = summary["layout"]
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
