@@ -180,11 +180,11 @@ def materialise(cut: CutModel, cfg: Config, device: torch.device) -> None:
             for name, q in module._parameters.items():
                 if q is not None and id(q) in real:
                     module._parameters[name] = real[id(q)]
-        if cut.tied_param is not None and id(cut.tied_param) in real:
-            cut.tied_param = real[id(cut.tied_param)]
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_meta:
                     module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+        if cut.tied_param is not None and id(cut.tied_param) in real:
+            cut.tied_param = real[id(cut.tied_param)]
         part.rope_cos, part.rope_sin = (t.to(device) for t in rotary_tables(m.head_dim, m.seq_len, m.rope_theta))
 
 
