@@ -98,7 +98,7 @@ def test_checkpoint_errors_are_one_line(tmp_path, corpus, capsys):
     assert f"{pieces.name}' is truncated: 100 bytes" in err and len(err.strip().splitlines()) == 1
     pieces.unlink()
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
-    assert "is unreadable" in capsys.readouterr().err
+    assert f"{pieces.name}' is missing (the metadata lists pieces in it)" in capsys.readouterr().err
     (checkpoint.resolve(ckpt) / ".metadata").unlink()
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
     assert ".metadata is missing or unreadable" in capsys.readouterr().err
