@@ -380,16 +380,16 @@ def test_llm_foundry_throughput_within_25_percent():
         assert est["tokens_per_s"] / est["num_gpus"] == pytest.approx(measured, rel=0.25), row["id"]
 
 
-def test_megatron_core_h100_throughput_within_25_percent():
+def test_megatron_core_h100_throughput_within_10_percent():
     """Megatron-Core's weak-scaling runs do not state micro-batch or schedule: take the fastest
-    that fits for the published mesh, as the authors tuned theirs. Looser, and pessimistic for
-    the 70B run (-20%): it overlaps TP communication with GEMMs (--tp-comm-overlap), which the
-    model leaves exposed."""
+    that fits for the published mesh, as the authors tuned theirs. They ran with
+    --tp-comm-overlap, which the model takes into account (docs/planner.md §4): 7.1B +3%, 70B -7%;
+    without it the 70B run would be 25% pessimistic."""
     rows = _published("megatron_core_2024_h100_weak_scaling")
     assert len(rows) == 2
     for row in rows:
         par = row["parallelism"]
-        work = costs.Workload(_model(row), row["batch"]["global_batch_seqs"])
+        work = costs.Workload(_model(row), row["batch"]["global_batch_seqs"], tp_comm_overlap=True)
         best = None
         for b, (schedule, v) in itertools.product((1, 2, 4, 8), (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))):
             layout = costs.Layout.named(recompute="selective", schedule=schedule, tp=par["tp"], pp=par["pp"],
@@ -401,4 +401,4 @@ def test_megatron_core_h100_throughput_within_25_percent():
             est = costs.estimate(work, layout, CATALOG["h100-sxm"])
             if est["fits"] and (best is None or est["step_time_s"] < best["step_time_s"]):
                 best = est
-        assert best["tflops_per_gpu"] == pytest.approx(row["measured"]["tflops_per_gpu"], rel=0.25), row["id"]
+        assert best["tflops_per_gpu"] == pytest.approx(row["measured"]["tflops_per_gpu"], rel=0.10), row["id"]

@@ -31,6 +31,9 @@ from threefold.config import ConfigError
 
 PROFILE_KEYS = ("name", "peak_flops_fp32", "peak_flops_bf16", "hbm_bytes", "hbm_bw", "intra_node_bw",
                 "inter_node_bw", "latency_s", "gpus_per_node", "threads", "measured_at", "torch_version")
+# Written by `threefold calibrate --from-runs` (threefold/plan/fit.py): the achieved fractions of
+# the measured rates that the user's own runs show, and the runs they were fitted on.
+FITTED_KEYS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fitted_from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +253,7 @@ def load_profile(path: Path | str | None = None) -> dict:
         profile = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"machine profile {path} is not valid JSON ({err}): run `threefold calibrate` again") from None
-    if not isinstance(profile, dict) or set(profile) != set(PROFILE_KEYS):
+    if not isinstance(profile, dict) or not set(PROFILE_KEYS) <= set(profile) <= {*PROFILE_KEYS, *FITTED_KEYS}:
         raise ConfigError(f"machine profile {path} does not have the expected keys: run `threefold calibrate` again")
     return profile
 
@@ -280,8 +283,20 @@ def profile_table(profile: dict, path: Path) -> Table:
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
 @click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 10 s); noisier numbers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
-def calibrate(out: Path | None, quick: bool, as_json: bool) -> None:
-    """Measure matmul throughput, memory bandwidth and gloo all-reduce; save the `local` profile."""
+@click.option("--from-runs", "from_runs", is_flag=True,
+              help="Fit the profile's efficiencies to the measured RUNs instead of measuring: each RUN a "
+                   "CONFIG.toml:METRICS.jsonl pair, or a manifest .json listing runs (docs/planner.md).")
+@click.argument("runs", nargs=-1, metavar="[RUN]...")
+def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, runs: tuple[str, ...]) -> None:
+    """Measure matmul throughput, memory bandwidth and gloo all-reduce; save the `local` profile.
+    With --from-runs RUN…, fit its efficiencies to measured runs and report the error before and after."""
+    if runs and not from_runs:
+        raise ConfigError(f"calibrate: {runs[0]!r}: runs are given with --from-runs RUN…")
+    if from_runs:
+        from threefold.plan.fit import calibrate_from_runs
+
+        calibrate_from_runs(runs, out, as_json)
+        return
     settings = QUICK if quick else FULL
     progress = Progress(SpinnerColumn(), TextColumn("measuring {task.description}"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)

@@ -104,17 +104,19 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
-def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None) -> GPU:
-    """The profile ``threefold calibrate`` measured. Its figures are already achieved rates, so the
-    efficiencies are 1; its latency is of a whole small all-reduce, spread over the ring's steps.
+def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profile: dict | None = None) -> GPU:
+    """The profile ``threefold calibrate`` measured (or ``profile``). Its figures are already
+    achieved rates, so the efficiencies are 1 unless ``calibrate --from-runs`` fitted them to the
+    user's runs; its latency is of a whole small all-reduce, spread over the ring's steps.
 
     ``dtype``: the engine's compute type (its fp32 matmuls run at the fp32 peak). ``workers``:
     processes that will share the machine; beyond one per core they share its compute and
     memory bandwidth, so each gets its part.
     """
-    from threefold.plan.calibrate import load_profile  # imports torch; only when asked for
+    if profile is None:
+        from threefold.plan.calibrate import load_profile  # imports torch; only when asked for
 
-    profile = load_profile()
+        profile = load_profile()
     cores = int(profile["gpus_per_node"])
     share = min(1.0, cores / workers) if workers else 1.0
     ring_steps = 2 * (max(2, cores) - 1)
@@ -123,12 +125,14 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None) -> GPU
     peak = float(profile["peak_flops_fp32" if dtype in ("float32", "fp32") else "peak_flops_bf16"])
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
+    link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
                float(profile["intra_node_bw"]), float(profile["inter_node_bw"]),
                intra_node_latency_s=float(profile["latency_s"]) / ring_steps,
                inter_node_latency_s=float(profile["latency_s"]) / ring_steps,
-               gpus_per_node=max(cores, workers or 1), matmul_efficiency=1.0, hbm_efficiency=1.0,
-               intra_link_efficiency=1.0, inter_link_efficiency=1.0,
+               gpus_per_node=max(cores, workers or 1), matmul_efficiency=float(profile.get("matmul_efficiency", 1.0)),
+               hbm_efficiency=float(profile.get("hbm_efficiency", 1.0)),
+               intra_link_efficiency=link, inter_link_efficiency=link,
                description="this machine, measured by `threefold calibrate` (one worker per core)",
                peak_flops_fp32=float(profile["peak_flops_fp32"]) * share)
 
