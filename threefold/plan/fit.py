@@ -160,7 +160,7 @@ def cross_validate(runs: list[Run], profile: dict) -> dict:
 
 
 def calibrate_from_runs(specs, out, as_json: bool) -> None:
-    from threefold.plan.calibrate import load_profile, profile_path, save_profile
+    from threefold.plan.profile import load_profile, profile_path, save_profile
 
     path = Path(out or profile_path())
     profile = load_profile(path if path.exists() else None)

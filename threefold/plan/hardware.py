@@ -114,7 +114,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     memory bandwidth, so each gets its part.
     """
     if profile is None:
-        from threefold.plan.calibrate import load_profile  # imports torch; only when asked for
+        from threefold.plan.profile import load_profile
 
         profile = load_profile()
     cores = int(profile["gpus_per_node"])
