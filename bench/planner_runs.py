@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from threefold.config import load_config
+from threefold.plan.compare import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "planner_runs"
@@ -72,8 +72,8 @@ def main(steps, only, profile):
             click.echo(f"{name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
             continue
         (OUT / f"{name}.toml").write_text((ROOT / config).read_text())
-        # The tokenizer's vocabulary (the data's vocab_size), so that replaying needs no tokenizer.
-        vocab = load_config(ROOT / config, sets).data.vocab_size
+        # The tokenizer's vocabulary, so that replaying needs no tokenizer.
+        vocab = load_run(ROOT / config, sets).model.vocab_size
         manifest[name] = {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"],
                           "metrics": f"{name}.jsonl", "seconds": seconds}
         click.echo(f"{name}: {seconds:.0f} s")

@@ -95,6 +95,11 @@ def resolved(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=dataset.tokenizer.vocab_size))
 
 
+def load_run(config_path, overrides=()) -> Config:
+    """A run's config as it trained: the TOML file with its overrides, the vocabulary resolved."""
+    return resolved(load_config(config_path, overrides))
+
+
 METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
 
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from threefold.config import Config, ConfigError, load_config
+from threefold.config import Config, ConfigError
 from threefold.plan import costs
-from threefold.plan.compare import measured_step_time, read_steps, resolved, run_layout
+from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout
 from threefold.plan.hardware import local_gpu
 
 FRACTIONS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
@@ -99,7 +99,7 @@ def _run(name: str, config: Path, metrics: Path, overrides) -> Run:
         raise ConfigError(f"--from-runs: run {name!r}: no config file {config}")
     if not metrics.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
-    cfg = resolved(load_config(config, overrides))
+    cfg = load_run(config, overrides)
     return Run(name, cfg, measured_step_time(read_steps(metrics)), *run_layout(cfg))
 
 
