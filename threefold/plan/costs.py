@@ -648,7 +648,15 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
 
-    step_s = pipeline_s + dp_exposed_s + optimizer_s
+    # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
+    # stream hundreds of GB/s through the HBM and run many NCCL channels on the SMs of the compute
+    # they hide behind, which slows by overlap_slowdown seconds per second of such traffic; a
+    # network collective moves a tenth of that and holds few SMs, so it is taken as free
+    # (docs/planner.md §5).
+    overlapped_dp_s = np.where(t * c * d <= gpu.gpus_per_node, np.maximum(0, dp_s - dp_exposed_s), 0)
+    contention_s = gpu.overlap_slowdown * overlapped_dp_s
+
+    step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
@@ -666,7 +674,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
-        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
+        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
     )
     result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
     return {key: (bool(value) if np.ndim(value) == 0 else value) if key == "fits" else _scalar_or_array(value)
