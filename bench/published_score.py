@@ -64,8 +64,11 @@ def measured_tokens_per_s_per_gpu(row: dict) -> float | None:
 
 
 def spearman(a, b) -> float:
+    """Rank correlation; with two runs, +1 when they are in the same order, −1 otherwise."""
+    if len(a) < 2:
+        return float("nan")
     ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 2 else float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def score(rows: list[dict]) -> dict:

@@ -74,3 +74,76 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
 def test_measure_gloo_needs_two_processes():
     with pytest.raises(ValueError):
         calibrate.measure_gloo(1)
+
+
+# ---- calibrate --from-runs: runs of this machine recorded by bench/planner_runs.py -----------
+
+from pathlib import Path  # noqa: E402
+
+RUNS = Path(__file__).resolve().parents[1] / "bench" / "results" / "planner_runs"
+
+
+def recorded_profile() -> dict:
+    return json.loads((RUNS / "local.json").read_text())
+
+
+def test_recorded_runs_replay_without_training():
+    from threefold.plan import fit
+
+    runs = fit.read_runs([str(RUNS / "manifest.json")])
+    assert len(runs) >= 6 and {"demo", "ddp", "tp", "pp", "zero3"} <= {r.name for r in runs}
+    assert all(r.measured_s > 0 and r.cfg.model.vocab_size == 4096 for r in runs)
+
+
+def test_fitting_lowers_the_error_and_cross_validates():
+    """The fitted fractions predict the runs better than the plain profile (in the fit's own
+    measure, the mean squared log-ratio), and every run is also predicted by a fit on the others."""
+    from threefold.plan import fit
+
+    runs = fit.read_runs([str(RUNS / "manifest.json")])
+    profile = recorded_profile()
+    report = fit.cross_validate(runs, profile)  # 8 runs: one fit on all, 8 left-out fits
+    plain = {k: 1.0 for k in fit.FRACTIONS}
+    assert fit.loss(runs, profile, report["fractions"]) < fit.loss(runs, profile, plain)
+    assert all(0.02 <= v <= 1.0 for v in report["fractions"].values())
+    assert [row["run"] for row in report["runs"]] == [r.name for r in runs]
+    for row in report["runs"]:
+        assert row["left_out_s"] > 0 and row["fitted_s"] > 0
+        assert row["fitted_error"] == pytest.approx(row["fitted_s"] / row["measured_s"] - 1)
+    print(json.dumps(report["mean_abs_error"]))
+
+
+def test_from_runs_command_writes_the_profile(tmp_path, capsys):
+    out = tmp_path / "local.json"
+    out.write_text(json.dumps(recorded_profile()))
+    recorded = json.loads((RUNS / "manifest.json").read_text())
+    three = {name: dict(recorded[name], config=str(RUNS / recorded[name]["config"]),
+                        metrics=str(RUNS / recorded[name]["metrics"])) for name in ("ddp", "tp", "demo")}
+    (tmp_path / "three.json").write_text(json.dumps(three))
+    code = cli.main(["calibrate", "--from-runs", str(tmp_path / "three.json"), "--out", str(out), "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 0 and set(printed["fractions"]) == {"matmul_efficiency", "hbm_efficiency", "link_efficiency"}
+    saved = calibrate.load_profile(out)
+    assert saved["matmul_efficiency"] == printed["fractions"]["matmul_efficiency"]
+    assert saved["fitted_from"] == ["ddp", "tp", "demo"]
+    # The fitted profile is what `--gpu local` now uses.
+    from threefold.plan.hardware import local_gpu
+
+    assert local_gpu(profile=saved).matmul_efficiency == saved["matmul_efficiency"]
+
+
+@pytest.mark.parametrize("runs,message", [
+    (lambda tmp: [str(RUNS / "manifest.json"), str(tmp / "other.json")], "trains another model"),
+    (lambda tmp: [f"{RUNS / 'ddp.toml'}:{tmp / 'missing.jsonl'}"], "no metrics file"),
+    (lambda tmp: ["nonsense"], "neither CONFIG.toml:METRICS.jsonl nor a manifest"),
+    (lambda tmp: [f"{RUNS / 'ddp.toml'}:{RUNS / 'ddp.jsonl'}"], "needs at least two runs"),
+])
+def test_from_runs_refuses_bad_runs_in_one_line(tmp_path, capsys, runs, message):
+    other = {"big": {"config": str(RUNS / "ddp.toml"), "metrics": str(RUNS / "ddp.jsonl"),
+                     "set": ["model.vocab_size=4096", "model.hidden=512"]}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    out = tmp_path / "local.json"
+    out.write_text(json.dumps(recorded_profile()))
+    code = cli.main(["calibrate", "--from-runs", *runs(tmp_path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

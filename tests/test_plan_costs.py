@@ -287,9 +287,10 @@ def test_pipeline_and_data_parallel_bytes():
 
 def test_step_time_adds_up():
     est = _estimate(tp=8, pp=16, dp=8, zero=1, recompute="selective", sequence_parallel=True)
-    parts = ("compute_s", "memory_bound_s", "tp_exposed_s", "cp_exposed_s", "pp_exposed_s", "bubble_s",
-             "dp_exposed_s", "optimizer_s")
-    assert sum(est[p] for p in parts) == pytest.approx(est["step_time_s"])
+    from threefold.plan.report import TIME_PARTS
+
+    assert sum(est[f"{p}_s"] for p in TIME_PARTS) == pytest.approx(est["step_time_s"])
+    assert est["contention_s"] == 0  # its dp group spans nodes: network collectives are taken as free
     tokens = 1536 * 2048
     assert est["tokens_per_s"] == pytest.approx(tokens / est["step_time_s"])
     assert est["mfu"] == pytest.approx(costs.model_flops_per_token(GPT3.model) * tokens
@@ -364,11 +365,10 @@ def test_korthikanti_step_times_within_10_percent():
     assert mean_abs < 0.05
 
 
-def test_llm_foundry_throughput_within_25_percent():
-    """MosaicML's FSDP runs (ZeRO-3, no recomputation, flash attention). Looser: PyTorch eager
-    runs unfused element-wise kernels and FSDP casts on every gather, which the model's
-    per-GPU efficiencies (fitted to fused Megatron kernels on A100) do not see; the model is
-    optimistic by 7-24%."""
+def test_llm_foundry_throughput_within_10_percent():
+    """MosaicML's FSDP runs (ZeRO-3, no recomputation, flash attention), with the compute slowed by
+    the overlapped NVLink traffic (overlap_slowdown, fitted to the two H100 runs): H100 +2% and
+    +0%, A100 +9% (PyTorch eager's unfused element-wise kernels and FSDP's casts are not modelled)."""
     gpus = {"a100_80gb": "a100-80gb", "h100_80gb": "h100-sxm"}
     rows = _published("mpt_llm_foundry")
     assert len(rows) == 3
@@ -377,19 +377,19 @@ def test_llm_foundry_throughput_within_25_percent():
         layout = costs.Layout.named(dp=row["parallelism"]["dp"], zero=3, micro_batch=row["batch"]["micro_batch"])
         est = costs.estimate(work, layout, CATALOG[gpus[row["hardware"]["gpu"]]])
         measured = row["measured"]["tokens_per_s_per_gpu"]
-        assert est["tokens_per_s"] / est["num_gpus"] == pytest.approx(measured, rel=0.25), row["id"]
+        assert est["tokens_per_s"] / est["num_gpus"] == pytest.approx(measured, rel=0.10), row["id"]
 
 
-def test_megatron_core_h100_throughput_within_25_percent():
+def test_megatron_core_h100_throughput_within_10_percent():
     """Megatron-Core's weak-scaling runs do not state micro-batch or schedule: take the fastest
-    that fits for the published mesh, as the authors tuned theirs. Looser, and pessimistic for
-    the 70B run (-20%): it overlaps TP communication with GEMMs (--tp-comm-overlap), which the
-    model leaves exposed."""
+    that fits for the published mesh, as the authors tuned theirs. They ran with
+    --tp-comm-overlap, which the model takes into account (docs/planner.md §4): 7.1B +3%, 70B -7%;
+    without it the 70B run would be 25% pessimistic."""
     rows = _published("megatron_core_2024_h100_weak_scaling")
     assert len(rows) == 2
     for row in rows:
         par = row["parallelism"]
-        work = costs.Workload(_model(row), row["batch"]["global_batch_seqs"])
+        work = costs.Workload(_model(row), row["batch"]["global_batch_seqs"], tp_comm_overlap=True)
         best = None
         for b, (schedule, v) in itertools.product((1, 2, 4, 8), (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))):
             layout = costs.Layout.named(recompute="selective", schedule=schedule, tp=par["tp"], pp=par["pp"],
@@ -401,4 +401,4 @@ def test_megatron_core_h100_throughput_within_25_percent():
             est = costs.estimate(work, layout, CATALOG["h100-sxm"])
             if est["fits"] and (best is None or est["step_time_s"] < best["step_time_s"]):
                 best = est
-        assert best["tflops_per_gpu"] == pytest.approx(row["measured"]["tflops_per_gpu"], rel=0.25), row["id"]
+        assert best["tflops_per_gpu"] == pytest.approx(row["measured"]["tflops_per_gpu"], rel=0.10), row["id"]

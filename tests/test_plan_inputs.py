@@ -138,3 +138,14 @@ def test_plan_names_the_knob_that_would_change_the_ranking(capsys):
 def test_batch_input_format_is_documented():
     text = (ROOT / "docs" / "planner.md").read_text()
     assert "--batch" in text and "keys are the flags' long names with underscores" in text
+
+
+def test_docs_175b_search_counts_are_what_plan_prints(capsys):
+    import re
+
+    code, out, _ = run(capsys, "plan", *GPT3, "--num-gpus", "1024")
+    printed = re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", " ".join(out.split())).groups()
+    docs = (ROOT / "docs" / "planner.md").read_text()
+    block = docs[docs.index("$ threefold plan --model gpt3-175b --global-batch 1536 --gpu a100-80gb --num-gpus 1024"):]
+    documented = re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", block).groups()
+    assert printed == documented

@@ -147,3 +147,16 @@ def test_estimate_and_plan_draw_their_breakdown(capsys, tmp_path):
     assert code == 0 and out.stat().st_size > 10_000 and "drawn to" in text, err
     code, _, err = run(capsys, "plan", *GPT3, "--out", str(tmp_path / "plan.txt"))
     assert code == 2 and "--out: " in err and not (tmp_path / "plan.txt").exists()
+
+
+def test_overlapped_nvlink_traffic_slows_the_compute_it_hides_behind():
+    """MosaicML's MPT-13B on 8 H100 (FSDP): the gathers and reduce-scatters hide behind compute
+    but cost overlap_slowdown seconds of it per second; the same traffic across nodes does not."""
+    model = costs.ModelConfig(arch="gpt", layers=40, hidden=5120, heads=40, ffn=20480, vocab_size=50368, seq_len=2048)
+    work = costs.Workload(model, 16)
+    h100 = CATALOG["h100-sxm"]
+    est = costs.estimate(work, costs.Layout.named(dp=8, zero=3, micro_batch=2), h100)
+    overlapped = est["dp_s"] - est["dp_exposed_s"]
+    assert overlapped > 0.1 and est["contention_s"] == pytest.approx(h100.overlap_slowdown * overlapped)
+    across = costs.estimate(work, costs.Layout.named(dp=8, zero=3, micro_batch=2), h100.with_gpus_per_node(4))
+    assert across["contention_s"] == 0

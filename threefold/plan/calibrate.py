@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 import queue
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +27,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from threefold.config import ConfigError
-
-PROFILE_KEYS = ("name", "peak_flops_fp32", "peak_flops_bf16", "hbm_bytes", "hbm_bw", "intra_node_bw",
-                "inter_node_bw", "latency_s", "gpus_per_node", "threads", "measured_at", "torch_version")
-
+from threefold.plan.profile import FITTED_KEYS, PROFILE_KEYS, load_profile, profile_path, save_profile  # noqa: F401
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -223,38 +219,6 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     }
 
 
-# --- the profile file ----------------------------------------------------------------------
-def profile_path() -> Path:
-    """Where the profile lives: ``$THREEFOLD_HOME/local.json``, by default ``~/.cache/threefold/local.json``."""
-    home = os.environ.get("THREEFOLD_HOME") or Path.home() / ".cache" / "threefold"
-    return Path(home) / "local.json"
-
-
-def save_profile(profile: dict, path: Path | None = None) -> Path:
-    """Write the profile atomically: readers see the old file or the new one, never half of one."""
-    path = Path(path or profile_path())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        json.dump(profile, tmp, indent=2)
-        tmp.write("\n")
-    os.replace(tmp.name, path)
-    return path
-
-
-def load_profile(path: Path | str | None = None) -> dict:
-    """Read a profile written by ``threefold calibrate``; ConfigError if it is missing or malformed."""
-    path = Path(path or profile_path())
-    if not path.is_file():
-        raise ConfigError(f"no machine profile at {path}: run `threefold calibrate` first")
-    try:
-        profile = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"machine profile {path} is not valid JSON ({err}): run `threefold calibrate` again") from None
-    if not isinstance(profile, dict) or set(profile) != set(PROFILE_KEYS):
-        raise ConfigError(f"machine profile {path} does not have the expected keys: run `threefold calibrate` again")
-    return profile
-
-
 # --- the command ----------------------------------------------------------------------------
 def profile_table(profile: dict, path: Path) -> Table:
     table = Table(title=f"Machine profile ({path})")
@@ -280,8 +244,20 @@ def profile_table(profile: dict, path: Path) -> Table:
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
 @click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 10 s); noisier numbers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
-def calibrate(out: Path | None, quick: bool, as_json: bool) -> None:
-    """Measure matmul throughput, memory bandwidth and gloo all-reduce; save the `local` profile."""
+@click.option("--from-runs", "from_runs", is_flag=True,
+              help="Fit the profile's efficiencies to the measured RUNs instead of measuring: each RUN a "
+                   "CONFIG.toml:METRICS.jsonl pair, or a manifest .json listing runs (docs/planner.md).")
+@click.argument("runs", nargs=-1, metavar="[RUN]...")
+def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, runs: tuple[str, ...]) -> None:
+    """Measure matmul throughput, memory bandwidth and gloo all-reduce; save the `local` profile.
+    With --from-runs RUN…, fit its efficiencies to measured runs and report the error before and after."""
+    if runs and not from_runs:
+        raise ConfigError(f"calibrate: {runs[0]!r}: runs are given with --from-runs RUN…")
+    if from_runs:
+        from threefold.plan.fit import calibrate_from_runs
+
+        calibrate_from_runs(runs, out, as_json)
+        return
     settings = QUICK if quick else FULL
     progress = Progress(SpinnerColumn(), TextColumn("measuring {task.description}"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)

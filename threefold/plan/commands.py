@@ -90,7 +90,8 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
     work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
                           grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
                           overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
-                          tp_comm_overlap=bool(o.get("tp_comm_overlap")))
+                          tp_comm_overlap=bool(o.get("tp_comm_overlap")),
+                          precision="fp32" if o.get("dtype") == "float32" else "mixed")
     gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))

@@ -96,6 +96,11 @@ def resolved(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=dataset.tokenizer.vocab_size))
 
 
+def load_run(config_path, overrides=()) -> Config:
+    """A run's config as it trained: the TOML file with its overrides, the vocabulary resolved."""
+    return resolved(load_config(config_path, overrides))
+
+
 METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
 
 
@@ -144,6 +149,28 @@ def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path)
                               f"{axis}={size} ({layout})")
 
 
+def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
+    """The planner's workload and layout of a training config, as the engine runs it: fp32 or
+    bf16 compute, the attention of PyTorch's scaled_dot_product_attention (no stored scores)."""
+    p, t = cfg.parallel, cfg.train
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
+                                zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
+                                sequence_parallel=p.sequence_parallel)
+    work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed")
+    return work, layout
+
+
+def estimate_run(cfg: Config, gpu) -> dict:
+    """estimate() of a training config's layout on ``gpu``."""
+    work, layout = run_layout(cfg)
+    return costs.estimate(work, layout, gpu)
+
+
+def measured_step_time(steps: list[dict]) -> float:
+    """The median step time of a run's steps (the first, which pays for warm-up, left out)."""
+    return statistics.median(step["step_time_s"] for step in steps)
+
+
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
     from threefold.plan.hardware import CATALOG, local_gpu
@@ -176,15 +203,11 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                     f"{rank.blocks_in_flight} × block_activation_bytes{flight}; not predicted (no exact formula): "
                     + ("the embedding, final norm, logits and loss" if rank.last_stage else "the embedding")))
 
-    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero,
-                                micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
-                                sequence_parallel=p.sequence_parallel)
-    work = costs.Workload(model, t.global_batch)
     try:
         gpu, missing = local_gpu(t.dtype, workers=p.world_size), None  # the run's dtype, its ranks on these cores
     except ConfigError as err:
         gpu, missing = CATALOG["a100-80gb"], str(err)  # only for estimate()'s bytes, which no GPU changes
-    est = costs.estimate(work, layout, gpu)
+    est = estimate_run(cfg, gpu)
 
     def axis(key: str) -> float:
         return measured(lambda s: s["comm_bytes"].get(key, 0))
@@ -219,9 +242,9 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         rows.append(Row("bytes/step: other", None, sum(axis(key) for key in others),
                         "not modelled by the planner: " + ", ".join(f"{key} {axis(key):,.0f}" for key in others)))
 
-    rows.append(Row("step time", None if missing else est["step_time_s"], measured(lambda s: s["step_time_s"]),
+    rows.append(Row("step time", None if missing else est["step_time_s"], measured_step_time(steps),
                     f"{missing}; for a prediction run `threefold calibrate --quick`" if missing else
-                    "estimate() with the local profile (it assumes 16-bit activations and flash attention)",
+                    f"estimate() with the local profile, {t.dtype}, flash-style attention (PyTorch's SDPA)",
                     unit="s"))
     return rows
 

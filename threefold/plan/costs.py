@@ -324,6 +324,13 @@ OPTIMIZER_BYTES = 12
 # HBM bytes moved by the memory-bound (non-matmul) kernels, per byte of activations a layer stores:
 # each is written and read in forward, read again in backward, and its gradient written and read.
 ELEMENTWISE_PASSES = 6
+# Bytes per element of each precision: fp32 training keeps no master copy (Adam's two moments only).
+# optimizer_pass_bytes: what Adam reads and writes per parameter, besides the gradient: mixed, the
+# fp32 master and both moments read and written and the 16-bit copy written (2·12 + 2); fp32, the
+# weights and both moments read and written (2·(4 + 8)).
+PRECISIONS = {"mixed": dict(param_bytes=PARAM_BYTES, activation_bytes=ACTIVATION_BYTES, optimizer_bytes=OPTIMIZER_BYTES,
+                            optimizer_pass_bytes=26),
+              "fp32": dict(param_bytes=4, activation_bytes=4, optimizer_bytes=8, optimizer_pass_bytes=24)}
 BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
 RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
 
@@ -338,10 +345,19 @@ class Workload:
     grad_bytes: int = 4
     overlap_dp: bool = True  # data-parallel reductions (and ZeRO gathers) run behind compute, as DDP/FSDP do
     tp_comm_overlap: bool = False  # Megatron-Core's --tp-comm-overlap: TP collectives pipelined with the GEMMs
+    precision: str = "mixed"  # mixed: 16-bit weights and activations, fp32 master (GPUs); fp32: all fp32 (CPUs)
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
+    param_bytes: int = field(init=False)
+    activation_bytes: int = field(init=False)
+    optimizer_bytes: int = field(init=False)
+    optimizer_pass_bytes: int = field(init=False)
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--dtype: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for key, value in PRECISIONS[self.precision].items():
+            object.__setattr__(self, key, value)
         object.__setattr__(self, "model_flops_per_token", model_flops_per_token(self.model))
         object.__setattr__(self, "recompute_flops_per_token", recompute_flops_per_token(self.model))
 
@@ -462,8 +478,8 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
     micro-batch's compute, and the first gather, are exposed."""
     share = (replicas - 1) / replicas
-    sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, PARAM_BYTES)
-    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * PARAM_BYTES)
+    sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
+    gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
     buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel * work.grad_bytes / BUCKET_BYTES)))
     reductions = np.where(zero >= 2, m, 1) * buckets
     gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
@@ -507,9 +523,9 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
-    coef = activation_coefficients(cfg, work.attention)
-    layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention)
-    per_layer = block_activation_bytes(cfg, tokens, t, sp, recompute, work.attention)
+    coef = activation_coefficients(cfg, work.attention, work.activation_bytes)
+    layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, work.activation_bytes)
+    per_layer = block_activation_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes)
     # Micro-batches whose activations the first and the last stage hold at their peak: the
     # schedule's closed forms in the registry; one when there is no pipeline.
     in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
@@ -531,16 +547,16 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel)
     last_numel = np.where(single_stage, whole_numel, block_numel + head_numel)
-    gathered_params = np.where(zero == 3, 2 * block_params / t * PARAM_BYTES, 0)  # ZeRO-3: current + prefetched block
+    gathered_params = np.where(zero == 3, 2 * block_params / t * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
     gathered_grads = np.where(zero == 3, block_params / t * work.grad_bytes, 0)
 
     def states(numel):
-        st = model_state_bytes(numel, replicas, zero, PARAM_BYTES, work.grad_bytes, OPTIMIZER_BYTES)
+        st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
     first_states, last_states = states(first_numel), states(last_numel)
-    block_states = sum(model_state_bytes(block_numel, replicas, zero, PARAM_BYTES, work.grad_bytes,
-                                         OPTIMIZER_BYTES).values())
+    block_states = sum(model_state_bytes(block_numel, replicas, zero, work.param_bytes, work.grad_bytes,
+                                         work.optimizer_bytes).values())
     total_first = sum(first_states) + act_first
     total_last = sum(last_states) + act_last
     last_fuller = total_last > total_first
@@ -553,8 +569,9 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # small hidden size runs below the large-GEMM rate. A product's backward is two products of
     # the same shape (input and weight gradients), so a layer costs 3× its forward products.
     rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
-    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu) for k, n in layer_products(cfg, t))
-    head_gemm_s = matmul_seconds(rows, h, V / t, gpu)
+    a_bytes = work.activation_bytes
+    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in layer_products(cfg, t))
+    head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
     attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
     rate = gpu.peak_flops * gpu.matmul_efficiency
     core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
@@ -575,7 +592,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
     tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage)
-    tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, ACTIVATION_BYTES, cfg.arch,
+    tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
                                     embedding=single_stage)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t)
@@ -591,7 +608,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
     cp_collectives = stage_layers * (3 + full)
-    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * ACTIVATION_BYTES / t)
+    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * work.activation_bytes / t)
     cp_bw, cp_lat = link(t * c)
     cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
     attention_s = stage_layers * 3 * core_s
@@ -599,7 +616,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     cp_bytes = m * cp_sent_mb
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
-    pp_message = tokens * h * ACTIVATION_BYTES / t  # Megatron's scatter/gather: each TP rank sends its slice
+    pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
     pp_bw, pp_lat = link(num_gpus)
     p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
@@ -626,13 +643,20 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
         dp_exposed_s = np.where(single_stage, dp_s, np.maximum(dp_s, dp_first["seconds"]))
 
-    # ---- optimizer: memory-bound passes over this rank's share of the states: Adam reads the
-    # master weights, both moments and the gradient and writes them back with the 16-bit copy
-    # (26 bytes + the gradient); the gradient norm reads the gradients, zeroing them writes them.
+    # ---- optimizer: memory-bound passes over this rank's share of the states: Adam's reads and
+    # writes (PRECISIONS) and the gradient's; the gradient norm reads the gradients, zeroing writes them.
     optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1)
-    optimizer_s = optimizer_numel * (26 + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
+    optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
 
-    step_s = pipeline_s + dp_exposed_s + optimizer_s
+    # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
+    # stream hundreds of GB/s through the HBM and run many NCCL channels on the SMs of the compute
+    # they hide behind, which slows by overlap_slowdown seconds per second of such traffic; a
+    # network collective moves a tenth of that and holds few SMs, so it is taken as free
+    # (docs/planner.md §5).
+    overlapped_dp_s = np.where(t * c * d <= gpu.gpus_per_node, np.maximum(0, dp_s - dp_exposed_s), 0)
+    contention_s = gpu.overlap_slowdown * overlapped_dp_s
+
+    step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
@@ -650,7 +674,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
-        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
+        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
     )
     result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
     return {key: (bool(value) if np.ndim(value) == 0 else value) if key == "fits" else _scalar_or_array(value)

@@ -41,6 +41,7 @@ class GPU:
     inter_link_efficiency: float
     description: str = ""
     peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
+    overlap_slowdown: float = 0.0  # seconds of compute lost per second of communication overlapped with it
 
     def with_dtype(self, dtype: str | None) -> "GPU":
         """The GPU for training in ``dtype``: bfloat16 (the default, the 16-bit peak) or float32."""
@@ -74,12 +75,17 @@ class GPU:
         return dataclasses.replace(self, gpus_per_node=gpus_per_node)
 
 
+# overlap_slowdown: NCCL's NVLink kernels run on the SMs and stream through the HBM of the compute
+# they overlap, which slows by about half a second per second of overlapped intra-node
+# data-parallel traffic: fitted to MosaicML's two H100 FSDP runs (0.51 and 0.57 needed); the A100
+# one moves from +14% to +9% with it; Korthikanti's runs (dp = 1) and Megatron-Core's (dp across
+# nodes) do not see it.
 # Achievable fractions shared by the NVIDIA data-centre parts, fitted on A100 to Korthikanti et al.
 # 2022 and in line with public measurements: cuBLAS reaches ~80% of peak on large GEMMs;
 # nccl-tests all-reduce ~210 GB/s bus bandwidth of NVLink3's 300 GB/s at 50-100 MB messages and
 # ~23 of 25 GB/s on HDR InfiniBand; element-wise kernels stream at ~80% of HBM bandwidth.
 _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficiency=0.70, inter_link_efficiency=0.90,
-               intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8)
+               intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8, overlap_slowdown=0.5)
 
 # peak_flops_fp32: the datasheets' plain fp32 (not TF32: PyTorch's fp32 matmuls do not use TF32 by
 # default); left out where we have no datasheet figure at hand.
@@ -104,17 +110,19 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
-def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None) -> GPU:
-    """The profile ``threefold calibrate`` measured. Its figures are already achieved rates, so the
-    efficiencies are 1; its latency is of a whole small all-reduce, spread over the ring's steps.
+def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profile: dict | None = None) -> GPU:
+    """The profile ``threefold calibrate`` measured (or ``profile``). Its figures are already
+    achieved rates, so the efficiencies are 1 unless ``calibrate --from-runs`` fitted them to the
+    user's runs; its latency is of a whole small all-reduce, spread over the ring's steps.
 
     ``dtype``: the engine's compute type (its fp32 matmuls run at the fp32 peak). ``workers``:
     processes that will share the machine; beyond one per core they share its compute and
     memory bandwidth, so each gets its part.
     """
-    from threefold.plan.calibrate import load_profile  # imports torch; only when asked for
+    if profile is None:
+        from threefold.plan.profile import load_profile
 
-    profile = load_profile()
+        profile = load_profile()
     cores = int(profile["gpus_per_node"])
     share = min(1.0, cores / workers) if workers else 1.0
     ring_steps = 2 * (max(2, cores) - 1)
@@ -123,12 +131,14 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None) -> GPU
     peak = float(profile["peak_flops_fp32" if dtype in ("float32", "fp32") else "peak_flops_bf16"])
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
+    link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
                float(profile["intra_node_bw"]), float(profile["inter_node_bw"]),
                intra_node_latency_s=float(profile["latency_s"]) / ring_steps,
                inter_node_latency_s=float(profile["latency_s"]) / ring_steps,
-               gpus_per_node=max(cores, workers or 1), matmul_efficiency=1.0, hbm_efficiency=1.0,
-               intra_link_efficiency=1.0, inter_link_efficiency=1.0,
+               gpus_per_node=max(cores, workers or 1), matmul_efficiency=float(profile.get("matmul_efficiency", 1.0)),
+               hbm_efficiency=float(profile.get("hbm_efficiency", 1.0)),
+               intra_link_efficiency=link, inter_link_efficiency=link,
                description="this machine, measured by `threefold calibrate` (one worker per core)",
                peak_flops_fp32=float(profile["peak_flops_fp32"]) * share)
 
@@ -174,7 +184,8 @@ _CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, requ
     ("node", "gpus_per_node"): ("count", 1, True),
     ("node", "intra_node_gbps"): ("bandwidth", 1e9 / 8, True), ("node", "inter_node_gbps"): ("bandwidth", 1e9 / 8, True),
     ("node", "intra_node_latency_us"): ("time", 1e-6, False), ("node", "inter_node_latency_us"): ("time", 1e-6, False),
-    **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link")},
+    **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link",
+                                                         "overlap_slowdown")},
 }
 
 
@@ -237,4 +248,5 @@ def load_cluster(path: str | Path) -> GPU:
                hbm_efficiency=get("efficiency", "hbm", _NVIDIA["hbm_efficiency"]),
                intra_link_efficiency=get("efficiency", "intra_link", _NVIDIA["intra_link_efficiency"]),
                inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
-               description=f"from {path}", peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")))
+               description=f"from {path}", peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
+               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]))

@@ -49,9 +49,9 @@ def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib:
         ax.set_yticks(ranks, labels)
         ax.set_ylim(rows - 0.5, -0.5)
         ax.set_xlabel(unit)
-        ax.legend(loc="lower right", fontsize=7, ncols=4)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)  # beside the bars
     memory_ax.axvline(capacity_gib, color="black", linestyle="--", linewidth=1)
-    memory_ax.text(capacity_gib, -0.45, f" {capacity_gib:.0f} GiB per GPU", va="top", fontsize=8)
+    memory_ax.text(capacity_gib, rows - 0.55, f"capacity {capacity_gib:.0f} GiB ", va="bottom", ha="right", fontsize=8)
     time_ax.set_title("where the step's time goes (exposed communication per axis, bubble, memory-bound work)")
     memory_ax.set_title("memory per GPU (fuller pipeline stage) against the GPU's capacity")
     fig.suptitle(title)

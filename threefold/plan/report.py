@@ -9,7 +9,8 @@ from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout
 GiB = 2**30
 
 # Seconds of one step, by where they go; they add up to step_time_s.
-TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer")
+TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer",
+              "contention")
 
 
 def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:

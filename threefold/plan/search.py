@@ -102,7 +102,8 @@ class SearchResult:
     est: dict
     order: np.ndarray  # indices of fitting layouts, fastest first
     count: int
-    seconds: float
+    seconds: float  # wall-clock
+    cpu_seconds: float = 0.0  # this process's CPU time: the search's own work, whatever else runs
 
     @property
     def rate(self) -> float:
@@ -239,12 +240,12 @@ class SearchResult:
 
 def search(work: Workload, gpu, num_gpus: int, fixed: dict | None = None) -> SearchResult:
     """Enumerate, evaluate, drop what does not fit, rank by step time (ties: less memory first)."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     layouts = candidate_layouts(work, num_gpus, fixed)
     est = costs.estimate(work, layouts, gpu)
     fits = np.asarray(est["fits"], dtype=bool)
     step, memory = np.asarray(est["step_time_s"]), np.asarray(est["memory_bytes"])
     candidates = np.flatnonzero(fits)
     order = candidates[np.lexsort((memory[candidates], step[candidates]))]
-    seconds = time.perf_counter() - start
-    return SearchResult(work, gpu, layouts, est, order, len(np.asarray(layouts.tp)), seconds)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return SearchResult(work, gpu, layouts, est, order, len(np.asarray(layouts.tp)), seconds, cpu_seconds)

@@ -1,0 +1,189 @@
+"""``threefold calibrate --from-runs``: fit the local profile's efficiencies to measured runs.
+
+The profile ``threefold calibrate`` measures holds peak rates: the best matmul FLOP/s, the copy
+bandwidth, the gloo all-reduce bandwidth and latency. A training step reaches less of them (small
+products, Python between kernels, other processes on the cores). Given runs of the user's own
+machine (a config and its metrics file each, all of one model: the same block, vocabulary and
+sequence, any depth), this fits three fractions, one per kind of work,
+so that the planner's predicted step times match the measured ones:
+
+  matmul_efficiency  of the measured matmul peak (the products and the attention core),
+  hbm_efficiency     of the measured copy bandwidth (the memory-bound work and the optimizer),
+  link_efficiency    of the measured all-reduce bandwidth (every collective and transfer).
+
+It minimises the mean squared log-ratio of predicted to measured step time (a run 20% slow
+weighs as much as one 20% fast) over a grid of the three fractions in log space, refined around
+its best point (the cost model evaluates a whole grid in one call per run), and
+cross-validates: each run in turn is left out, the fractions are fitted on the others, and the
+left-out run is predicted. The error before (the plain profile), after (fitted on all) and
+left out is reported per run.
+
+A run is given as ``CONFIG.toml:METRICS.jsonl`` or as a manifest ``.json``:
+``{"name": {"config": "run.toml", "set": ["train.steps=8", …], "metrics": "run.jsonl"}, …}``
+with paths relative to the manifest (bench/planner_runs.py writes one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+
+from threefold.config import Config, ConfigError
+from threefold.plan import costs
+from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout
+from threefold.plan.hardware import local_gpu
+
+FRACTIONS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    cfg: Config
+    measured_s: float
+    work: costs.Workload = None
+    layout: costs.Layout = None
+
+
+def read_runs(specs) -> list[Run]:
+    """The runs named by ``--from-runs`` arguments; ConfigError, one line, for a bad one."""
+    runs = []
+    for spec in specs:
+        if spec.endswith(".json"):
+            path = Path(spec)
+            try:
+                manifest = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ConfigError(f"--from-runs: cannot read the manifest {spec} ({err})") from None
+            if not isinstance(manifest, dict) or not manifest:
+                raise ConfigError(f"--from-runs: {spec} is not a manifest of runs (an object of name → run)")
+            for name, entry in manifest.items():
+                if not isinstance(entry, dict) or not {"config", "metrics"} <= set(entry):
+                    raise ConfigError(f"--from-runs: {spec}: run {name!r} needs 'config' and 'metrics'")
+                runs.append(_run(name, path.parent / entry["config"], path.parent / entry["metrics"],
+                                 entry.get("set", [])))
+        else:
+            config, sep, metrics = spec.rpartition(":")
+            if not sep or not config:
+                raise ConfigError(f"--from-runs: {spec!r} is neither CONFIG.toml:METRICS.jsonl nor a manifest .json")
+            runs.append(_run(Path(metrics).stem, Path(config), Path(metrics), []))
+    if len(runs) < 2:
+        raise ConfigError(f"--from-runs: needs at least two runs to fit and cross-validate, got {len(runs)}")
+    first = runs[0]
+    for run in runs[1:]:
+        if _block(run.cfg) != _block(first.cfg):
+            raise ConfigError(f"--from-runs: run {run.name!r} trains another model than {first.name!r} "
+                              f"({_describe(run.cfg)} against {_describe(first.cfg)}): fit on runs of one model")
+    return runs
+
+
+def _block(cfg: Config) -> tuple:
+    """What makes two runs the same model for the fit: the block's shapes (its products' sizes,
+    which set how much of the peak they reach), the vocabulary and the sequence; the depth may
+    differ (a pipeline benchmark stacks more of the same blocks)."""
+    m = cfg.model
+    return m.arch, m.hidden, m.heads, m.n_kv_heads, m.ffn_hidden, m.vocab_size, m.seq_len
+
+
+def _describe(cfg: Config) -> str:
+    m = cfg.model
+    return f"hidden {m.hidden}, {m.heads} heads, ffn {m.ffn_hidden}, vocab {m.vocab_size}, seq {m.seq_len}"
+
+
+def _run(name: str, config: Path, metrics: Path, overrides) -> Run:
+    if not config.is_file():
+        raise ConfigError(f"--from-runs: run {name!r}: no config file {config}")
+    if not metrics.is_file():
+        raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
+    cfg = load_run(config, overrides)
+    return Run(name, cfg, measured_step_time(read_steps(metrics)), *run_layout(cfg))
+
+
+def predict(run: Run, profile: dict, fractions: dict):
+    """The planner's step time of ``run`` with the profile's fractions set to ``fractions``
+    (numbers, or numpy arrays of candidate values: then an array of step times)."""
+    gpu = local_gpu(run.cfg.train.dtype, workers=run.cfg.parallel.world_size, profile={**profile, **PLAIN})
+    gpu = dataclasses.replace(gpu, matmul_efficiency=fractions["matmul_efficiency"],
+                              hbm_efficiency=fractions["hbm_efficiency"],
+                              intra_link_efficiency=fractions["link_efficiency"],
+                              inter_link_efficiency=fractions["link_efficiency"])
+    step = costs.estimate(run.work, run.layout, gpu)["step_time_s"]
+    return float(step) if np.ndim(step) == 0 else np.asarray(step)
+
+
+PLAIN = {key: 1.0 for key in FRACTIONS}
+
+
+def loss(runs, profile, fractions):
+    """The mean squared log-ratio of predicted to measured step time over ``runs``."""
+    return sum(np.log(predict(r, profile, fractions) / r.measured_s) ** 2 for r in runs) / len(runs)
+
+
+def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> dict:
+    """The fractions, each in [0.02, 1], that minimise ``loss``: a grid of ``points`` values
+    per fraction, evenly spaced in log, over all three at once (the cost model evaluates the
+    whole grid in one call per run), then again around the best point on a grid 1/6 as wide,
+    ``levels`` times: the last grid's step is 0.05% of the fraction."""
+    low, high = np.full(3, np.log(0.02)), np.zeros(3)
+    best = None
+    for _ in range(levels):
+        axes = [np.linspace(low[k], high[k], points) for k in range(3)]
+        grid = np.meshgrid(*axes, indexing="ij")
+        values = {key: np.exp(g.ravel()) for key, g in zip(FRACTIONS, grid)}
+        i = int(np.argmin(loss(runs, profile, values)))
+        best = np.array([np.log(values[key][i]) for key in FRACTIONS])
+        half = (high - low) / 12  # ±1/12 of this grid's span around the best point
+        low, high = np.maximum(best - half, np.log(0.02)), np.minimum(best + half, 0.0)
+    return {key: float(np.exp(value)) for key, value in zip(FRACTIONS, best)}
+
+
+def cross_validate(runs: list[Run], profile: dict) -> dict:
+    """Per run: measured, predicted with the plain profile, fitted on all, and fitted on the
+    others (left out); and the fractions fitted on all."""
+    fitted = fit(runs, profile)
+    rows = []
+    for i, run in enumerate(runs):
+        others = runs[:i] + runs[i + 1:]
+        rows.append({"run": run.name, "measured_s": run.measured_s,
+                     "plain_s": predict(run, profile, {k: float(profile.get(k, 1.0)) for k in FRACTIONS}),
+                     "fitted_s": predict(run, profile, fitted),
+                     "left_out_s": predict(run, profile, fit(others, profile))})
+    for row in rows:
+        for key in ("plain", "fitted", "left_out"):
+            row[f"{key}_error"] = row[f"{key}_s"] / row["measured_s"] - 1
+    mean = {key: sum(abs(r[f"{key}_error"]) for r in rows) / len(rows) for key in ("plain", "fitted", "left_out")}
+    return {"fractions": fitted, "runs": rows, "mean_abs_error": mean}
+
+
+def calibrate_from_runs(specs, out, as_json: bool) -> None:
+    from threefold.plan.profile import load_profile, profile_path, save_profile
+
+    path = Path(out or profile_path())
+    profile = load_profile(path if path.exists() else None)
+    runs = read_runs(specs)
+    report = cross_validate(runs, profile)
+    saved = save_profile({**{k: v for k, v in profile.items() if k not in FRACTIONS}, **report["fractions"],
+                          "fitted_from": [r.name for r in runs]}, path)
+    if as_json:
+        click.echo(json.dumps(dict(report, profile=str(saved))))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step time: measured, predicted before and after fitting on {len(runs)} runs")
+    for column in ("run", "measured s", "plain profile", "fitted", "left out (cross-validated)"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for r in report["runs"]:
+        table.add_row(r["run"], f"{r['measured_s']:.3f}", *(f"{r[k + '_s']:.3f} ({r[k + '_error']:+.0%})"
+                                                            for k in ("plain", "fitted", "left_out")))
+    mean = report["mean_abs_error"]
+    table.caption = (f"mean |error|: plain {mean['plain']:.1%}, fitted {mean['fitted']:.1%}, left out "
+                     f"{mean['left_out']:.1%}; fitted " + ", ".join(f"{k} {v:.3f}" for k, v in report["fractions"].items()))
+    Console().print(table)
+    click.echo(f"profile written to {saved}")
+
+
