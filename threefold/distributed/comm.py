@@ -183,9 +183,10 @@ class Comm:
         axes = _axes(axis)
         n, me = self.mesh.size(*axes), self.mesh.coord(*axes)
         for name, splits, tensor in (("input", input_split_sizes, input), ("output", output_split_sizes, output)):
-            if splits is not None and (len(splits) != n or sum(splits) != (tensor.shape[0] if tensor.dim() else 1)):
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if splits is not None and (len(splits) != n or sum(splits) != rows):
                 raise ValueError(f"all_to_all over {self.mesh.label(*axes)!r}: {name}_split_sizes {list(splits)} "
-                                 f"must have {n} entries summing to the {name}'s {tensor.shape[0]} rows")
+                                 f"must have {n} entries summing to the {name}'s {rows} rows")
         if input_split_sizes is None:
             sent = ring_bytes("all_to_all", _nbytes(input), n)
         else:
