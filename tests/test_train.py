@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from threefold.cli import main
-from threefold.configure import load_config
+from threefold.config import load_config
 from threefold.train import checkpoint
 from threefold.train.trainer import train
 
@@ -95,10 +95,10 @@ def test_checkpoint_errors_are_one_line(tmp_path, corpus, capsys):
     pieces.write_bytes(pieces.read_bytes()[:100])  # truncated
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
     err = capsys.readouterr().err
-    assert f"{pieces.name}' is truncated: 100 bytes" in err and len(err.strip().splitlines()) == 1
+    assert f"{str(pieces)!r} is truncated: 100 bytes" in err and len(err.strip().splitlines()) == 1
     pieces.unlink()
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
-    assert f"{pieces.name}' is missing (the metadata lists pieces in it)" in capsys.readouterr().err
+    assert f"{str(pieces)!r} is missing" in capsys.readouterr().err
     (checkpoint.resolve(ckpt) / ".metadata").unlink()
     assert main(["generate", "--checkpoint", str(ckpt)]) == 2
     assert ".metadata is missing or unreadable" in capsys.readouterr().err
@@ -123,7 +123,7 @@ def test_resume_refuses_bad_checkpoints_and_overwrites_nothing(tmp_path, corpus,
     pieces.write_bytes(pieces.read_bytes()[:-10])
     before = folder_contents(ckpt)
     from threefold.config import ConfigError
-    with pytest.raises(ConfigError, match=f"{pieces.name}' is truncated: [0-9,]+ bytes, its pieces need"):
+    with pytest.raises(ConfigError, match=r"__0_0.distcp' is truncated: [\d,]+ bytes, its pieces need"):
         train(config(tmp_path, corpus, "train.steps=2", *common), progress=False)
     assert folder_contents(ckpt) == before  # nothing written, nothing removed
 
