@@ -186,3 +186,27 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpu
     assert needed <= shipped < 1.1 * needed and free < needed  # the pieces' files: tensors and DCP's framing
     model_cfg, state = checkpoint.read_model(kept[0])  # loadable
     assert losses(tmp_path / "full.jsonl").keys() == {1, 2, 3, 4}
+
+
+def test_sigterm_on_one_process_stops_after_the_step_in_progress(tmp_path, corpus, monkeypatch, capsys):  # noqa: F811
+    from test_train import config
+
+    from threefold.train.engine import Engine
+    from threefold.train.trainer import train
+
+    original, calls = Engine.forward_backward, []
+
+    def signalled_in_step_3(self, micro_batches):
+        calls.append(None)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the step
+        return original(self, micro_batches)
+
+    monkeypatch.setattr(Engine, "forward_backward", signalled_in_step_3)
+    ckpt = tmp_path / "ckpt"
+    result = train(config(tmp_path, corpus, "train.steps=8", f"train.checkpoint_dir={json.dumps(str(ckpt))}"),
+                   progress=False)
+    assert result.stopped_at == 3 and len(result.losses) == 3
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step_000003"]
+    assert f"SIGTERM: stopped after step 3 of 8, saved {ckpt / 'step_000003'}" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's only

@@ -133,3 +133,29 @@ def test_a_job_that_loses_a_node_continues_on_the_rest_with_dp_auto(tmp_path, co
     assert sorted(got) == list(range(1, 41))
     want = single_process_losses(tmp_path, corpus, *sets)
     assert [got[s] for s in range(1, 41)] == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def test_dp_auto_is_resolved_from_the_world_size_and_checked_like_a_given_dp(capsys):
+    from threefold.cli import main
+    from threefold.config import ConfigError
+
+    cfg = load_config(None, ["parallel.dp=auto", "parallel.tp=2", "train.global_batch=8", "train.micro_batch=2"])
+    assert cfg.parallel.dp == "auto"
+    assert cfg.resolve_world(4).parallel.dp == 2 and cfg.resolve_world(8).parallel.dp == 4
+    assert cfg.parallel.dp == "auto"  # resolving makes a new config
+    with pytest.raises(ConfigError, match=r'parallel.dp: "auto" on 5 processes: not divisible by tp×pp×cp×ep = '
+                                          r"2×1×1×1 = 2"):
+        cfg.resolve_world(5)
+    with pytest.raises(ConfigError, match=r"train.global_batch: 8 is not divisible by parallel.dp × "
+                                          r"train.micro_batch = 8 × 2"):
+        cfg.resolve_world(16)
+    with pytest.raises(ConfigError, match=r'parallel.dp: expected an integer or "auto", got \'many\''):
+        load_config(None, ["parallel.dp=many"])
+    # Before any process starts: "auto" needs to know how many there will be.
+    assert main(["train", "--set", "parallel.dp=auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ['error: parallel.dp: "auto" takes the data-parallel degree from the number of processes; '
+                   "give --nproc N (or start the ranks with torchrun)"]
+    assert main(["train", "--set", "parallel.dp=auto", "--set", "parallel.tp=2", "--nproc", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ('error: parallel.dp: "auto" on 3 processes: not divisible by '
+                                               "tp×pp×cp×ep = 2×1×1×1 = 2")

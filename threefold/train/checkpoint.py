@@ -20,8 +20,8 @@ step), so both resume from trainer.json on any layout.
 
 The folder is written under a temporary name and renamed when complete, so a folder named
 ``step_*`` is always whole: a crash mid-save leaves the previous checkpoint as the latest. The
-last ``keep`` checkpoints are kept. A full disk stops the save on every rank (DCP gathers the
-ranks' write errors), removes the half-written folder and says how many bytes were needed.
+last ``keep`` checkpoints are kept. A save that fails (a full disk: it says how many bytes were
+needed) stops the run on every rank with one line and removes the half-written folder.
 """
 from __future__ import annotations
 
@@ -287,28 +287,29 @@ def _meta(step: int, engine, cfg: Config, sampler_state: dict) -> dict:
 
 def _write_and_publish(root, step: int, tmp: Path, shards: list[Shard], meta: dict, engine, tokenizer, keep: int,
                        group) -> Path | None:
-    """Write every rank's pieces into ``tmp``, then (rank 0) publish it. On a full disk, every
-    rank raises CheckpointError (DCP's write errors reach all ranks), and rank 0 removes the
-    half-written folder, which no listing would return anyway, to give its bytes back."""
+    """Write every rank's pieces into ``tmp``, then (rank 0) publish it. If writing fails (a full
+    disk, above all), every rank raises CheckpointError, the same line (DCP gathers the ranks'
+    write errors), and rank 0 removes the half-written folder, which no listing would return
+    anyway, to give its bytes back."""
     try:
         _write(tmp, shards, group)  # returns on rank 0 once every rank has written its pieces
         return _publish(root, step, tmp, engine, meta, tokenizer, keep)
     except (OSError, CheckpointException) as err:
-        if not _disk_full(err):
-            raise
+        errors = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+        needed = checkpoint_bytes(ModelConfig(**meta["config"]["model"]), shards, engine.world_size)
+        # A full disk shows as ENOSPC or, where torch.save's zip writer met it, as a short write.
+        full = (any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors)
+                or shutil.disk_usage(tmp.parent).free < needed)
         if engine.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         latest = list_checkpoints(root)
-        needed = checkpoint_bytes(ModelConfig(**meta["config"]["model"]), shards, engine.world_size)
-        raise CheckpointError(
-            f"checkpoint: no space left on the device of {tmp}: the checkpoint of step {step} needs at "
-            f"least {needed:,} bytes, {shutil.disk_usage(root).free:,} are free there; "
-            + (f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was saved before")) from None
-
-
-def _disk_full(err: BaseException) -> bool:
-    errors = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
-    return any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in errors)
+        kept = f"{latest[-1]} stays the latest checkpoint" if latest else "no checkpoint was saved before"
+        if full:
+            raise CheckpointError(f"checkpoint: no space left on the device of {tmp}: the checkpoint of step {step} "
+                                  f"needs at least {needed:,} bytes, {shutil.disk_usage(root).free:,} are free there; "
+                                  f"{kept}") from None
+        first = str(errors[0]).strip().splitlines()[-1] if str(errors[0]).strip() else type(errors[0]).__name__
+        raise CheckpointError(f"checkpoint: writing {tmp} failed ({first[:160]}); {kept}") from None
 
 
 def checkpoint_bytes(model: ModelConfig, shards: list[Shard], world: int) -> int:
