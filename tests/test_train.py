@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from threefold.cli import main
-from threefold.config import load_config
+from threefold.configure import load_config
 from threefold.train import checkpoint
 from threefold.train.trainer import train
 
