@@ -66,8 +66,8 @@ def torch_tensor_parallel(model: Llama, mesh, sequence_parallel: bool) -> Llama:
         if sequence_parallel:
             plan.update({
                 "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                           desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                           desired_input_layouts=(Replicate(), None, None, None, None), use_local_output=True),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                           use_local_output=True),
             })
