@@ -153,7 +153,8 @@ def inspect(checkpoint_path, key, as_json):
         console.print(f"{summary['parameters']:,} parameters in {sum(n.startswith('model/') for n in stored)} tensors; "
                       "--tensor KEY lists one tensor's pieces")
     if summary["damage"]:
-        console.print(f"[bold red]damaged[/bold red]: {summary['damage']}", markup=True, highlight=False)
+        problem = summary["damage"].removeprefix("checkpoint: ")
+        console.print(f"[bold red]damaged[/bold red]: {problem}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

@@ -48,12 +48,16 @@ def check_run(cfg: Config, warn=print) -> None:
 
 
 def check_trainable(cfg: Config) -> None:
-    if cfg.model.arch != "llama":
-        key = "model.preset" if cfg.model.preset else "model.arch"
-        shape = f"{cfg.model.preset!r} is" if cfg.model.preset else "arch 'gpt' is"
-        raise ConfigError(f"{key}: {shape} a planner shape (arch {cfg.model.arch!r}: LayerNorm, GELU, learned "
-                          "positions); the engine trains 'llama' blocks (try threefold estimate --model "
-                          f"{cfg.model.preset or 'gpt3-175b'})")
+    """The engine trains Llama blocks; GPT-3 blocks are shapes for the planner."""
+    if cfg.model.arch == "llama":
+        return
+    block = "LayerNorm, GELU, learned positions"
+    if cfg.model.preset:
+        what = f"model.preset: {cfg.model.preset!r} is a planner shape (arch 'gpt': {block})"
+    else:
+        what = f"model.arch: 'gpt' is the planner's block ({block})"
+    raise ConfigError(f"{what}; the engine trains 'llama' blocks "
+                      f"(threefold estimate --model {cfg.model.preset or 'gpt3-175b'} plans it)")
 
 
 def check_init_from(source: str | None) -> None:
