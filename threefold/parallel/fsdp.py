@@ -239,7 +239,7 @@ class ShardedGradSync:
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [u.chunk for u in self.units], "grads": [u.grad_chunk for u in self.units]}
 
-    def gathered_storages(self) -> set[int]:
-        """Storages that hold gathered parameters right now: the activation meter must not
-        count the weights autograd saves as activations (they move with every gather)."""
-        return {u.full.untyped_storage().data_ptr() for u in self.units if u.full.untyped_storage().nbytes()}
+    def gathered_storages(self) -> list[torch.Tensor]:
+        """Tensors whose storages hold gathered parameters right now: the activation meter must
+        not count the weights autograd saves as activations (they move with every gather)."""
+        return [u.full for u in self.units if u.full.untyped_storage().nbytes()]
