@@ -22,6 +22,7 @@ loudly, which is how a CPU-only assumption that would break CUDA shows up here.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -87,7 +88,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     mesh = None
     try:
         mesh = ParallelMesh({axis: getattr(p, axis) for axis in AXES}, rank, p.timeout_s, device=torch.device(device))
-        with FakeTensorMode():
+        # meta tensors have no values either; under a FakeTensorMode they would be fake cpu ones
+        with FakeTensorMode() if device != "meta" else contextlib.nullcontext():
             with torch.device("meta"):
                 model = Llama(cfg.model)
             model.set_recompute(t.recompute)

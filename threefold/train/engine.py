@@ -105,14 +105,19 @@ def autocast(dtype: str):
 
 
 # --- reading values: the only places a dry run (fake tensors: shapes, no values) differs --------
+def has_values(tensor: torch.Tensor) -> bool:
+    """False for a fake tensor and a meta one: shapes without storage."""
+    return not (is_fake(tensor) or tensor.is_meta)
+
+
 def value_of(scalar: torch.Tensor) -> float:
-    """A 0-d tensor's value (the loss, the gradient norm); NaN for a fake tensor."""
-    return math.nan if is_fake(scalar) else scalar.item()
+    """A 0-d tensor's value (the loss, the gradient norm); NaN for one without values."""
+    return scalar.item() if has_values(scalar) else math.nan
 
 
 def values_of(tensor: torch.Tensor) -> list | None:
-    """A tensor's values as nested lists; None for a fake tensor."""
-    return None if is_fake(tensor) else tensor.tolist()
+    """A tensor's values as nested lists; None for one without values."""
+    return tensor.tolist() if has_values(tensor) else None
 
 
 def tensor_bytes(tensors) -> int:
