@@ -182,8 +182,8 @@ def result_table(cfg: Config, result: dict):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per rank.")
 def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
     """One training step of the real engine as rank R of a world of N, on fake tensors."""
-    cfg = dry_run_config(load_config(config_path, overrides), world_size)
     ranks = check_ranks(ranks, world_size)
+    cfg = dry_run_config(load_config(config_path, overrides), world_size)
     results = dry_run(cfg, ranks, compare, device, progress=not as_json)
     if as_json:
         for result in results:
