@@ -8,7 +8,8 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
 
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
                dp; activations: costs.block_activation_bytes × the most blocks whose activations
-               the rank holds at once (simulate.peak_in_flight over its schedule's actions);
+               the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
+               where it holds the head, the final norm and the logits as costs.estimate counts them;
   comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
                embedding where it holds stage 0 and the head term only where it holds the last
                stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
@@ -56,6 +57,20 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
                      any(span.last for span in held), in_flight)
 
 
+def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> float:
+    """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
+    counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
+    tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
+    = 0) on the first stage. The estimate's expression, for this rank's dtype."""
+    p, model = cfg.parallel, cfg.model
+    tokens = cfg.train.micro_batch * model.seq_len
+    coef = costs.activation_coefficients(model, "flash", act_bytes)
+    seq_split = p.tp if p.sequence_parallel else 1
+    embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
+    logits = tokens * (coef["norm"] / seq_split + 4 * model.vocab_size / p.tp) if share.last_stage else 0
+    return embedding + logits
+
+
 def predict_rank(cfg: Config, rank: int) -> dict:
     """``{"memory": {params, grads, optimizer, activations}, "comm_bytes": {key: bytes}}`` of
     global ``rank``, in bytes per step, for a concrete layout of ``cfg`` (no "auto")."""
@@ -65,9 +80,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
     memory = dict(costs.model_state_bytes(share.numel, p.dp, p.zero))
-    block = costs.block_activation_bytes(model, t.micro_batch * model.seq_len, p.tp, p.sequence_parallel,
-                                         t.recompute, dtype_bytes=act_bytes)
-    memory["activations"] = share.blocks_in_flight * block
+    tokens = t.micro_batch * model.seq_len
+    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+                                         dtype_bytes=act_bytes)
+    memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
 
     comm = {}
     if p.dp > 1:
