@@ -22,6 +22,7 @@ COMMANDS = {
     "estimate": ("threefold.plan.commands", "estimate", "Predict memory, communication and step time of one layout."),
     "plan": ("threefold.plan.commands", "plan", "Search layouts for the fastest one that fits."),
     "schedule": ("threefold.plan.schedule_command", "schedule", "Draw a pipeline schedule and print its bubble."),
+    "dryrun": ("threefold.train.dryrun", "dryrun", "One real training step of rank R of a large job, on fake tensors."),
     "compare": ("threefold.plan.compare", "compare", "Compare a run's measurements with the planner's prediction."),
     "calibrate": ("threefold.plan.calibrate", "calibrate", "Measure this machine for the planner."),
     "export": ("threefold.interop.commands", "export_cmd", "Write a checkpoint as a Hugging Face LlamaForCausalLM folder."),

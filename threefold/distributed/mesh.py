@@ -18,6 +18,7 @@ import datetime
 import math
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,11 +40,13 @@ class ParallelMesh:
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES}")
         self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
-        self.grid = torch.arange(self.world_size).view(*(self.sizes[a] for a in AXES))
+        # numpy, not torch: the grid is bookkeeping, and stays plain integers under a FakeTensorMode
+        self.grid = np.arange(self.world_size).reshape(*(self.sizes[a] for a in AXES))
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         self.rank = rank
-        self.coords = dict(zip(AXES, (self.grid == rank).nonzero()[0].tolist()))
+        self.coords = dict(zip(AXES, np.argwhere(self.grid == rank)[0].tolist()))
+        self._rows: dict[tuple[str, ...], list[list[int]]] = {}
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
         self.owns_process_group = owns_process_group
@@ -148,10 +151,13 @@ class ParallelMesh:
         return tuple(a for a in self._ordered(axes) if self.sizes[a] > 1)
 
     def _group_rows(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Every group along ``axes``: move those axes last and read the grid row by row."""
-        rest = [AXES.index(a) for a in AXES if a not in axes]
-        along = [AXES.index(a) for a in axes]
-        return self.grid.permute(*rest, *along).reshape(-1, self.size(*axes)).tolist()
+        """Every group along ``axes``: move those axes last and read the grid row by row
+        (kept: every collective asks, and a world of thousands has thousands of rows)."""
+        if axes not in self._rows:
+            rest = [AXES.index(a) for a in AXES if a not in axes]
+            along = [AXES.index(a) for a in axes]
+            self._rows[axes] = self.grid.transpose(*rest, *along).reshape(-1, self.size(*axes)).tolist()
+        return self._rows[axes]
 
     def _create(self, axes: tuple[str, ...]) -> None:
         key = self._key(axes)

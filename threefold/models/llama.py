@@ -168,7 +168,7 @@ def initial_value(cfg: ModelConfig, name: str, shape, seed: int) -> torch.Tensor
     residual = name.endswith(("wo.weight", "w_down.weight", "experts.w_down"))
     std = 0.02 / math.sqrt(2 * cfg.layers) if residual else 0.02
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
-    return torch.randn(tuple(shape), generator=generator) * std
+    return torch.randn(tuple(shape), generator=generator).mul_(std)  # in place: one full tensor at a time
 
 
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:

@@ -65,6 +65,10 @@ PRESETS: dict[str, ModelConfig] = {
                                     tie_embeddings=False, moe_experts=256, moe_top_k=8, moe_ffn=2048,
                                     moe_shared_experts=1, moe_first_dense=3, moe_router="sigmoid",
                                     moe_aux_loss_coef=0.0001, moe_bias_rate=0.001),
+    # The 10B Llama-block model of docs/planner.md's example (32 × 5120, 40 heads, FFN 13824,
+    # a 32000-token vocabulary, untied), so `threefold dryrun` can run what the planner was asked.
+    "llama-10b": ModelConfig(layers=32, hidden=5120, heads=40, ffn=13824, vocab_size=32000, seq_len=2048,
+                             tie_embeddings=False),
 }
 
 

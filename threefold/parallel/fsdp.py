@@ -239,7 +239,8 @@ class ShardedGradSync:
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [u.chunk for u in self.units], "grads": [u.grad_chunk for u in self.units]}
 
-    def gathered_storages(self) -> set[int]:
-        """Storages that hold gathered parameters right now: the activation meter must not
-        count the weights autograd saves as activations (they move with every gather)."""
-        return {u.full.untyped_storage().data_ptr() for u in self.units if u.full.untyped_storage().nbytes()}
+    def gathered_storages(self) -> list[torch.Tensor]:
+        """The full buffers, whose storages hold the gathered parameters: the activation meter must
+        not count the weights autograd saves as activations. All of them, gathered or not: a
+        storage keeps its identity across its gathers, and most are gathered after the meter asks."""
+        return [u.full for u in self.units]

@@ -44,6 +44,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from threefold.config import Config
 from threefold.distributed.comm import Comm
@@ -51,6 +52,7 @@ from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
 from threefold.parallel.data_parallel import BucketGradSync, LocalGradSync
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from threefold.train.metrics import storage_key
 from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
     sum_partial_grads, whole_shards
 
@@ -100,6 +102,22 @@ def autocast(dtype: str):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# --- reading values: the only places a dry run (fake tensors: shapes, no values) differs --------
+def has_values(tensor: torch.Tensor) -> bool:
+    """False for a fake tensor and a meta one: shapes without storage."""
+    return not (is_fake(tensor) or tensor.is_meta)
+
+
+def value_of(scalar: torch.Tensor) -> float:
+    """A 0-d tensor's value (the loss, the gradient norm); NaN for one without values."""
+    return scalar.item() if has_values(scalar) else math.nan
+
+
+def values_of(tensor: torch.Tensor) -> list | None:
+    """A tensor's values as nested lists; None for one without values."""
+    return tensor.tolist() if has_values(tensor) else None
 
 
 def tensor_bytes(tensors) -> int:
@@ -279,9 +297,9 @@ class Engine:
     def parameter_storages(self) -> set[int]:
         """Storages holding parameters now (ZeRO-3: the gathered units); the activation meter
         leaves them out."""
-        found = {q.untyped_storage().data_ptr() for q in self.model.parameters()}
+        found = {storage_key(q) for q in self.model.parameters()}
         for sync in self.syncs.values():
-            found |= getattr(sync, "gathered_storages", set)()
+            found |= {storage_key(t) for t in getattr(sync, "gathered_storages", list)()}
         return found
 
     def forward_context(self):
@@ -326,7 +344,7 @@ class Engine:
         sum_partial_grads(self.grad_shards(), self.comm)
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
-        return self._mean_over_dp(loss_sum.item() / len(micro_batches))
+        return self._mean_over_dp(value_of(loss_sum) / len(micro_batches))
 
     def _plain_loop(self, micro_batches) -> torch.Tensor:
         model, sync = self.parts[0], self.syncs[0]
@@ -347,7 +365,7 @@ class Engine:
             return local_mean
         loss = torch.tensor([local_mean], dtype=torch.float64, device=self.device)
         self.comm.all_reduce(loss, "dp", tag="scalar")
-        return loss.item() / self.dp_size
+        return value_of(loss) / self.dp_size
 
     def _sum_tied_grads(self) -> None:
         """First and last stage each hold the tied weight and a part of its reduced gradient (from
@@ -382,7 +400,7 @@ class Engine:
             with autocast(self.cfg.train.dtype):
                 losses = torch.stack([self.loss_fn(self.parts[0](x), y).float() for x, y in batches])
         self.model.train()
-        return losses.mean().item()
+        return value_of(losses.mean())
 
     def grad_shards(self) -> list[Shard]:
         """This rank's pieces of the reduced gradient ("grad/<key>"), placed in the full model."""
@@ -398,7 +416,7 @@ class Engine:
                 for g in sync.held()["grads"]:
                     if g is not None:
                         g.mul_(coef)
-        return norm.item()
+        return value_of(norm)
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -421,15 +439,17 @@ class Engine:
 
         kinds = list(Kind)
         longest = max(len(actions) for actions in self.schedule.actions)
-        mine = torch.full((longest, 5), math.nan, dtype=torch.float64)  # NaN rows: padding to the longest
-        mine[:len(timeline)] = torch.tensor([[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage]
-                                             for a in timeline], dtype=torch.float64)
-        everyone = torch.empty(self.pp * longest * 5, dtype=torch.float64)
+        rows = [[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage] for a in timeline]
+        mine = torch.full((longest, 5), math.nan, dtype=torch.float64, device=self.device)  # NaN rows: padding
+        mine[:len(rows)] = torch.tensor(rows, dtype=torch.float64, device=self.device)
+        everyone = torch.empty(self.pp * longest * 5, dtype=torch.float64, device=self.device)
         self.comm.all_gather(everyone, mine.reshape(-1), "pp", tag="timeline")
-        everyone = everyone.view(self.pp, longest, 5)
-        origin = everyone[..., 0].nan_to_num(math.inf).min().item()
+        values = values_of(everyone.view(self.pp, longest, 5))
+        if values is None:  # fake tensors: the other ranks' rows have no values; this rank's are its own
+            values = [rows if r == self.pp_rank else [] for r in range(self.pp)]
+        origin = min(row[0] for rank in values for row in rank if not math.isnan(row[0]))
         ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
-                  for row in rank.tolist() if not math.isnan(row[0])] for rank in everyone]
+                  for row in rank if not math.isnan(row[0])] for rank in values]
         return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
                 "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks}
 

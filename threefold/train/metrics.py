@@ -9,6 +9,12 @@ from typing import Callable
 import torch
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (its StorageImpl's address): views share it, and it
+    is unique among live storages, real or fake (a fake tensor's data_ptr is 0 for all)."""
+    return tensor.untyped_storage()._cdata
+
+
 class _Saved:
     """What autograd keeps for one saved tensor while the meter watches: the tensor, detached.
     Autograd drops it once backward has used it; the meter learns that from its finalizer."""
@@ -41,11 +47,11 @@ class ActivationMeter:
 
     @classmethod
     def for_module(cls, module: torch.nn.Module) -> "ActivationMeter":
-        return cls(lambda: {p.untyped_storage().data_ptr() for p in module.parameters()})
+        return cls(lambda: {storage_key(p) for p in module.parameters()})
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = storage._cdata, storage.nbytes()  # storage_key
         if key in self._params or nbytes == 0:
             return tensor
         if key not in self._holders:

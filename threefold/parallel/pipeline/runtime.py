@@ -253,6 +253,7 @@ class PipelineRuntime:
             raise ValueError(f"rank {rank} runs stages {list(schedule.stages_of(rank))}, "
                              f"got modules for {sorted(stages)}")
         self.schedule, self.rank, self.stages, self.comm, self.axis = schedule, rank, stages, comm, axis
+        self.device = comm.mesh.device  # where this rank computes: its buffers and its loss live there
         self.wire = wire or Wire()
         self.actions = schedule.actions[rank]
         self.loss_fn, self.compute_context = loss_fn, compute_context
@@ -277,7 +278,8 @@ class PipelineRuntime:
                              f"the step brought {len(micro_batches)}")
         message_shape = self.wire.message_shape(activation_shape)
         self.step = StepState(micro_batches, activation_shape,
-                              lambda: torch.empty(message_shape, dtype=activation_dtype))
+                              lambda: torch.empty(message_shape, dtype=activation_dtype, device=self.device),
+                              loss_sum=torch.zeros((), device=self.device))
         self.step.left_to_post = dict(self.receives_from)
         for peer in self.receives_from:
             self.step.posted[peer] = deque()
@@ -337,7 +339,7 @@ class PipelineRuntime:
     def _backward(self, microbatch: int, stage: int) -> None:
         step, key = self.step, (microbatch, stage)
         forwarded, module = step.forwarded.pop(key), self.stages[stage]
-        grad = torch.ones(()) if module.last else step.output_grads.pop(key)
+        grad = torch.ones((), device=self.device) if module.last else step.output_grads.pop(key)
         if self.schedule.split_backward:
             input_grad, step.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
                                                                 self.params[stage])
@@ -366,7 +368,7 @@ class PipelineRuntime:
                      activation_dtype: torch.dtype = torch.float32, tag: str = "eval") -> torch.Tensor:
         """Losses of ``batches`` (on the last stage's rank; zeros elsewhere), each batch passing
         through this rank's stages in order; p2p tagged ``tag``. Returns a (len(batches),) tensor."""
-        losses = torch.zeros(len(batches), dtype=torch.float64)
+        losses = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
         sends = []
         for i, (tokens, targets) in enumerate(batches):
             for stage, module in sorted(self.stages.items()):
@@ -374,7 +376,8 @@ class PipelineRuntime:
                     if module.first:
                         hidden = module.embed(tokens)
                     else:
-                        message = torch.empty(self.wire.message_shape(activation_shape), dtype=activation_dtype)
+                        message = torch.empty(self.wire.message_shape(activation_shape), dtype=activation_dtype,
+                                              device=self.device)
                         self.comm.recv(message, self.axis, self.schedule.rank_of(stage - 1), tag=tag).wait()
                         hidden = self.wire.unpack(message, activation_shape, tag=tag)
                     output = module(hidden, tokens.shape[1])

@@ -1,0 +1,169 @@
+"""The dry run (threefold/train/dryrun.py) and construction at any scale: a rank builds only its
+share of the model (threefold/train/engine.py's cut_model), the engine runs one real step of
+any rank of a large world on fake tensors, and on the meta device every layout of the
+equivalence matrix runs without a tensor created on a fixed device."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.equivalence import CASES, matrix_config
+from threefold.cli import main
+from threefold.distributed.comm import Comm
+from threefold.distributed.mesh import ParallelMesh
+from threefold.models.llama import Llama
+from threefold.parallel.pipeline.schedule import Kind
+from threefold.plan.dryrun_predict import predict_rank
+from threefold.train import engine as engine_module
+from threefold.train.dryrun import dry_run_config, dry_run_rank
+
+# The tiny model at world 256: tp2 (sequence parallel) × pp4 (1F1B) × dp32 (ZeRO-1), four
+# micro-batches of two sequences per replica.
+WORLD_256 = ["model.preset=tiny", "model.vocab_size=4096", "model.seq_len=128", "parallel.tp=2", "parallel.pp=4",
+             "parallel.dp=auto", "parallel.zero=1", "parallel.sequence_parallel=true", "train.global_batch=256",
+             "train.micro_batch=2"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_meta_device_runs_every_layout_of_the_matrix(name):
+    """On the meta device, a tensor the engine made on the CPU meets a meta one and fails."""
+    cfg = dry_run_config(matrix_config(*CASES[name]), matrix_config(*CASES[name]).parallel.world_size)
+    for rank in sorted({0, cfg.parallel.world_size - 1}):  # the first and the last pipeline stage
+        result = dry_run_rank(cfg, rank, device="meta")
+        assert result["memory"]["params"] > 0 and result["memory"]["optimizer"] > 0
+        assert result["comm_bytes"]  # every layout here has more than one rank
+
+
+def test_meta_device_catches_a_tensor_made_on_the_cpu(monkeypatch):
+    """What the mode is for: the runtime's receive buffers made without a device fail."""
+    from threefold.parallel.pipeline import runtime
+
+    class TorchWithCpuEmpty:  # the runtime's torch, whose empty() forgets the device it is given
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, device=None, **kwargs):
+            return torch.empty(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "torch", TorchWithCpuEmpty())
+    cfg = dry_run_config(matrix_config(*CASES["pp2-1f1b"]), 2)
+    with pytest.raises(RuntimeError, match="device"):
+        dry_run_rank(cfg, 1, device="meta")
+
+
+def load(overrides):
+    from threefold.configure import load_config
+
+    return load_config(None, overrides)
+
+
+def test_a_step_at_256_ranks_equals_the_planner():
+    cfg = dry_run_config(load(WORLD_256), 256)
+    assert cfg.parallel.dp == 32
+    first, last = 0, 192  # pipeline rank 0, and the first rank of pipeline rank 3 (pp is outermost)
+    for rank in (first, last):
+        result = dry_run_rank(cfg, rank)
+        want = predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert result["memory"][key] == want["memory"][key], key
+        for key, value in want["comm_bytes"].items():
+            assert result["comm_bytes"][key] == value, key
+        # the actions this rank executed are its schedule's, in order
+        from threefold.parallel.pipeline.schedule import build_schedule
+
+        schedule = build_schedule("1f1b", 4, cfg.microbatches)
+        pp_rank = rank // 64
+        assert [(a[2], a[3], a[4]) for a in result["actions"]] == \
+            [(a.kind.value, a.microbatch, a.stage) for a in schedule.actions[pp_rank]]
+        assert Kind.FORWARD.value in {a[2] for a in result["actions"]}
+        assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.02)
+    assert set(predict_rank(cfg, last)["comm_bytes"]) == {"dp", "tp", "tp.loss", "pp"}
+
+
+def test_values_read_from_fake_tensors_are_nan():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(())
+    assert math.isnan(engine_module.value_of(fake))
+    assert engine_module.values_of(torch.ones(2, device="meta")) is None
+    assert engine_module.value_of(torch.tensor(2.5)) == 2.5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "parallel.tp=2", "--world-size", "3"], "--world-size: the layout"),
+    (["--set", "parallel.tp=2", "--set", "parallel.dp=auto", "--world-size", "3"], 'parallel.dp: "auto" on 3'),
+    (["--set", "parallel.tp=2", "--world-size", "2", "--rank", "2"], "--rank: 2 is outside a world of 2"),
+    (["--set", "model.preset=llama3-9b", "--world-size", "1"], "model.preset: unknown preset 'llama3-9b'"),
+    (["--set", "model.preset=gpt3-175b", "--world-size", "1"], "model.arch: 'gpt' is planner-only"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(["dryrun", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_json_shape(capsys):
+    import json
+
+    overrides = [x for o in ["model.preset=tiny", "model.vocab_size=512", "model.layers=2", "parallel.dp=2",
+                             "train.global_batch=4", "train.micro_batch=1"] for x in ("--set", o)]
+    assert main(["dryrun", *overrides, "--world-size", "2", "--rank", "1", "--compare", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["rank"] == 1
+    assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
+    assert set(record["predicted"]) == {"memory", "comm_bytes"}
+    assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]
+
+
+# --- construction: a rank draws and keeps only its share --------------------------------------
+def cut_for(overrides, sizes, rank, monkeypatch):
+    """This rank's cut of the tiny model built on meta, recording every tensor drawn."""
+    cfg = load(["model.preset=tiny", "model.vocab_size=512"] + overrides)
+    drawn = []
+    real = engine_module.initial_value
+
+    def recording(model_cfg, name, shape, seed):
+        drawn.append(name)
+        return real(model_cfg, name, shape, seed)
+
+    monkeypatch.setattr(engine_module, "initial_value", recording)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    mesh = ParallelMesh(sizes, rank)  # coordinates only: no process group
+    return cfg, engine_module.cut_model(model, cfg, mesh, Comm(mesh)), drawn
+
+
+def test_a_rank_of_pp4_draws_only_its_stages_tensors(monkeypatch):
+    cfg, cut, drawn = cut_for(["parallel.pp=4"], {"pp": 4}, 2, monkeypatch)  # 4 layers: stage 2 is block 2
+    assert list(cut.parts) == [2]
+    assert drawn and all(name.startswith("blocks.2.") for name in drawn), drawn
+    assert sorted(drawn) == sorted(k for k, _ in cut.parts[2].named_parameters())
+    assert not any(q.is_meta for q in cut.parts[2].parameters())
+
+
+def test_a_rank_of_tp2_holds_only_its_shards(monkeypatch):
+    cfg, cut, drawn = cut_for(["parallel.tp=2"], {"tp": 2}, 1, monkeypatch)
+    model = cut.parts[0]
+    single = Llama(cfg.model)
+    single.init_weights(cfg.train.seed)
+    full = single.state_dict()
+    sharded = 0
+    for key, q in model.named_parameters():
+        placement = cut.placements[key]
+        assert not q.is_meta
+        if placement.dim is not None:  # a tp shard: half the rows or columns, rank 1's half
+            sharded += 1
+            assert q.shape[placement.dim] * 2 >= placement.full_shape[placement.dim]
+            assert q.numel() < math.prod(placement.full_shape)
+            want = full[key].narrow(placement.dim, placement.start, min(q.shape[placement.dim],
+                                    full[key].shape[placement.dim] - placement.start))
+            assert torch.equal(q.narrow(placement.dim, 0, want.shape[placement.dim]), want), key
+        else:
+            assert torch.equal(q, full[key]), key
+    assert sharded == 4 * 7 + (1 if cfg.model.tie_embeddings else 2)  # every block's 7 matrices, embedding, head
+    held = sum(q.numel() for q in model.parameters())
+    assert held < 0.6 * sum(v.numel() for v in full.values())

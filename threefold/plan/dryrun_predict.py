@@ -1,0 +1,105 @@
+"""The planner's figures for any one rank of a layout: what ``threefold dryrun --compare`` puts
+beside each measured figure.
+
+``threefold compare`` predicts global rank 0 (``compare.rank_zero``); a dry run may be asked for
+any rank, so this generalises it to the rank's pipeline coordinate, with the same formulas
+(threefold/plan/costs.py). The tp and dp coordinates change nothing the planner counts: tp
+shards are equal (the vocabulary padded to a multiple of tp) and every dp replica is the same.
+
+  memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
+               dp; activations: costs.block_activation_bytes × the most blocks whose activations
+               the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
+               where it holds the head, the final norm and the logits as costs.estimate counts them;
+  comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
+               embedding where it holds stage 0 and the head term only where it holds the last
+               stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
+               coordinate; tp.scatter_gather (tp without sequence parallelism, pp > 1).
+Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
+gradients under SP) are left out, so a dry run shows them as measured only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config import Config
+from threefold.models.sizes import stage_param_count
+from threefold.parallel.pipeline.schedule import build_schedule, partition
+from threefold.plan import costs
+from threefold.plan.simulate import peak_in_flight
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pipeline coordinate runs: its parameter elements (one tp shard), its blocks,
+    whether it holds the first and the last stage, and the most blocks whose activations it
+    holds at once."""
+    numel: int
+    blocks: int
+    first_stage: bool
+    last_stage: bool
+    blocks_in_flight: int
+
+
+def rank_share(cfg: Config, pp_rank: int) -> RankShare:
+    """``compare.rank_zero`` for pipeline rank ``pp_rank``: the engine's partition, the
+    registry's stage placement, models/sizes.py's counts."""
+    p, model = cfg.parallel, cfg.model
+    if p.pp == 1:
+        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
+        return RankShare(numel, model.layers, True, True, model.layers)
+    spans = partition(model, p.pp, p.virtual_stages)
+    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    held = [spans[s] for s in schedule.stages_of(pp_rank)]
+    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
+    in_flight = peak_in_flight(schedule.actions[pp_rank], schedule.split_backward,
+                               lambda a: len(spans[a.stage].blocks))
+    return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
+                     any(span.last for span in held), in_flight)
+
+
+def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> float:
+    """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
+    counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
+    tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
+    = 0) on the first stage. The estimate's expression, for this rank's dtype."""
+    p, model = cfg.parallel, cfg.model
+    tokens = cfg.train.micro_batch * model.seq_len
+    coef = costs.activation_coefficients(model, "flash", act_bytes)
+    seq_split = p.tp if p.sequence_parallel else 1
+    embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
+    logits = tokens * (coef["norm"] / seq_split + 4 * model.vocab_size / p.tp) if share.last_stage else 0
+    return embedding + logits
+
+
+def predict_rank(cfg: Config, rank: int) -> dict:
+    """``{"memory": {params, grads, optimizer, activations}, "comm_bytes": {key: bytes}}`` of
+    global ``rank``, in bytes per step, for a concrete layout of ``cfg`` (no "auto")."""
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    pp_rank = rank // (p.world_size // p.pp)  # pp is the mesh's outermost axis (distributed/mesh.py)
+    share = rank_share(cfg, pp_rank)
+    m = cfg.microbatches
+    act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
+    memory = dict(costs.model_state_bytes(share.numel, p.dp, p.zero))
+    tokens = t.micro_batch * model.seq_len
+    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+                                         dtype_bytes=act_bytes)
+    memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
+
+    comm = {}
+    if p.dp > 1:
+        comm["dp"] = costs.dp_bytes_per_step(share.numel, p.dp, p.zero, m)
+    if p.tp > 1:
+        tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
+                   model.arch)
+        comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage)
+        if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
+            comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
+        if share.last_stage:
+            comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp)
+    if p.pp > 1:
+        comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len,
+                                             model.hidden, p.tp, p.sequence_parallel, act_bytes)
+        if p.tp > 1 and not p.sequence_parallel:
+            comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len, model.hidden, p.tp, act_bytes)
+    return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}

@@ -1,0 +1,199 @@
+"""``threefold dryrun``: one real training step of one rank of a large job, on this machine.
+
+The engine (threefold/train/engine.py) runs exactly as it would on the cluster — the model built
+on the meta device and cut to this rank's share, forward and backward of every micro-batch
+through this rank's schedule, the gradient synchronisation, the gradient norm, the optimizer
+step — with two things swapped underneath it:
+
+  * tensors are fake (``torch._subclasses.fake_tensor.FakeTensorMode``): every operation
+    computes its output's shape, dtype and device, and allocates nothing;
+  * the process group is PyTorch's fake backend (``torch.testing._internal.distributed.fake_pg``):
+    a rank of a world of thousands joins it alone, and every collective returns at once.
+
+Every collective still goes through ``Comm``, so the ledger counts the bytes this rank would
+send on each mesh axis; the memory meters are the trainer's (``engine.memory_bytes``, the
+``ActivationMeter``). What fake tensors cannot do is read a value (the loss, the gradient
+norm): the engine's ``value_of``/``values_of`` return NaN/None for them, and nothing else in the
+engine knows it is a dry run.
+
+``device="meta"`` (``--device meta``) puts the model and the batches on the meta device instead
+of this CPU: a tensor the engine creates on a fixed device then meets a meta tensor and fails
+loudly, which is how a CPU-only assumption that would break CUDA shows up here.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import click
+import torch
+
+from threefold.config import AUTO, Config, ConfigError
+from threefold.configure import load_config, resolve_world
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
+
+
+def dry_run_config(cfg: Config, world_size: int) -> Config:
+    """``cfg`` as a job of ``world_size`` ranks would run it; ConfigError, one line, for what a
+    dry run cannot do or a world the layout does not multiply to."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size: must be a positive integer, got {world_size}")
+    p = cfg.parallel
+    if p.dp != AUTO and p.world_size != world_size:
+        raise ConfigError(f"--world-size: the layout dp×tp×pp×cp×ep = {p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = "
+                          f"{p.world_size} ranks, not {world_size}")
+    cfg = resolve_world(cfg, world_size)
+    m = cfg.model
+    if m.arch != "llama":
+        raise ConfigError(f"model.arch: {m.arch!r} is planner-only; the engine, and so the dry run, trains "
+                          "'llama' blocks")
+    if m.vocab_size is None:
+        raise ConfigError("model.vocab_size: the dry run reads no tokenizer; give the vocabulary size "
+                          "(--set model.vocab_size=N)")
+    if m.moe_experts:
+        raise ConfigError("model.moe_experts: the dry run cannot route tokens on fake tensors (how many go to "
+                          "each expert depends on their values)")
+    if m.init_from:
+        raise ConfigError("model.init_from: a dry run starts from the seed; it reads no weights")
+    return cfg
+
+
+def check_ranks(ranks: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    for rank in ranks:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"--rank: {rank} is outside a world of {world_size} ranks (0 to {world_size - 1})")
+    return ranks or (0,)
+
+
+def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
+    """One training step of global ``rank`` on fake tensors and a fake process group: its memory
+    (bytes of parameters, gradients, optimizer states, peak activations), its bytes per ledger
+    key, and the pipeline actions it executed (``[start_s, end_s, kind, micro-batch, stage]``)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import AXES, ParallelMesh
+    from threefold.models.llama import Llama
+    from threefold.train.engine import Engine, lr_at
+    from threefold.train.metrics import ActivationMeter
+    from threefold.train.trainer import split_micro_batches
+
+    p, t = cfg.parallel, cfg.train
+    began = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
+    mesh = None
+    try:
+        mesh = ParallelMesh({axis: getattr(p, axis) for axis in AXES}, rank, p.timeout_s, device=torch.device(device))
+        # meta tensors have no values either; under a FakeTensorMode they would be fake cpu ones
+        with FakeTensorMode() if device != "meta" else contextlib.nullcontext():
+            with torch.device("meta"):
+                model = Llama(cfg.model)
+            model.set_recompute(t.recompute)
+            engine = Engine(model, cfg, mesh, Comm(mesh))
+            engine.comm_bytes()  # construction's traffic (none today) is not the step's
+            meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
+            tokens = torch.zeros((t.global_batch // engine.dp_size, cfg.model.seq_len + 1), dtype=torch.long,
+                                 device=engine.device)  # values never read: any tokens do
+            engine.forward_backward(split_micro_batches(tokens[:, :-1], tokens[:, 1:], t.micro_batch))
+            engine.clip_grad_norm(t.grad_clip)
+            engine.optimizer_step(lr_at(0, cfg))
+            memory = dict(engine.memory_bytes(), activations=meter.peak)
+            comm_bytes = engine.comm_bytes()
+            timeline = engine.step_timeline()
+    finally:
+        if mesh is not None:
+            mesh.shutdown()
+        dist.destroy_process_group()
+    return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items() if mesh.sizes[a] > 1},
+            "memory": memory, "comm_bytes": comm_bytes,
+            "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
+            "seconds": time.perf_counter() - began}
+
+
+def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: str = "cpu",
+            progress: bool = True) -> list[dict]:
+    """``dry_run_rank`` of each of ``ranks`` (one after another, in this process), with the
+    planner's figures for it under ``predicted`` when ``compare``."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    results = []
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
+        task = bar.add_task("")
+        for rank in ranks:
+            bar.update(task, description=f"dry run: rank {rank} of {cfg.parallel.world_size}, one step")
+            result = dry_run_rank(cfg, rank, device)
+            if compare:
+                from threefold.plan.dryrun_predict import predict_rank
+
+                result["predicted"] = predict_rank(cfg, rank)
+            results.append(result)
+    return results
+
+
+def actions_line(actions: list[list]) -> str:
+    """``F0 F1 B0 …`` (micro-batch; ``F0.2``: of stage 2 when the rank runs several)."""
+    several = len({a[4] for a in actions}) > 1
+    return " ".join(f"{kind}{mb}" + (f".{stage}" if several else "") for _, _, kind, mb, stage in actions)
+
+
+def result_table(cfg: Config, result: dict):
+    from rich.table import Table
+
+    p = cfg.parallel
+    where = " ".join(f"{a}={c}" for a, c in result["coords"].items())
+    title = (f"rank {result['rank']} of {p.world_size} (dp={p.dp} × tp={p.tp} × pp={p.pp}; {where or 'one rank'}), "
+             f"one step in {result['seconds']:.1f} s")
+    predicted = result.get("predicted")
+    table = Table(title=title)
+    for name in ("quantity", "dry run", *(("planner", "dry run/planner") if predicted else ())):
+        table.add_column(name, justify="left" if name == "quantity" else "right")
+
+    def row(quantity, measured, want):
+        cells = [quantity, f"{measured:,.0f}"]
+        if predicted:
+            ratio = "—" if want is None else ("exact" if want == measured else
+                                              f"{measured / want:.4f}" if want else "—")
+            cells += ["—" if want is None else f"{want:,.0f}", ratio]
+        table.add_row(*cells)
+
+    for key in MEMORY_KEYS:
+        row(f"memory: {key} (B)", result["memory"][key], predicted and predicted["memory"][key])
+    keys = sorted(set(result["comm_bytes"]) | set(predicted["comm_bytes"] if predicted else ()))
+    for key in keys:
+        row(f"bytes/step: {key}", result["comm_bytes"].get(key, 0), predicted and predicted["comm_bytes"].get(key))
+    return table
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The run's TOML config (without one: the defaults and --set).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--world-size", required=True, type=int, help="Ranks of the job (dp×tp×pp×cp×ep).")
+@click.option("--rank", "ranks", multiple=True, type=int, help="A global rank to run (repeatable; default 0).")
+@click.option("--compare", is_flag=True, help="Put the planner's figures for the same rank beside each.")
+@click.option("--device", type=click.Choice(["cpu", "meta"]), default="cpu", show_default=True,
+              help="Where the fake tensors live; meta catches tensors created on a fixed device.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per rank.")
+def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
+    """One training step of the real engine as rank R of a world of N, on fake tensors."""
+    ranks = check_ranks(ranks, world_size)
+    cfg = dry_run_config(load_config(config_path, overrides), world_size)
+    results = dry_run(cfg, ranks, compare, device, progress=not as_json)
+    if as_json:
+        for result in results:
+            click.echo(json.dumps(result))
+        return
+    from rich.console import Console
+
+    console = Console()
+    for result in results:
+        console.print(result_table(cfg, result))
+        if result["actions"]:
+            console.print(f"pipeline actions ({cfg.parallel.schedule}, {cfg.microbatches} micro-batches): "
+                          + actions_line(result["actions"]), soft_wrap=True)
