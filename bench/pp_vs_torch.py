@@ -72,9 +72,10 @@ class TorchStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
+        positions = range(x.shape[1])
         cos, sin = self.rope_cos[:x.shape[1]], self.rope_sin[:x.shape[1]]
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, positions)
         return self.head(self.norm(x)) if self.head is not None else x
 
 
