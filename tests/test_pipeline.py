@@ -76,10 +76,11 @@ def test_bfloat16_autocast(distributed):
     """Stages compute under autocast, the residual stream (what crosses stages) stays fp32. The
     first steps' losses are bitwise those of one process; the tied weight's gradient, summed in
     another order, moves a weight by an fp32 ulp, which can flip a bf16 rounding later: measured
-    1.8e-6 relative on the 5th step's loss (Zen 4), so bf16 gets 2e-5 on losses (2e-4 on norms)."""
+    1.8e-6 relative on the 5th step's loss and 5.4e-5 per tensor on the weights (Zen 4), so bf16
+    gets 2e-5 on losses (2e-4 on norms) and 2e-4 per tensor."""
     extra = ("train.dtype=bfloat16",)
     assert_same_training(case(distributed, 2, 2, "zb-h1", 1, 1, 1, 0, False, *extra), reference(2, *extra),
-                         loss_rtol=2e-5)
+                         loss_rtol=2e-5, param_rtol=2e-4)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -327,14 +328,15 @@ def test_dp_reduction_overlaps_the_drain(distributed):
     overlap_grad_reduce=false every reduction waits for the rank's last backward."""
     for overlap in (True, False):
         results = distributed.run(4, run_overlap_timestamps, overlap)
-        timeline = results[0]["timeline"]
-        stage0_last_backward = timeline["origin_s"] + max(end for _, end, kind, _, _ in timeline["ranks"][0]
-                                                          if kind == "B")
-        last_stage = [r for r in results if r["pp_rank"] == 1]
         assert all(len(r["launches"]) > 1 for r in results)  # several buckets on every rank
-        first_launch = min(r["launches"][0] for r in last_stage)
-        if overlap:
-            assert first_launch < stage0_last_backward
-        else:
-            assert first_launch > timeline["origin_s"] + max(end for _, end, kind, _, _ in timeline["ranks"][1]
-                                                             if kind == "B")
+        for r in (r for r in results if r["pp_rank"] == 1):  # each last stage, against its own pipeline
+            timeline = r["timeline"]
+
+            def last_backward_end(pp_rank: int) -> float:
+                return timeline["origin_s"] + max(end for _, end, kind, _, _ in timeline["ranks"][pp_rank]
+                                                  if kind == "B")
+
+            if overlap:
+                assert r["launches"][0] < last_backward_end(0)
+            else:
+                assert r["launches"][0] > last_backward_end(1)
