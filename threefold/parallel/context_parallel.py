@@ -55,12 +55,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from threefold.config import ConfigError
+from threefold.config import CP_METHODS, ConfigError
 from threefold.distributed.comm import Comm, all_to_all_autograd
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
 
-METHODS = ("ring", "allgather", "ulysses")
+METHODS = CP_METHODS  # ring, allgather, ulysses
 LAYOUTS = ("zigzag", "contiguous")  # contiguous is the unbalanced split, kept to show why not
 
 
