@@ -261,8 +261,13 @@ def _running(q):
 
 
 def _save_for_backward(ctx, core, q, k, v, outs, lses) -> torch.Tensor:
-    """Keep the inputs, the output and its log-sum-exp (not the blocks); return the output."""
-    out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+    """Keep the inputs, the output and its log-sum-exp (not the blocks); return the output. The
+    output is laid out (b, s, h, d) in memory, as the flash kernel lays out its own, so the
+    attention's reshape to (b, s, h·d) for its output projection is a view, not a second copy."""
+    b, h, _, d = q.shape
+    out = q.new_empty(b, q.shape[-2], h, d).transpose(1, 2)
+    torch.cat(outs, dim=-2, out=out)
+    lse = torch.cat(lses, dim=-1)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.core = core
     return out
