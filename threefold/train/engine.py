@@ -38,10 +38,10 @@ global mean is the mean of the ranks' gradients over dp × cp, and so is the los
 A step: each part's gradient synchronisation is told which backward is the step's last (the
 plain loop says so before its last micro-batch, the runtime before each stage's last B, or W);
 each bucket is reduced over dp (× cp) as soon as its last gradient is in, so under a pipeline
-the reductions run during the drain. Then, in this order: the waits and the means over dp (× cp); the
-tied embedding's reduced gradient summed between the first and the last stage (pp, "tied");
-gradients that are partial sums (sequence parallelism's norm gains) summed over tp; the loss
-summed over pp and averaged over dp (× cp) ("scalar").
+the reductions run during the drain. Then, in this order: the waits and the means over dp
+(× cp); the tied embedding's reduced gradient summed between the first and the last stage (pp,
+"tied"); gradients that are partial sums (sequence parallelism's norm gains) summed over tp;
+the loss summed over pp and averaged over dp (× cp) ("scalar").
 """
 from __future__ import annotations
 
@@ -372,14 +372,14 @@ class Engine:
             total += loss.detach().float()
         return total
 
-    def _mean_over_replicas(self, local_mean: float, tag: str = "scalar") -> float:
+    def _mean_over_replicas(self, local_mean: float) -> float:
         """The loss of the global batch: every rank of dp (× cp) ran the same number of tokens,
-        so it is the mean of their means. A scalar, counted under ``tag``."""
+        so it is the mean of their means. A scalar, counted under the "scalar" tag."""
         ranks = self.mesh.size(*self.grad_axes)
         if ranks == 1:
             return local_mean
         loss = torch.tensor([local_mean], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(loss, self.grad_axes, tag=tag)
+        self.comm.all_reduce(loss, self.grad_axes, tag="scalar")
         return loss.item() / ranks
 
     def _sum_tied_grads(self) -> None:
