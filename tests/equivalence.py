@@ -124,6 +124,7 @@ CASES.update({
     "cp4-ring": ["parallel.cp=4", "parallel.cp_method=ring"],
     "tp2-cp2-sp-allgather": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
                              "parallel.cp_method=allgather"],
+    "tp2-cp2-ulysses": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses"],  # without SP
     "pp2-cp2-ring": ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=ring"],
     "dp2-cp2-zero3-ulysses": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_method=ulysses"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],

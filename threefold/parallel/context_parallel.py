@@ -427,7 +427,7 @@ def check_context_parallel(model: Llama, cp: int, method: str) -> None:
                           f"{2 * cp} equal chunks; {model.cfg.seq_len} is not divisible by {2 * cp}")
     if method == "ulysses":
         attn = model.blocks[0].attn  # head counts from the weights: tensor parallelism may have sliced them
-        heads, kv_heads = attn.wq.out_features // attn.head_dim, attn.wk.out_features // attn.head_dim
+        heads, kv_heads = attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim
         if heads % cp or kv_heads % cp:
             raise ConfigError(f"parallel.cp_method: ulysses splits the heads over cp={cp}, but this rank has "
                               f"{heads} heads and {kv_heads} key/value heads")
