@@ -126,6 +126,8 @@ CASES.update({
                              "parallel.cp_method=allgather"],
     "tp2-cp2-ulysses": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses"],  # without SP
     "pp2-cp2-ring": ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=ring"],
+    "pp2-cp2-zb-h1-allgather": ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=zb-h1",
+                                "parallel.cp_method=allgather"],
     "dp2-cp2-zero3-ulysses": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_method=ulysses"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
     "cp2-ulysses-full": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.recompute=full"],

@@ -59,10 +59,6 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     if model.moe_experts:
         raise ConfigError("parallel.cp: context parallelism with a Mixture-of-Experts model is not supported: "
                           "routing statistics (balance loss, capacity, bias) would be per cp rank's tokens")
-    if parallel.pp > 1 and parallel.schedule == "zb-h1":
-        raise ConfigError("parallel.cp: context parallelism with zb-h1 is not supported: its split backward (B, "
-                          "then W) has not been checked against one process with the cp cores; use 1f1b, gpipe "
-                          "or interleaved")
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -73,7 +69,7 @@ def check_pipeline(cfg: Config) -> None:
     if p.pp == 1:
         return
     check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
-    if p.zero == 3 and p.schedule == "zb-h1" and p.dp > 1:
+    if p.zero == 3 and p.schedule == "zb-h1" and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
         raise ConfigError("parallel.zero: ZeRO-3 with zb-h1 is not supported: the deferred weight gradients (W) "
                           "would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
                           "with zb-h1, or another schedule with zero 3")
