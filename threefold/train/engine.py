@@ -351,16 +351,16 @@ class Engine:
 
     def context_split(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """(this rank's part of each micro-batch, the positions of its tokens): under context
-        parallelism its zigzag share of every sequence, else the whole and positions 0, 1, …"""
-        tokens = micro_batches[0][0]
+        parallelism its zigzag share of every sequence (a tensor), else the whole and the range
+        0, 1, … (a range: the rotary tables are then sliced, not gathered)."""
         if self.cp == 1:
-            return micro_batches, torch.arange(tokens.shape[1], device=tokens.device)
+            return micro_batches, range(micro_batches[0][0].shape[1])
         from threefold.parallel.context_parallel import context_parallel_batch
 
         split = [context_parallel_batch(x, y, self.mesh) for x, y in micro_batches]
         return [(x, y) for x, y, _ in split], split[0][2]
 
-    def _plain_loop(self, micro_batches, positions: torch.Tensor) -> torch.Tensor:
+    def _plain_loop(self, micro_batches, positions: torch.Tensor | range) -> torch.Tensor:
         model, sync = self.parts[0], self.syncs[0]
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):

@@ -212,7 +212,7 @@ class StepState:
     """What one step's actions hand to each other. Keyed by (micro-batch, stage), each entry is
     set by one action and taken by a later one; all are empty again when the step ends."""
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    positions: torch.Tensor  # of the micro-batches' tokens in their sequences (the same for all)
+    positions: torch.Tensor | range  # of the micro-batches' tokens in their sequences (the same for all)
     shape: tuple[int, ...]  # of an activation and of its gradient, as a stage sees them
     new_buffer: Callable[[], torch.Tensor]  # a tensor to receive a message (the wire's shape) into
     received: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # RECV_ACT → FORWARD
@@ -271,7 +271,7 @@ class PipelineRuntime:
     # --- one step -----------------------------------------------------------------------------
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
             activation_dtype: torch.dtype = torch.float32,
-            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[MeasuredAction]]:
+            positions: torch.Tensor | range | None = None) -> tuple[torch.Tensor, list[MeasuredAction]]:
         """Execute the schedule on this step's micro-batches (inputs, targets) of tokens at
         ``positions`` (None: 0, 1, …; a context-parallel rank's are its split's). Returns the sum
         of the micro-batches' losses (non-zero on the last stage's rank only) and the timeline."""
@@ -367,7 +367,7 @@ class PipelineRuntime:
     @torch.no_grad()
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
                      activation_dtype: torch.dtype = torch.float32, tag: str = "eval",
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
+                     positions: torch.Tensor | range | None = None) -> torch.Tensor:
         """Losses of ``batches`` (on the last stage's rank; zeros elsewhere), each batch passing
         through this rank's stages in order; p2p tagged ``tag``. Returns a (len(batches),) tensor."""
         losses = torch.zeros(len(batches), dtype=torch.float64)
@@ -393,9 +393,9 @@ class PipelineRuntime:
         return losses
 
 
-def token_positions(tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """``positions``, or the tokens' own 0, 1, … when none are given."""
-    return torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+def token_positions(tokens: torch.Tensor, positions: torch.Tensor | range | None) -> torch.Tensor | range:
+    """``positions``, or the tokens' own 0, 1, … (a range) when none are given."""
+    return range(tokens.shape[1]) if positions is None else positions
 
 
 def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:

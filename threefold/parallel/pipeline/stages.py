@@ -30,7 +30,7 @@ class StageModule(nn.Module):
         self.head = model.head if span.last else None
         self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
         """The next stage's input, or on the last stage the logits. ``positions``: the tokens'
         positions in the sequence, for the rotary tables (this rank's under context parallelism;
         the hidden state holds fewer of them under sequence parallelism)."""
