@@ -115,6 +115,7 @@ def run_layout(overrides: tuple[str, ...], steps: int = STEPS) -> dict:
     out["timeline"] = engine.step_timeline()
     out["coords"], out["pp_rank"] = dict(engine.mesh.coords), engine.pp_rank
     out["stage_numel"] = stage_numel(engine)
+    out["layers_here"] = sum(len(part.blocks) for part in engine.parts.values())  # this rank's blocks
     engine.load_model_state_dict(out["state"])
     again, plain = engine.model_state_dict(), engine.plain_model().state_dict()
     out["round_trip"] = all(torch.equal(again[k], v) and torch.equal(plain[k], v) for k, v in out["state"].items())
@@ -216,6 +217,22 @@ CASES = {
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
     "dp2-tp2-pp2-1f1b-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
 }
+# Context parallelism: every method on cp2 and dp2·cp2, one method on each of the others.
+for _method in ("ring", "allgather", "ulysses"):
+    CASES[f"cp2-{_method}"] = ["parallel.cp=2", f"parallel.cp_method={_method}"]
+    CASES[f"dp2-cp2-{_method}"] = ["parallel.dp=2", "parallel.cp=2", f"parallel.cp_method={_method}"]
+CASES.update({
+    "cp4-ring": ["parallel.cp=4", "parallel.cp_method=ring"],
+    "tp2-cp2-sp-allgather": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                             "parallel.cp_method=allgather"],
+    "tp2-cp2-ulysses": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses"],  # without SP
+    "pp2-cp2-ring": ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=ring"],
+    "pp2-cp2-zb-h1-allgather": ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=zb-h1",
+                                "parallel.cp_method=allgather"],
+    "dp2-cp2-zero3-ulysses": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_method=ulysses"],
+    "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
+    "cp2-ulysses-full": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.recompute=full"],
+})
 
 
 def matrix_case(name: str) -> tuple[str, ...]:

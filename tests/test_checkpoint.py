@@ -45,9 +45,11 @@ LAYOUTS = {
     "pp2·dp2": ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1"],
     "dp2·tp2·pp2": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
                     "parallel.sequence_parallel=true"],
+    "cp2": ["parallel.cp=2", "parallel.cp_method=allgather"],
+    "dp2·cp2·zero1": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1"],  # ZeRO chunks over dp × cp
 }
 PAIRS = [("single", "dp2·zero3"), ("dp2·zero3", "single"), ("dp2·tp2", "pp2·dp2"), ("pp2·dp2", "dp2·tp2"),
-         ("dp2·tp2·pp2", "single"), ("single", "dp2·tp2·pp2")]
+         ("dp2·tp2·pp2", "single"), ("single", "dp2·tp2·pp2"), ("dp2·cp2·zero1", "single"), ("cp2", "dp2·zero3")]
 
 
 def make_config(layout: str, *extra):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from equivalence import CASES, assert_same_training, case, matrix_case, matrix_config, reference
-from threefold.plan import costs
+from threefold.plan import context, costs
 
 
 def run(distributed, name: str) -> list[dict]:
@@ -17,20 +17,40 @@ def test_matches_single_process(distributed, name):
     assert_same_training(run(distributed, name), reference(matrix_case(name)))
 
 
+def cp_attention_bytes_per_step(cfg, layers: int) -> float:
+    """plan/context.py's bytes on the cp axis for ``layers`` blocks and a step's micro-batches,
+    the forward's again where recomputation repeats it."""
+    mdl, p, t = cfg.model, cfg.parallel, cfg.train
+    b_q, b_kv = context.qkv_bytes(t.micro_batch, mdl.seq_len, mdl.heads // p.tp, mdl.n_kv_heads // p.tp,
+                                  mdl.head_dim, p.cp)
+    per_layer = (context.cp_bytes_per_layer(p.cp_method, p.cp, b_q, b_kv)
+                 + context.recompute_bytes_per_layer(p.cp_method, t.recompute, p.cp, b_q, b_kv))
+    return layers * cfg.microbatches * per_layer
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_bytes_per_axis_equal_the_planner(distributed, name):
     cfg = matrix_config(*CASES[name])
     p, t, m = cfg.parallel, cfg.train, cfg.microbatches
+    seq = cfg.model.seq_len // p.cp  # the tokens of a sequence each rank holds
+    # Weight gradients are reduced over dp × cp: counted under "dp+cp" ("dp", or "cp" when dp = 1).
+    grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1) or "dp"
     for r in run(distributed, name):
         pp_rank = r["coords"]["pp"]
-        zero = p.zero if p.dp > 1 else 0
+        zero = p.zero if p.dp * p.cp > 1 else 0
+        grad_bytes = round(costs.dp_bytes_per_step(r["stage_numel"], p.dp * p.cp, zero, m))
         for step in r["comm"]:
-            assert step.get("dp", 0) == round(costs.dp_bytes_per_step(r["stage_numel"], p.dp, zero, m)), name
+            cp_attention = round(cp_attention_bytes_per_step(cfg, r["layers_here"])) if p.cp > 1 else 0
+            if grad_key == "cp":  # dp = 1: the attention and the gradients share the cp group's key
+                assert step["cp"] == cp_attention + grad_bytes, name
+            else:
+                assert step.get(grad_key, 0) == grad_bytes, name
+                assert step.get("cp", 0) == cp_attention, name
             if p.pp > 1:
                 assert step["pp"] == costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch,
-                                                             cfg.model.seq_len, cfg.model.hidden, p.tp,
+                                                             seq, cfg.model.hidden, p.tp,
                                                              p.sequence_parallel), name
             elif p.tp > 1:
                 assert step["tp"] == round(costs.tp_bytes_per_step(cfg.model.layers, m, t.micro_batch,
-                                                                   cfg.model.seq_len, cfg.model.hidden, p.tp,
+                                                                   seq, cfg.model.hidden, p.tp,
                                                                    p.sequence_parallel, t.recompute)), name

@@ -48,7 +48,7 @@ def test_world_of_one_needs_no_process_group():
     assert type(build_engine(Llama(cfg.model), cfg)) is Engine
 
 
-@pytest.mark.parametrize("axis, name", [("cp", "context"), ("ep", "expert")])
+@pytest.mark.parametrize("axis, name", [("ep", "expert")])
 def test_axes_not_built_yet_are_refused(axis, name):
     """Refused when the config is read, before any process starts."""
     with pytest.raises(ConfigError, match=rf"^parallel\.{axis}: {name} parallelism is not in the engine yet"):

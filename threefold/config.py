@@ -138,6 +138,7 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the registry's names (parallel/pipeline/schedule.py)
+CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
 
 
 AUTO = "auto"  # parallel.dp = "auto": the data-parallel degree the world size leaves (see resolve_world)
@@ -149,6 +150,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
     ep: int = 1
     zero: int = 0
     sequence_parallel: bool = False
@@ -174,6 +176,8 @@ class ParallelConfig:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
+        if self.cp_method not in CP_METHODS:
+            raise ConfigError(f"parallel.cp_method: must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.bucket_mb <= 0:

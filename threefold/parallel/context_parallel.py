@@ -55,12 +55,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from threefold.config import ConfigError
+from threefold.config import CP_METHODS, ConfigError
 from threefold.distributed.comm import Comm, all_to_all_autograd
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
 
-METHODS = ("ring", "allgather", "ulysses")
+METHODS = CP_METHODS  # ring, allgather, ulysses
 LAYOUTS = ("zigzag", "contiguous")  # contiguous is the unbalanced split, kept to show why not
 
 
@@ -261,8 +261,13 @@ def _running(q):
 
 
 def _save_for_backward(ctx, core, q, k, v, outs, lses) -> torch.Tensor:
-    """Keep the inputs, the output and its log-sum-exp (not the blocks); return the output."""
-    out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+    """Keep the inputs, the output and its log-sum-exp (not the blocks); return the output. The
+    output is laid out (b, s, h, d) in memory, as the flash kernel lays out its own, so the
+    attention's reshape to (b, s, h·d) for its output projection is a view, not a second copy."""
+    b, h, _, d = q.shape
+    out = q.new_empty(b, q.shape[-2], h, d).transpose(1, 2)
+    torch.cat(outs, dim=-2, out=out)
+    lse = torch.cat(lses, dim=-1)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.core = core
     return out
@@ -422,7 +427,7 @@ def check_context_parallel(model: Llama, cp: int, method: str) -> None:
                           f"{2 * cp} equal chunks; {model.cfg.seq_len} is not divisible by {2 * cp}")
     if method == "ulysses":
         attn = model.blocks[0].attn  # head counts from the weights: tensor parallelism may have sliced them
-        heads, kv_heads = attn.wq.out_features // attn.head_dim, attn.wk.out_features // attn.head_dim
+        heads, kv_heads = attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim
         if heads % cp or kv_heads % cp:
             raise ConfigError(f"parallel.cp_method: ulysses splits the heads over cp={cp}, but this rank has "
                               f"{heads} heads and {kv_heads} key/value heads")

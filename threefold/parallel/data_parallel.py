@@ -143,9 +143,9 @@ def chunk_optimizer_params(layout: FlatLayout, params: torch.Tensor, grads: torc
 class Bucket:
     """Parameters whose gradients are reduced together, and the flat buffers that hold them."""
 
-    def __init__(self, params: list[nn.Parameter], mesh: ParallelMesh, zero: int):
+    def __init__(self, params: list[nn.Parameter], mesh: ParallelMesh, zero: int, axes: tuple[str, ...] = ("dp",)):
         self.params = decay_first(params)
-        self.layout = FlatLayout([p.shape for p in self.params], mesh.size("dp"), mesh.coord("dp"))
+        self.layout = FlatLayout([p.shape for p in self.params], mesh.size(*axes), mesh.coord(*axes))
         self.param_flat = self.layout.pack(self.params, mesh.device)
         for p, view in zip(self.params, self.layout.views(self.param_flat)):
             p.data = view  # the model's parameters now live in the bucket
@@ -197,21 +197,23 @@ def bucket_groups(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
 
 class BucketGradSync:
     """zero 0 (DDP), 1 and 2 over ``named_params`` (plain-model key, parameter), reduced over
-    the dp axis; see the module docstring. ``isolated`` parameters get a bucket of their own
-    (the tied embedding of a pipeline, whose reduced gradient then crosses the pipeline)."""
+    the group of mesh ``axes`` (dp; dp and cp under context parallelism, whose ranks hold the
+    same weights and different tokens); see the module docstring. ``isolated`` parameters get a
+    bucket of their own (the tied embedding of a pipeline, whose reduced gradient then crosses
+    the pipeline)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, zero: int, bucket_mb: float, overlap: bool = True,
-                 isolated: tuple[nn.Parameter, ...] = ()):
+                 isolated: tuple[nn.Parameter, ...] = (), axes: tuple[str, ...] = ("dp",)):
         if zero not in (0, 1, 2):
             raise ValueError(f"BucketGradSync handles zero 0, 1 and 2, not {zero} (see fsdp.py)")
-        self.mesh, self.comm, self.zero, self.overlap = mesh, comm, zero, overlap
+        self.mesh, self.comm, self.zero, self.overlap, self.axes = mesh, comm, zero, overlap, tuple(axes)
         self.key_of = {id(p): key for key, p in named_params}
         self.keys = [key for key, _ in named_params]  # the plain-model keys synchronised here
         self.placements = placements
         rest = [p for _, p in named_params if all(p is not q for q in isolated)]
-        self.buckets = [Bucket(group, mesh, zero) for group in bucket_groups(rest, bucket_mb)]
-        self.buckets += [Bucket([p], mesh, zero) for p in isolated]
+        self.buckets = [Bucket(group, mesh, zero, self.axes) for group in bucket_groups(rest, bucket_mb)]
+        self.buckets += [Bucket([p], mesh, zero, self.axes) for p in isolated]
         self.is_last = False
         for bucket in self.buckets:
             for p in bucket.params:
@@ -240,13 +242,13 @@ class BucketGradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         if self.zero == 0:
-            bucket.pending = self.comm.all_reduce(bucket.grad_flat, "dp", async_op=True)
+            bucket.pending = self.comm.all_reduce(bucket.grad_flat, self.axes, async_op=True)
         elif self.zero == 1:  # in place: this rank's chunk of the buffer receives the sum
-            bucket.pending = self.comm.reduce_scatter(bucket.grad_chunk, bucket.grad_flat, "dp", async_op=True)
+            bucket.pending = self.comm.reduce_scatter(bucket.grad_chunk, bucket.grad_flat, self.axes, async_op=True)
         else:
             self._wait(bucket)  # the previous micro-batch's reduce-scatter of this bucket
             partial = torch.empty_like(bucket.grad_chunk)
-            bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, "dp", async_op=True)
+            bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, self.axes, async_op=True)
             bucket.in_flight = (bucket.grad_flat, partial)
             bucket.grad_flat = None  # the next micro-batch collects into a fresh buffer
 
@@ -260,7 +262,9 @@ class BucketGradSync:
             bucket.in_flight = None
 
     def finish(self) -> None:
-        """Wait for every reduction of the step and turn the sums into means over the replicas."""
+        """Wait for every reduction of the step and turn the sums into means over the group (each
+        rank's gradient is of its mean loss over equally many tokens: the mean of the means is
+        the gradient of the global mean)."""
         unreduced = [b for b in self.buckets if b.pending is None or b.ready]
         if unreduced:
             raise RuntimeError(f"{len(unreduced)} gradient buckets were not reduced in the last micro-batch: "
@@ -270,13 +274,13 @@ class BucketGradSync:
                 self._launch(bucket)
         for bucket in self.buckets:
             self._wait(bucket)
-            bucket.reduced.div_(self.mesh.size("dp"))  # n is a power of two in practice: exact
+            bucket.reduced.div_(self.mesh.size(*self.axes))  # n is a power of two in practice: exact
 
     def after_optimizer_step(self) -> None:
         """zero 1, 2: each rank updated its chunk; gather everyone's into every replica."""
         if self.zero == 0:
             return
-        gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), "dp", async_op=True)
+        gathers = [self.comm.all_gather(b.param_flat, b.layout.own(b.param_flat), self.axes, async_op=True)
                    for b in self.buckets]
         for pending in gathers:
             pending.wait()
@@ -309,7 +313,8 @@ class BucketGradSync:
         if self.zero == 0:
             return [s for b in self.buckets for p, key in zip(b.params, self._keys(b)[0])
                     for s in whole_shards(f"grad/{key}", p.grad, self.placements[key])]
-        return [s for b in self.buckets for s in flat_layout_shards(b.layout, *self._keys(b), {"grad": b.grad_chunk})]
+        return [s for b in self.buckets
+                for s in flat_layout_shards(b.layout, *self._keys(b), {"grad": b.grad_chunk}, self.axes)]
 
     def weight_shards(self) -> list[Shard]:
         """The weights are whole on every replica (zero 0, 1, 2)."""
@@ -323,7 +328,7 @@ class BucketGradSync:
             return [s for b in self.buckets for p, key in zip(b.params, self._keys(b)[0])
                     for m in MOMENTS for s in whole_shards(f"{m}/{key}", state_of(p)[m], self.placements[key])]
         return [s for b, flats in zip(self.buckets, self.moment_flats)
-                for s in flat_layout_shards(b.layout, *self._keys(b), flats)]
+                for s in flat_layout_shards(b.layout, *self._keys(b), flats, self.axes)]
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps for these parameters (for the memory meter)."""

@@ -53,10 +53,11 @@ class ShardedUnit:
     only while the unit computes. ``uses``: every (module, attribute) that holds each one (a
     tied weight has two)."""
 
-    def __init__(self, params: list[nn.Parameter], uses: dict[int, list[tuple[nn.Module, str]]], mesh: ParallelMesh):
+    def __init__(self, params: list[nn.Parameter], uses: dict[int, list[tuple[nn.Module, str]]], mesh: ParallelMesh,
+                 axes: tuple[str, ...] = ("dp",)):
         self.params = decay_first(params)  # the original parameters, kept only for their keys
         self.uses = [uses[id(p)] for p in self.params]
-        self.layout = FlatLayout([p.shape for p in self.params], mesh.size("dp"), mesh.coord("dp"))
+        self.layout = FlatLayout([p.shape for p in self.params], mesh.size(*axes), mesh.coord(*axes))
         full = self.layout.pack(self.params, mesh.device)
         self.chunk = self.layout.own(full).clone()  # fp32 master weights: all this rank keeps
         self.grad_chunk = torch.zeros_like(self.chunk)
@@ -95,20 +96,24 @@ def parameter_uses(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, lis
 
 
 class ShardedGradSync:
-    """zero 3 over one model part (see the module docstring). ``part`` has ``blocks`` (a list or
-    dict of blocks) and optionally ``embed``; ``isolated`` parameters get units of their own."""
+    """zero 3 over one model part (see the module docstring), sharded over the group of mesh
+    ``axes`` (dp; dp and cp under context parallelism). ``part`` has ``blocks`` (a list or dict
+    of blocks) and optionally ``embed``; ``isolated`` parameters get units of their own."""
 
     def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
-                 mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = ()):
+                 mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
+                 axes: tuple[str, ...] = ("dp",)):
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
+        self.axes = tuple(axes)
         self.keys = list(key_of.values())  # the plain-model keys synchronised here
         params, uses = parameter_uses(part)
         blocks = list(part.blocks.values() if isinstance(part.blocks, nn.ModuleDict) else part.blocks)
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         alone = {id(p) for p in isolated}
         root = [p for p in params if id(p) not in in_blocks and id(p) not in alone]
-        self.roots = [ShardedUnit(group, uses, mesh) for group in ([root] if root else []) + [[p] for p in isolated]]
-        self.blocks = [ShardedUnit(list(block.parameters()), uses, mesh) for block in blocks]
+        self.roots = [ShardedUnit(group, uses, mesh, self.axes)
+                      for group in ([root] if root else []) + [[p] for p in isolated]]
+        self.blocks = [ShardedUnit(list(block.parameters()), uses, mesh, self.axes) for block in blocks]
         self.units = self.roots + self.blocks
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
@@ -128,7 +133,7 @@ class ShardedGradSync:
             return
         unit.full.untyped_storage().resize_(unit.nbytes)
         # Into .data: the write must not bump the version counter autograd checks on the saved views.
-        unit.gather = self.comm.all_gather(unit.full.data, unit.chunk, "dp", async_op=True, tag=self.tag)
+        unit.gather = self.comm.all_gather(unit.full.data, unit.chunk, self.axes, async_op=True, tag=self.tag)
 
     def _wait_gather(self, unit: ShardedUnit) -> None:
         self._start_gather(unit)
@@ -182,7 +187,7 @@ class ShardedGradSync:
         grad = unit.full.grad
         unit.full.grad = None
         out = torch.empty_like(unit.chunk)
-        self.reducing = (unit, self.comm.reduce_scatter(out, grad, "dp", async_op=True), out, grad)
+        self.reducing = (unit, self.comm.reduce_scatter(out, grad, self.axes, async_op=True), out, grad)
         unit.free()
 
     def _finish_reduce(self) -> None:
@@ -190,7 +195,7 @@ class ShardedGradSync:
             return
         unit, pending, out, _grad = self.reducing  # _grad: kept alive until the collective is done
         pending.wait()
-        unit.grad_chunk.add_(out, alpha=1.0 / self.mesh.size("dp"))  # sum → mean over replicas
+        unit.grad_chunk.add_(out, alpha=1.0 / self.mesh.size(*self.axes))  # sum → mean over the group
         self.reducing = None
 
     # --- the step, as the engine drives it -----------------------------------------------------
@@ -227,14 +232,16 @@ class ShardedGradSync:
         return entries
 
     def grad_shards(self) -> list[Shard]:
-        return [s for u in self.units for s in flat_layout_shards(u.layout, *self._keys(u), {"grad": u.grad_chunk})]
+        return [s for u in self.units
+                for s in flat_layout_shards(u.layout, *self._keys(u), {"grad": u.grad_chunk}, self.axes)]
 
     def weight_shards(self) -> list[Shard]:
-        return [s for u in self.units for s in flat_layout_shards(u.layout, *self._keys(u), {"model": u.chunk})]
+        return [s for u in self.units for s in flat_layout_shards(u.layout, *self._keys(u), {"model": u.chunk},
+                                                                  self.axes)]
 
     def moment_shards(self, state_of) -> list[Shard]:
         return [s for u, flats in zip(self.units, self.moment_flats)
-                for s in flat_layout_shards(u.layout, *self._keys(u), flats)]
+                for s in flat_layout_shards(u.layout, *self._keys(u), flats, self.axes)]
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [u.chunk for u in self.units], "grads": [u.grad_chunk for u in self.units]}

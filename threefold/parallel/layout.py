@@ -11,10 +11,10 @@ from threefold.parallel.pipeline.schedule import check_schedule
 
 def check_layout(cfg: Config) -> None:
     p = cfg.parallel
-    for axis, name in (("cp", "context"), ("ep", "expert")):
-        if getattr(p, axis) > 1:
-            raise ConfigError(f"parallel.{axis}: {name} parallelism is not in the engine yet (the planner models it)")
+    if p.ep > 1:
+        raise ConfigError("parallel.ep: expert parallelism is not in the engine yet (the planner models it)")
     check_tensor_parallel(cfg.model, p)
+    check_context_parallel(cfg.model, p)
     if p.dp == AUTO:
         return  # what depends on dp waits for the world size (configure.resolve_world)
     check_pipeline(cfg)
@@ -40,6 +40,27 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
 
 
+def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """context_parallel.py cuts every sequence into 2·cp equal chunks (the zigzag split), and
+    Ulysses splits each rank's heads (after tp) over cp."""
+    cp = parallel.cp
+    if cp == 1:
+        return
+    if model.seq_len % (2 * cp):
+        raise ConfigError(f"parallel.cp: the zigzag split cuts model.seq_len={model.seq_len} into 2·cp = {2 * cp} "
+                          f"equal chunks; {model.seq_len} is not divisible by {2 * cp}")
+    if parallel.sequence_parallel and (model.seq_len // cp) % parallel.tp:
+        raise ConfigError(f"parallel.sequence_parallel: tp={parallel.tp} does not divide the {model.seq_len // cp} "
+                          f"tokens each cp rank holds (model.seq_len / parallel.cp)")
+    heads, kv_heads = model.heads // parallel.tp, model.n_kv_heads // parallel.tp
+    if parallel.cp_method == "ulysses" and (heads % cp or kv_heads % cp):
+        raise ConfigError(f"parallel.cp_method: ulysses splits each rank's {heads} heads and {kv_heads} key/value "
+                          f"heads (after tp={parallel.tp}) over cp={cp}; they are not divisible by {cp}")
+    if model.moe_experts:
+        raise ConfigError("parallel.cp: context parallelism with a Mixture-of-Experts model is not supported: "
+                          "routing statistics (balance loss, capacity, bias) would be per cp rank's tokens")
+
+
 def check_pipeline(cfg: Config) -> None:
     """The pipeline runtime needs the schedule's own conditions (the registry's constraints: a
     block per stage, interleaved's equal chunks and micro-batches, …) and, with ZeRO-3, a
@@ -48,7 +69,7 @@ def check_pipeline(cfg: Config) -> None:
     if p.pp == 1:
         return
     check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
-    if p.zero == 3 and p.schedule == "zb-h1" and p.dp > 1:
+    if p.zero == 3 and p.schedule == "zb-h1" and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
         raise ConfigError("parallel.zero: ZeRO-3 with zb-h1 is not supported: the deferred weight gradients (W) "
                           "would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
                           "with zb-h1, or another schedule with zero 3")

@@ -151,16 +151,16 @@ def flat_range_shards(name: str, local_shape, placement: Placement, lo: int, hi:
 
 
 def flat_layout_shards(layout, keys: list[str], placements: list[Placement], chunks: dict[str, torch.Tensor],
-                       axis: str = "dp") -> list[Shard]:
+                       axes: tuple[str, ...] = ("dp",)) -> list[Shard]:
     """The pieces of the tensors of a flat buffer (``data_parallel.FlatLayout``) that this rank's
     chunk holds. ``chunks``: kind ("model", "exp_avg", "grad", …) → a flat tensor laid out like
     the chunk; ``keys``, ``placements``: each tensor's plain-model key and placement. The chunk
-    is split over ``axis`` (other ranks of it hold other chunks)."""
+    is split over the group of ``axes`` (dp, or dp and cp: other ranks of it hold other chunks)."""
     found = []
     for index, lo, hi, at in layout.owned_ranges():
         for kind, flat in chunks.items():
             found += flat_range_shards(f"{kind}/{keys[index]}", layout.shapes[index], placements[index], lo, hi,
-                                       flat[at:at + hi - lo], also_sharded=(axis,))
+                                       flat[at:at + hi - lo], also_sharded=tuple(axes))
     return found
 
 

@@ -4,12 +4,15 @@ One ``Engine`` serves every layout. ``build_engine`` (or ``Engine(model, cfg, me
 transforms the plain model, which every rank built from the same seed, in one documented order:
 
   1. tensor (and sequence) parallelism   parallel/tensor_parallel.apply_tp, from the plan table;
-  2. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
-  3. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
-                                         fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=1);
+  2. context parallelism                 parallel/context_parallel.apply_cp: every attention core
+                                         attends over the sequence split across the cp ranks;
+  3. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
+  4. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
+                                         fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
+                                         over dp, or dp × cp together under context parallelism;
 
 A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
-step 2: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
+step 3: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
 per parameter, seeded by the run's seed and its name), cuts its piece by the placement, and
 holds it on its own device; so peak memory while building is this rank's share plus the largest
 single tensor, and every layout starts from the single-process weights bit for bit.
@@ -26,13 +29,19 @@ checkpoint pieces are computed once for all layouts. The trainer loop
     engine.optimizer_step(lr)
     engine.zero_grad()
 
+Context parallelism: the trainer hands every rank of a dp replica the same rows (whole
+sequences); the engine keeps this rank's zigzag share of each (``context_parallel_batch``: its
+tokens, targets and positions) before the driver runs, so the loss of a rank is the mean over
+its tokens. The cp ranks hold equally many tokens and the same weights, so the gradient of the
+global mean is the mean of the ranks' gradients over dp × cp, and so is the loss.
+
 A step: each part's gradient synchronisation is told which backward is the step's last (the
 plain loop says so before its last micro-batch, the runtime before each stage's last B, or W);
-each bucket is reduced over dp as soon as its last gradient is in, so under a pipeline the
-reductions run during the drain. Then, in this order: the waits and the means over dp; the
-tied embedding's reduced gradient summed between the first and the last stage (pp, "tied");
-gradients that are partial sums (sequence parallelism's norm gains) summed over tp; the loss
-summed over pp and averaged over dp ("scalar").
+each bucket is reduced over dp (× cp) as soon as its last gradient is in, so under a pipeline
+the reductions run during the drain. Then, in this order: the waits and the means over dp
+(× cp); the tied embedding's reduced gradient summed between the first and the last stage (pp,
+"tied"); gradients that are partial sums (sequence parallelism's norm gains) summed over tp;
+the loss summed over pp and averaged over dp (× cp) ("scalar").
 """
 from __future__ import annotations
 
@@ -142,9 +151,9 @@ class CutModel:
 
 
 def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
-    """Transformations 1 and 2 of the plain ``model``, in place: tensor (and sequence)
-    parallelism, then this rank's pipeline stages; a model on the meta device is then
-    materialised, this rank's tensors only."""
+    """Transformations 1 to 3 of the plain ``model``, in place: tensor (and sequence)
+    parallelism, context parallelism, then this rank's pipeline stages; a model on the meta
+    device is then materialised, this rank's tensors only."""
     p = cfg.parallel
     on_meta = any(q.is_meta for q in model.parameters())
     if not on_meta:
@@ -159,7 +168,13 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
         tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel, cfg.model.vocab_size)
         placements.update(apply_tp(model, tp))
 
-    # 2. pipeline: this rank's stages (one part per stage), or the whole model as one part
+    # 2. context parallelism: the attention cores only (the weights stay whole, replicated over cp)
+    if mesh.size("cp") > 1:
+        from threefold.parallel.context_parallel import apply_cp
+
+        apply_cp(model, comm, p.cp_method)
+
+    # 3. pipeline: this rank's stages (one part per stage), or the whole model as one part
     cut = CutModel({0: model}, placements, tp, None)
     if mesh.size("pp") > 1:
         from threefold.parallel.pipeline.partition import partition
@@ -228,30 +243,34 @@ class Engine:
         self.activation_meter = None  # set by the trainer: counts bytes saved for backward
         self.tied = cfg.model.tie_embeddings
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # the plain model's
-        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 and 2, and materialisation
+        self.cp = mesh.size("cp")
+        # the group whose ranks hold the same weights and different tokens: gradients are reduced over it
+        self.grad_axes = ("dp", "cp") if self.cp > 1 else ("dp",)
+        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 3, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
         self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
         self.runtime = None
 
-        # 3. gradient synchronisation over dp, per part
-        zero = p.zero if self.dp_size > 1 else 0  # ZeRO over one replica shards nothing
+        # 4. gradient synchronisation over dp (× cp), per part
+        reduced_over = mesh.size(*self.grad_axes)
+        zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
         isolated = (self.tied_param,) if self.tied_param is not None else ()
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
             alone = tuple(q for q in isolated if any(q is r for _, r in named))
-            if self.dp_size == 1:
+            if reduced_over == 1:
                 self.syncs[stage] = LocalGradSync(named, self.placements)
             elif zero == 3:
                 from threefold.parallel.fsdp import ShardedGradSync
 
                 self.syncs[stage] = ShardedGradSync(part, {id(q): k for k, q in named}, self.placements, mesh, comm,
-                                                    isolated=alone)
+                                                    isolated=alone, axes=self.grad_axes)
             else:
                 self.syncs[stage] = BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb,
-                                                   overlap=p.overlap_grad_reduce, isolated=alone)
+                                                   overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
 
         # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks)
         entries = [e for sync in self.syncs.values() for e in sync.optimizer_params()]
@@ -331,12 +350,14 @@ class Engine:
         Every micro-batch holds the same number of tokens, so the mean of micro-batch means
         is the mean over all tokens of the batch, as one big batch would compute it.
         """
+        micro_batches, positions = self.context_split(micro_batches)
         for sync in self.syncs.values():
             sync.start_step()
         if self.runtime is None:
-            loss_sum = self._plain_loop(micro_batches)
+            loss_sum = self._plain_loop(micro_batches, positions)
         else:
-            loss_sum, timeline = self.runtime.run(micro_batches, self.activation_shape(micro_batches[0][0]))
+            loss_sum, timeline = self.runtime.run(micro_batches, self.activation_shape(micro_batches[0][0]),
+                                                  positions=positions)
             self.last_timeline = self._gather_timeline(timeline)
         for sync in self.syncs.values():
             sync.finish()
@@ -344,28 +365,40 @@ class Engine:
         sum_partial_grads(self.grad_shards(), self.comm)
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
-        return self._mean_over_dp(value_of(loss_sum) / len(micro_batches))
+        return self._mean_over_replicas(value_of(loss_sum) / len(micro_batches))
 
-    def _plain_loop(self, micro_batches) -> torch.Tensor:
+    def context_split(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """(this rank's part of each micro-batch, the positions of its tokens): under context
+        parallelism its zigzag share of every sequence (a tensor), else the whole and the range
+        0, 1, … (a range: the rotary tables are then sliced, not gathered)."""
+        if self.cp == 1:
+            return micro_batches, range(micro_batches[0][0].shape[1])
+        from threefold.parallel.context_parallel import context_parallel_batch
+
+        split = [context_parallel_batch(x, y, self.mesh) for x, y in micro_batches]
+        return [(x, y) for x, y, _ in split], split[0][2]
+
+    def _plain_loop(self, micro_batches, positions: torch.Tensor | range) -> torch.Tensor:
         model, sync = self.parts[0], self.syncs[0]
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             if i == len(micro_batches) - 1:
                 sync.last_microbatch()
             with self._compute_context():
-                loss = self.loss_fn(model(inputs), targets)
+                loss = self.loss_fn(model(inputs, positions), targets)
             (loss / len(micro_batches)).backward()
             total += loss.detach().float()
         return total
 
-    def _mean_over_dp(self, local_mean: float) -> float:
-        """The loss of the global batch: every replica ran the same number of tokens, so it is
-        the mean of the replicas' means. A scalar, counted under the "scalar" tag."""
-        if self.dp_size == 1:
+    def _mean_over_replicas(self, local_mean: float) -> float:
+        """The loss of the global batch: every rank of dp (× cp) ran the same number of tokens,
+        so it is the mean of their means. A scalar, counted under the "scalar" tag."""
+        ranks = self.mesh.size(*self.grad_axes)
+        if ranks == 1:
             return local_mean
         loss = torch.tensor([local_mean], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(loss, "dp", tag="scalar")
-        return value_of(loss) / self.dp_size
+        self.comm.all_reduce(loss, self.grad_axes, tag="scalar")
+        return value_of(loss) / ranks
 
     def _sum_tied_grads(self) -> None:
         """First and last stage each hold the tied weight and a part of its reduced gradient (from
@@ -391,16 +424,22 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over ``batches`` without touching gradients (every rank sees all batches)."""
+        """Mean loss over ``batches`` without touching gradients (every replica sees all batches;
+        the cp ranks their shares of them, so their means are averaged over cp)."""
         self.model.eval()
+        batches, positions = self.context_split(batches)
         if self.runtime is not None:
-            losses = self.runtime.forward_only(batches, self.activation_shape(batches[0][0]))
+            losses = self.runtime.forward_only(batches, self.activation_shape(batches[0][0]), positions=positions)
             self.comm.all_reduce(losses, "pp", tag="eval")
         else:
             with autocast(self.cfg.train.dtype):
-                losses = torch.stack([self.loss_fn(self.parts[0](x), y).float() for x, y in batches])
+                losses = torch.stack([self.loss_fn(self.parts[0](x, positions), y).float() for x, y in batches])
         self.model.train()
-        return value_of(losses.mean())
+        if self.cp == 1:
+            return value_of(losses.mean())
+        losses = losses.mean().reshape(1).double()
+        self.comm.all_reduce(losses, "cp", tag="eval")
+        return value_of(losses) / self.cp
 
     def grad_shards(self) -> list[Shard]:
         """This rank's pieces of the reduced gradient ("grad/<key>"), placed in the full model."""

@@ -97,8 +97,8 @@ def rank_memory(cfg: Config) -> dict[str, float]:
     from threefold.plan.hardware import CATALOG
 
     p, t = cfg.parallel, cfg.train
-    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero,
-                                micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
+                                zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel)
     est = costs.estimate(costs.Workload(cfg.model, t.global_batch, grad_bytes=4), layout, CATALOG["a100-80gb"])
     scale = (4 if t.dtype == "float32" else 2) / costs.ACTIVATION_BYTES
@@ -160,7 +160,7 @@ def fitting_layout(cfg: Config, budget: float) -> str | None:
     """The layout of the same number of ranks that fits in ``budget`` bytes a rank and changes the
     fewest keys of the run's (then needs the least memory), as ``key=value`` overrides."""
     p, t = cfg.parallel, cfg.train
-    world = p.world_size
+    world = p.world_size // p.cp  # the run's cp stays: the search spreads the other ranks
     current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch}
     best = None
     for dp, tp in itertools.product(_divisors(world), _divisors(world)):

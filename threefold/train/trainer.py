@@ -230,8 +230,10 @@ def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int
 
 
 def _layout(parallel: dict) -> str:
-    """dp=2 tp=2 pp=2 zero=1: the parts of a layout that decide how states are split."""
-    return " ".join(f"{key}={parallel[key]}" for key in ("dp", "tp", "pp", "zero"))
+    """dp=2 tp=2 pp=2 zero=1 (cp=2): the parts of a layout that decide how states are split
+    (cp, which shards ZeRO's states over dp × cp, when it is used)."""
+    cp = parallel.get("cp", 1)
+    return " ".join(f"{key}={parallel[key]}" for key in ("dp", "tp", "pp", "zero")) + (f" cp={cp}" if cp > 1 else "")
 
 
 def _is_main_process() -> bool:

@@ -212,6 +212,7 @@ class StepState:
     """What one step's actions hand to each other. Keyed by (micro-batch, stage), each entry is
     set by one action and taken by a later one; all are empty again when the step ends."""
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    positions: torch.Tensor | range  # of the micro-batches' tokens in their sequences (the same for all)
     shape: tuple[int, ...]  # of an activation and of its gradient, as a stage sees them
     new_buffer: Callable[[], torch.Tensor]  # a tensor to receive a message (the wire's shape) into
     received: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # RECV_ACT → FORWARD
@@ -234,8 +235,8 @@ class PipelineRuntime:
     """Executes rank ``rank``'s actions of ``schedule`` on its ``stages`` (stage index → module).
 
     A stage module has ``first`` and ``last`` flags, ``embed(tokens)`` on the first stage, and
-    ``forward(hidden, seq_len)`` returning the next hidden state, or the logits on the last
-    stage (``seq_len``: the micro-batch's token positions, for the rotary tables).
+    ``forward(hidden, positions)`` returning the next hidden state, or the logits on the last
+    stage (``positions``: the micro-batch's token positions, for the rotary tables).
     ``loss_fn(logits, targets)`` is the mean loss of a micro-batch; ``compute_context()`` wraps
     each forward (the activation meter and autocast); ``axis`` is the mesh axis of the pipeline;
     ``wire`` says what crosses a stage boundary (``ScatterGather`` under tp without SP).
@@ -270,14 +271,16 @@ class PipelineRuntime:
 
     # --- one step -----------------------------------------------------------------------------
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
-            activation_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[MeasuredAction]]:
-        """Execute the schedule on this step's micro-batches (inputs, targets). Returns the sum
+            activation_dtype: torch.dtype = torch.float32,
+            positions: torch.Tensor | range | None = None) -> tuple[torch.Tensor, list[MeasuredAction]]:
+        """Execute the schedule on this step's micro-batches (inputs, targets) of tokens at
+        ``positions`` (None: 0, 1, …; a context-parallel rank's are its split's). Returns the sum
         of the micro-batches' losses (non-zero on the last stage's rank only) and the timeline."""
         if len(micro_batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step brought {len(micro_batches)}")
         message_shape = self.wire.message_shape(activation_shape)
-        self.step = StepState(micro_batches, activation_shape,
+        self.step = StepState(micro_batches, token_positions(micro_batches[0][0], positions), activation_shape,
                               lambda: torch.empty(message_shape, dtype=activation_dtype, device=self.device),
                               loss_sum=torch.zeros((), device=self.device))
         self.step.left_to_post = dict(self.receives_from)
@@ -326,7 +329,7 @@ class PipelineRuntime:
                 inputs = module.embed(tokens)
             else:
                 inputs = step.received.pop((microbatch, stage)).requires_grad_()
-            output = module(inputs, tokens.shape[1])
+            output = module(inputs, step.positions)
             if module.last:
                 loss = self.loss_fn(output, targets)
         if module.last:
@@ -365,10 +368,12 @@ class PipelineRuntime:
     # --- forward only (evaluation) --------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], activation_shape: tuple[int, ...],
-                     activation_dtype: torch.dtype = torch.float32, tag: str = "eval") -> torch.Tensor:
+                     activation_dtype: torch.dtype = torch.float32, tag: str = "eval",
+                     positions: torch.Tensor | range | None = None) -> torch.Tensor:
         """Losses of ``batches`` (on the last stage's rank; zeros elsewhere), each batch passing
         through this rank's stages in order; p2p tagged ``tag``. Returns a (len(batches),) tensor."""
         losses = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
+        positions = token_positions(batches[0][0], positions)
         sends = []
         for i, (tokens, targets) in enumerate(batches):
             for stage, module in sorted(self.stages.items()):
@@ -380,7 +385,7 @@ class PipelineRuntime:
                                               device=self.device)
                         self.comm.recv(message, self.axis, self.schedule.rank_of(stage - 1), tag=tag).wait()
                         hidden = self.wire.unpack(message, activation_shape, tag=tag)
-                    output = module(hidden, tokens.shape[1])
+                    output = module(hidden, positions)
                 if module.last:
                     losses[i] = self.loss_fn(output, targets).double()
                 else:
@@ -389,6 +394,11 @@ class PipelineRuntime:
         for pending in sends:
             pending.wait()
         return losses
+
+
+def token_positions(tokens: torch.Tensor, positions: torch.Tensor | range | None) -> torch.Tensor | range:
+    """``positions``, or the tokens' own 0, 1, … (a range) when none are given."""
+    return range(tokens.shape[1]) if positions is None else positions
 
 
 def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:

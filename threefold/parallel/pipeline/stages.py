@@ -30,10 +30,11 @@ class StageModule(nn.Module):
         self.head = model.head if span.last else None
         self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
 
-    def forward(self, hidden: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """The next stage's input, or on the last stage the logits. ``seq_len``: the tokens'
-        length (the hidden state holds fewer positions under sequence parallelism)."""
-        hidden = Llama.run_blocks(self, hidden, range(seq_len), self.blocks.values())
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
+        """The next stage's input, or on the last stage the logits. ``positions``: the tokens'
+        positions in the sequence, for the rotary tables (this rank's under context parallelism;
+        the hidden state holds fewer of them under sequence parallelism)."""
+        hidden = Llama.run_blocks(self, hidden, positions, self.blocks.values())
         if self.last:
             return self.head(self.norm(hidden))
         return hidden
