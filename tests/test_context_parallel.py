@@ -263,7 +263,7 @@ def wrong_positions() -> str:
     mesh = ParallelMesh({"cp": 2}, rank=dist.get_rank())
     q = torch.zeros(1, 2, 8, 4)
     try:
-        RingAttention(Comm(mesh))(q, q, q, torch.arange(8) + 8 * mesh.rank)  # a contiguous slice, not the zigzag
+        RingAttention(Comm(mesh))(q, q, q, torch.arange(16))  # the whole sequence's positions: a batch not split
     except ValueError as err:
         return str(err)
     finally:
@@ -273,7 +273,7 @@ def wrong_positions() -> str:
 
 def test_a_batch_not_split_in_zigzag_is_refused(distributed):
     for rank, message in enumerate(distributed.run(2, wrong_positions)):
-        assert message == (f"ring attention on cp rank {rank} expects the zigzag split's positions; "
+        assert message == (f"ring attention on cp rank {rank} expects the zigzag split's 8 positions; "
                            "pass the batch through context_parallel_batch")
 
 

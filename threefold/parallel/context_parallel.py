@@ -238,10 +238,12 @@ class ContextParallelCore(nn.Module):
         return chunk_ids(self.cp, rank, self.layout)
 
     def forward(self, q, k, v, positions):
-        expected = split_positions(q.shape[-2] * self.cp, self.cp, self.rank, self.layout)
-        if not torch.equal(positions.cpu(), expected):
+        # Only the shape is checked: comparing the values would copy them to the host in every
+        # layer (a device sync on a GPU, and impossible on meta or fake tensors). The engine cuts
+        # the batch with context_parallel_batch, which gives this rank the zigzag positions.
+        if isinstance(positions, range) or positions.shape[-1] != q.shape[-2]:
             raise ValueError(f"{self.method} attention on cp rank {self.rank} expects the {self.layout} split's "
-                             f"positions; pass the batch through context_parallel_batch")
+                             f"{q.shape[-2]} positions; pass the batch through context_parallel_batch")
         return self.attend(q, k, v)
 
     def attend(self, q, k, v):
