@@ -9,6 +9,10 @@ with one intra-op thread, joined in a gloo group on 127.0.0.1. ``pool.run(fn, *a
 ``fn`` must be picklable: a module-level function of an importable module (test modules are,
 pytest puts their folder on sys.path and spawned children inherit it).
 
+Results come back serialized by ``torch.save`` (bytes), not as tensors in shared memory: a
+tensor sent through a pipe keeps a file descriptor open for as long as it lives, and the
+tests cache their runs' state dicts for the whole session, which used to exhaust the limit.
+
 A failure on any rank (an exception, or no answer within the timeout) raises ``RankFailure``
 with every rank's report, and the pool is shut down: a collective that failed can leave the
 group broken, so the next test gets fresh processes and a fresh group.
@@ -16,6 +20,7 @@ group broken, so the next test gets fresh processes and a fresh group.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -50,10 +55,19 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
             break
         fn, args, kwargs = task
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            buffer = io.BytesIO()
+            torch.save(fn(*args, **kwargs), buffer)
+            conn.send(("ok", buffer.getvalue()))
         except BaseException:  # report everything, keep serving
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _loaded(payload):
+    """A worker's result, from the bytes ``torch.save`` wrote (None for the start-up reply)."""
+    import torch
+
+    return None if payload is None else torch.load(io.BytesIO(payload), weights_only=False)
 
 
 class WorkerPool:
@@ -100,7 +114,7 @@ class WorkerPool:
             report = [f"--- rank {r} raised:\n{text}" for r, (_, text) in sorted(failed.items())]
             report += [f"--- rank {r} did not answer within {timeout:.0f} s" for r in missing]
             raise RankFailure(f"{what} failed on world {self.world}:\n" + "\n".join(report))
-        return [replies[r][1] for r in range(self.world)]
+        return [_loaded(replies[r][1]) for r in range(self.world)]
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
