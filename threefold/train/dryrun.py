@@ -23,6 +23,7 @@ loudly, which is how a CPU-only assumption that would break CUDA shows up here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 
@@ -33,6 +34,18 @@ from threefold.config import AUTO, Config, ConfigError
 from threefold.configure import load_config, resolve_world
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
+
+
+def tokenizer_vocab_size(data) -> int:
+    """The vocabulary the trainer would take from ``data.tokenizer``: a locally trained BPE has
+    ``data.vocab_size`` tokens, GPT-2's 50,257, a tokenizer.json file what it lists."""
+    if data.tokenizer == "bpe":
+        return data.vocab_size
+    if data.tokenizer == "gpt2":
+        return 50257
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(data.tokenizer).get_vocab_size()
 
 
 def dry_run_config(cfg: Config, world_size: int) -> Config:
@@ -49,9 +62,9 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
     if m.arch != "llama":
         raise ConfigError(f"model.arch: {m.arch!r} is planner-only; the engine, and so the dry run, trains "
                           "'llama' blocks")
-    if m.vocab_size is None:
-        raise ConfigError("model.vocab_size: the dry run reads no tokenizer; give the vocabulary size "
-                          "(--set model.vocab_size=N)")
+    if m.vocab_size is None:  # the tokenizer's, as the trainer takes it, without training one
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=tokenizer_vocab_size(cfg.data)))
+        m = cfg.model
     if m.moe_experts:
         raise ConfigError("model.moe_experts: the dry run cannot route tokens on fake tensors (how many go to "
                           "each expert depends on their values)")
