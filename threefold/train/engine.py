@@ -362,7 +362,8 @@ class Engine:
         for sync in self.syncs.values():
             sync.finish()
         self._sum_tied_grads()
-        sum_partial_grads(self.grad_shards(), self.comm)
+        if any(pl.partial for pl in self.placements.values()):  # sequence parallelism's norm gains
+            sum_partial_grads(self.grad_shards(), self.comm)
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
         return self._mean_over_replicas(value_of(loss_sum) / len(micro_batches))
