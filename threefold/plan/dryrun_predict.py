@@ -14,6 +14,10 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
                embedding where it holds stage 0 and the head term only where it holds the last
                stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
                coordinate; tp.scatter_gather (tp without sequence parallelism, pp > 1).
+Under context parallelism a rank holds seq_len / cp tokens of each sequence: its activations,
+tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
+the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
+when dp = 1).
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from threefold.config import Config
 from threefold.models.sizes import stage_param_count
 from threefold.parallel.pipeline.schedule import build_schedule, partition
-from threefold.plan import costs
+from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 
 
@@ -61,9 +65,9 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> floa
     """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
     counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
     tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
-    = 0) on the first stage. The estimate's expression, for this rank's dtype."""
+    = 0) on the first stage. The estimate's expression, for this rank's dtype and tokens."""
     p, model = cfg.parallel, cfg.model
-    tokens = cfg.train.micro_batch * model.seq_len
+    tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
     seq_split = p.tp if p.sequence_parallel else 1
     embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
@@ -79,27 +83,33 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     share = rank_share(cfg, pp_rank)
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
-    memory = dict(costs.model_state_bytes(share.numel, p.dp, p.zero))
-    tokens = t.micro_batch * model.seq_len
-    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+    replicas = p.dp * p.cp  # the ranks that hold the same weights: gradients are reduced over them
+    memory = dict(costs.model_state_bytes(share.numel, replicas, p.zero))
+    seq = model.seq_len // p.cp  # the tokens of a sequence this rank holds
+    block = costs.block_activation_bytes(model, t.micro_batch * seq, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
     memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
 
     comm = {}
-    if p.dp > 1:
-        comm["dp"] = costs.dp_bytes_per_step(share.numel, p.dp, p.zero, m)
+    grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
+    if replicas > 1:
+        comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m)
+    if p.cp > 1:
+        comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
+            p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
+            model.n_kv_heads // p.tp, model.head_dim, act_bytes)
     if p.tp > 1:
-        tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
+        tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
         comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage)
         if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
             comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
         if share.last_stage:
-            comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp)
+            comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
     if p.pp > 1:
-        comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len,
+        comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
                                              model.hidden, p.tp, p.sequence_parallel, act_bytes)
         if p.tp > 1 and not p.sequence_parallel:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
-                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len, model.hidden, p.tp, act_bytes)
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes)
     return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}
