@@ -83,6 +83,20 @@ def test_a_step_at_256_ranks_equals_the_planner():
     assert set(predict_rank(cfg, last)["comm_bytes"]) == {"dp", "tp", "tp.loss", "pp"}
 
 
+def test_llama3_8b_at_256_ranks_equals_the_planner():
+    """A mid-size preset at a few hundred ranks in the suite: the last stage of Llama 3 8B on
+    tp8 · pp4 · dp8 with sequence parallelism (2,048 tokens, 4 micro-batches; about 10 s)."""
+    cfg = dry_run_config(load(["model.preset=llama3-8b", "model.seq_len=2048", "parallel.tp=8", "parallel.pp=4", "parallel.dp=auto",
+                               "parallel.sequence_parallel=true", "train.global_batch=32", "train.micro_batch=1"]), 256)
+    result, want = dry_run_rank(cfg, 192), predict_rank(cfg, 192)
+    assert cfg.parallel.dp == 8 and set(want["comm_bytes"]) == {"dp", "tp", "tp.loss", "pp"}
+    for key in ("params", "grads", "optimizer"):
+        assert result["memory"][key] == want["memory"][key], key
+    for key, value in want["comm_bytes"].items():
+        assert result["comm_bytes"][key] == value, key
+    assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.02)  # 1.0028
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_a_context_parallel_step_equals_the_planner(method):
     """tp2 · cp2 · dp2 with sequence parallelism, each method, selective recomputation (which
