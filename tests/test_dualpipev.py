@@ -206,3 +206,4 @@ def test_with_data_parallel(distributed, zero):
     """dp 2 × pp 2: each stage's buckets reduced as its last weight gradient (W) comes in."""
     ranks = run(distributed, 2, 4, "parallel.dp=2", f"parallel.zero={zero}", "train.global_batch=16")
     assert_same_training(ranks, equivalence.reference(layout(2, 4, "train.global_batch=16")))
+

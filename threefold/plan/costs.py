@@ -532,6 +532,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
                                np.asarray(layout.schedule))
     full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
     single_stage = p == 1
+    # The registry's placement: DualPipeV's V fixes 2 stages per rank and puts both ends on rank 0.
+    fixed_chunks = np.array([spec.stages_per_rank or 0 for spec in SCHEDULE_REGISTRY.values()])[schedule]
+    v = np.where(fixed_chunks > 0, fixed_chunks, v)
+    v_shape = np.array([spec.placement.ends_on_rank_0 for spec in SCHEDULE_REGISTRY.values()])[schedule] & ~single_stage
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
     tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
@@ -552,8 +556,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
     logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
-    act_first = block_act_first + embedding_act + np.where(single_stage, logits_act, 0)
-    act_last = np.where(single_stage, act_first, block_act_last + logits_act)
+    act_first = block_act_first + embedding_act + np.where(single_stage | v_shape, logits_act, 0)
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act))
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
@@ -562,8 +566,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
     head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
-    first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel)
-    last_numel = np.where(single_stage, whole_numel, block_numel + head_numel)
+    first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
+    last_numel = np.where(single_stage, whole_numel, block_numel + np.where(v_shape, 0, head_numel))
     gathered_params = np.where(zero == 3, 2 * block_params / t * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
     gathered_grads = np.where(zero == 3, block_params / t * work.grad_bytes, 0)
 

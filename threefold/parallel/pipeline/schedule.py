@@ -535,6 +535,7 @@ class Placement:
     """How a schedule's ``pp · v`` stages sit on its ranks. Looping (Megatron's): stage ``s`` on
     rank ``s % pp`` as that rank's model chunk ``s // pp``; with one chunk, stage = rank."""
     name: str = "looping"
+    ends_on_rank_0: bool = False  # the first and the last stage (embedding and head) on one rank
 
     @staticmethod
     def rank_of(stage: int, pp: int) -> int:
@@ -558,6 +559,7 @@ class VShape(Placement):
     ``s ≥ pp`` on rank ``2·pp − 1 − s`` coming back; rank pp − 1 holds the two middle stages, rank
     0 the first and the last."""
     name: str = "v-shape"
+    ends_on_rank_0: bool = True
 
     @staticmethod
     def rank_of(stage: int, pp: int) -> int:
