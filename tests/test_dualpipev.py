@@ -207,3 +207,34 @@ def test_with_data_parallel(distributed, zero):
     ranks = run(distributed, 2, 4, "parallel.dp=2", f"parallel.zero={zero}", "train.global_batch=16")
     assert_same_training(ranks, equivalence.reference(layout(2, 4, "train.global_batch=16")))
 
+
+
+# --- the planner ----------------------------------------------------------------------------------
+def test_a_dry_run_step_sends_what_the_planner_predicts():
+    """pp 4 on fake tensors: each rank's pp bytes are predict_rank's (the V formula), its
+    parameters those of its two stages (rank 0: the embedding and the head)."""
+    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.train.dryrun import dry_run_config, dry_run_rank
+
+    cfg = dry_run_config(load_config(None, list(layout(4, 10, "parallel.schedule=dualpipev", "parallel.pp=4"))), 4)
+    for rank in range(4):
+        got, want = dry_run_rank(cfg, rank, device="meta"), predict_rank(cfg, rank)
+        messages = 10 * (4 - 2 * (rank == 0) - 2 * (rank == 3))  # m = 10, 2 × 32 × 64 fp32 values each
+        assert got["comm_bytes"]["pp"] == want["comm_bytes"]["pp"] == messages * 2 * 32 * 64 * 4
+        assert got["memory"]["params"] == want["memory"]["params"]
+
+
+def test_estimate_counts_the_inner_ranks_messages_and_both_ends_on_rank_0():
+    from threefold.plan.hardware import CATALOG
+
+    cfg = load_config(None, list(layout(4, 8)))
+    work = costs.Workload(cfg.model, global_batch=16)
+    est = {name: costs.estimate(work, costs.Layout.named(pp=4, micro_batch=2, schedule=name), CATALOG["a100-80gb"])
+           for name in ("1f1b", "dualpipev")}
+    message = 2 * 32 * 64 * costs.PARAM_BYTES  # the planner's 16-bit activations
+    assert est["1f1b"]["pp_bytes"] == 2 * 8 * message
+    assert est["dualpipev"]["pp_bytes"] == 4 * 8 * message == costs.pp_bytes_per_step(
+        1, 4, 8, 2, 2, 32, 64, dtype_bytes=costs.PARAM_BYTES, schedule="dualpipev")
+    assert est["dualpipev"]["bubble_fraction"] == pytest.approx(3 / 51)
+    # rank 0 holds the embedding and the head: more parameters than 1F1B's fuller end stage
+    assert est["dualpipev"]["params_bytes"] > est["1f1b"]["params_bytes"]
