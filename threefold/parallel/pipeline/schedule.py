@@ -10,8 +10,11 @@ entry there; config validation, the runtime, the simulator, the planner and the 
 
 Stages. The model is cut into ``pp · virtual_stages`` consecutive stages. Stage ``s`` lives on
 rank ``s % pp`` as that rank's model chunk ``s // pp`` (Megatron's looping placement), so with
-one virtual stage, stage and rank coincide. The first stage reads the micro-batch's tokens; the
-last stage's forward ends with the loss, so its backward needs no received gradient.
+one virtual stage, stage and rank coincide; DualPipeV places its 2·pp stages in a V instead
+(``VShape``), where two consecutive stages share rank pp − 1 and hand over in memory, with no
+send or receive between them (``Schedule.hands_over_locally``). The first stage reads the
+micro-batch's tokens; the last stage's forward ends with the loss, so its backward needs no
+received gradient.
 
 Actions. ``FORWARD``, ``BACKWARD`` and ``WEIGHT_GRAD`` compute; the four p2p kinds move one
 tensor between neighbouring stages. ``stage`` is always a stage that lives on the acting rank:
