@@ -45,7 +45,7 @@ def test_bytes_per_axis_equal_the_planner(distributed, name):
             if p.pp > 1:
                 assert step["pp"] == costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch,
                                                              seq, cfg.model.hidden, p.tp,
-                                                             p.sequence_parallel), name
+                                                             p.sequence_parallel, schedule=p.schedule), name
             elif p.tp > 1:
                 assert step["tp"] == round(costs.tp_bytes_per_step(cfg.model.layers, m, t.micro_batch,
                                                                    seq, cfg.model.hidden, p.tp,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config
 from threefold.models.sizes import stage_param_count
-from threefold.parallel.pipeline.schedule import build_schedule, partition
+from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 
@@ -51,7 +51,7 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     if p.pp == 1:
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
         return RankShare(numel, model.layers, True, True, model.layers)
-    spans = partition(model, p.pp, p.virtual_stages)
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
@@ -108,8 +108,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
     if p.pp > 1:
         comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
-                                             model.hidden, p.tp, p.sequence_parallel, act_bytes)
+                                             model.hidden, p.tp, p.sequence_parallel, act_bytes, p.schedule)
         if p.tp > 1 and not p.sequence_parallel:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
-                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes)
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes, p.schedule)
     return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}

@@ -182,7 +182,7 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
         from threefold.parallel.pipeline.stages import stage_modules
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
-        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), p.virtual_stages),
+        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages),
                                   cut.schedule.stages_of(mesh.coord("pp")))
         if cfg.model.tie_embeddings:
             ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
