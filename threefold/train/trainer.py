@@ -172,8 +172,10 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             engine.zero_grad()
             step_time = time.perf_counter() - step_began
             result.losses.append(loss)
+            comm_bytes, comm_exposed = engine.comm_step()
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                      "tokens_per_s": tokens_per_step / step_time, "comm_bytes": engine.comm_bytes(),
+                      "tokens_per_s": tokens_per_step / step_time, "comm_bytes": comm_bytes,
+                      "comm_exposed_s": comm_exposed,
                       "memory": memory, **({"skipped": True} if skipped else {}),
                       **({"moe": model.moe_last_step} if moe else {})}
             timeline = engine.step_timeline()
