@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from threefold.config import ParallelConfig
@@ -16,6 +17,7 @@ COMPUTE_S = 0.25  # rank 0's "compute" between issuing a collective and waiting 
 
 def late_partner() -> dict:
     from threefold.distributed.comm import Comm
+    from threefold.train.metrics import least_exposed
 
     mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=30))
     comm = Comm(mesh)
@@ -32,6 +34,8 @@ def late_partner() -> dict:
     partner_late()
     comm.all_reduce(x, "dp")
     out["sync"] = comm.ledger.take_step()
+    out["least"] = least_exposed(comm, out["sync"][1])  # the late rank's wait, on both ranks
+    out["least_counted"] = comm.ledger.take()
 
     # Asynchronous, hidden in part: rank 0 issues, computes COMPUTE_S, then waits the rest.
     partner_late()
@@ -59,6 +63,10 @@ def test_exposed_time_is_the_wait_not_the_flight(distributed):
     assert sent == {"dp": 4000} and set(blocked) == {"dp"}
     assert blocked["dp"] > 0.8 * LATE_S, blocked  # blocked while its partner slept
     assert rank1["sync"][1]["dp"] < 0.5 * LATE_S, rank1  # the late rank found its partner waiting
+
+    # The group's least: the late rank's, the same on both; one float counted under dp.metrics.
+    assert rank0["least"] == rank1["least"] == {"dp": pytest.approx(rank1["sync"][1]["dp"])}
+    assert rank0["least_counted"] == {"dp.metrics": 8}
 
     # In flight about LATE_S, waited only what COMPUTE_S did not cover.
     assert rank0["async_seconds"] > 0.8 * LATE_S
