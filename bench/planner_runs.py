@@ -1,83 +1,221 @@
-"""Record short training runs of this machine for the planner's closed loop: the demo's layout
-and the dp, tp, pp and ZeRO-3 layouts of configs/, a few steps each, with the machine profile
-they were measured with. ``threefold compare`` predicts each run's step time from the profile;
-``threefold calibrate --from-runs`` fits the profile's efficiencies to them; tests/test_calibrate.py
-replays the recorded files, so the test needs no training.
+"""Record the planner's closed loop on this machine, in one command:
 
-    .venv/bin/python bench/planner_runs.py [--steps 8] [--only demo,ddp]
+    .venv/bin/python bench/planner_runs.py            # about 6 minutes on an idle 2-core machine
 
-Writes bench/results/planner_runs/{local.json, <name>.jsonl, <name>.toml, manifest.json}. Each
-run is short (the tiny model, a few steps, no evaluation, no checkpoints, no sample), well under
-two minutes on a shared 2-core machine.
+1. ``threefold calibrate`` (the full one) measures the machine profile;
+2. short training runs, the tiny model, a few steps each: the demo's dp2·tp2·pp2 and the dp, tp
+   and pp benchmark configs (the runs ``threefold compare`` must predict), and runs of other
+   layouts to fit on (one process, ZeRO-3 on 2 ranks, dp2·pp2, 1F1B on 2 stages);
+3. the comparison: each run's step time and its exposed communication per axis (the seconds
+   blocked in waits: on dp and tp the least any rank of the group waited, the metrics'
+   ``comm_exposed_least_s``; on pp rank 0's, bubble included) against the planner's
+   prediction on the plain profile, and the cross-validation: the profile's efficiencies
+   fitted (``calibrate --from-runs``) on the runs of other layouts, then the four targets predicted.
+
+Each run's load average (1 minute, before and after; the run's own ranks count in it) and the
+cores other processes kept busy while it ran (``other_processes_cores``: the machine's busy CPU
+time from /proc/stat less the run's own) are recorded beside it: on a shared machine the step
+times say as much about the neighbours as about the code. Writes
+bench/results/planner_runs/{local.json, <name>.toml, <name>.jsonl, manifest.json, summary.json};
+tests/test_calibrate.py replays them as data. ``--only ddp,zero3`` re-records some runs (keeping
+the others and the profile with ``--no-profile``); ``--out DIR`` records elsewhere.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import click
-
-from threefold.plan.compare import load_run
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "planner_runs"
 QUIET = ["train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_every=0", 'train.checkpoint_dir=""',
          "train.warmup_steps=2"]
-RUNS = {  # name → (config file, its overrides)
+TARGETS = ("demo", "ddp", "tp", "pp")  # what `threefold compare` must predict within 15%
+RUNS = {  # name → (config file, its overrides); the targets first
     "demo": ("configs/demo.toml", []),
     "ddp": ("configs/ddp.toml", []),
     "tp": ("configs/tp.toml", []),
     "pp": ("configs/pp.toml", []),
-    "zero3": ("configs/zero3.toml", []),
-    "single": ("configs/single.toml", []),
-    "ddp-mb2": ("configs/ddp.toml", ["train.micro_batch=2"]),
+    # One thread, as the profile's worker: two would share one process's products over both cores,
+    # and under load OpenMP's threads wait for each other (steps of 12-45 s where 2 ranks take 3).
+    "single": ("configs/single.toml", ["train.threads=1"]),
+    # ZeRO-3 on 2 ranks, one per core: with more ranks than cores a rank also waits for partners
+    # the OS has descheduled, which no planner of GPUs models (configs/zero3.toml has dp=4).
+    "zero3": ("configs/zero3.toml", ["parallel.dp=2"]),
+    "dp-pp": ("configs/ddp.toml", ["parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"]),
     "pp-1f1b": ("configs/pp.toml", ["parallel.schedule=1f1b", "parallel.pp=2"]),
 }
+EXPOSED_RUNS = ("ddp", "zero3", "dp-pp")  # exposed communication within 25% or 20 ms of the planner's
 
 
-def threefold(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ROOT / ".venv" / "bin" / "threefold"), *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env, timeout=600)
+def threefold_command(*args: str) -> list[str]:
+    return [str(ROOT / ".venv" / "bin" / "threefold"), *args]
+
+
+def load_1min() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and
+    iowait), or None where there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this script's finished children (the training ranks among them)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | None:
+    """Train one run, calling ``advance(steps done)`` as its metrics file grows; its manifest
+    entry, or None (with the reason printed) if it failed."""
+    from threefold.plan.compare import load_run
+
+    config, overrides = RUNS[name]
+    sets = [*overrides, *QUIET, f"train.steps={steps}"]
+    metrics = out / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    load_before, busy_before, own_before, began = load_1min(), busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(threefold_command("train", "--config", config, *(a for s in sets for a in ("--set", s)),
+                                                  "--metrics-file", str(metrics), "--no-progress"),
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            advance(len(metrics.read_text().splitlines()) if metrics.exists() else 0)
+    seconds = time.perf_counter() - began
+    busy_after = busy_cpu_seconds()
+    # The cores other processes kept busy meanwhile: the machine's busy time less this run's own.
+    others = (None if busy_before is None or busy_after is None else
+              round(max(0.0, busy_after - busy_before - (own_cpu_seconds() - own_before)) / seconds, 2))
+    if proc.returncode:
+        tail = (out / f"{name}.log").read_text().strip().splitlines()[-1:]
+        click.echo(f"{name}: failed ({proc.returncode}): {tail}", err=True)
+        return None
+    (out / f"{name}.log").unlink()
+    (out / f"{name}.toml").write_text((ROOT / config).read_text())
+    vocab = load_run(ROOT / config, sets).model.vocab_size  # so that replaying needs no tokenizer
+    return {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"], "metrics": f"{name}.jsonl",
+            "seconds": round(seconds, 1), "load_1min_before": load_before, "load_1min_after": load_1min(),
+            "other_processes_cores": others}
+
+
+def summarize(out: Path, manifest: dict, console: Console) -> dict:
+    """The comparison of every recorded run (plain profile) and the cross-validation; printed
+    and returned for summary.json."""
+    from threefold.plan import fit
+    from threefold.plan.compare import compare_run, load_run, within_tolerance
+    from threefold.plan.profile import load_profile
+
+    profile = load_profile(out / "local.json")
+    runs = {}
+    for name, entry in manifest.items():
+        cfg = load_run(out / entry["config"], entry["set"])
+        rows = {row.quantity: row for row in compare_run(cfg, out / entry["metrics"])}
+        step = rows["step time"]
+        exposed = {q.split(": ")[1]: {"predicted_s": r.predicted, "measured_s": r.measured,
+                                      "within": within_tolerance(r)}
+                   for q, r in rows.items() if q.startswith("exposed comm")}
+        runs[name] = {"measured_s": step.measured, "plain_s": step.predicted,
+                      "plain_error": step.predicted / step.measured - 1, "exposed": exposed,
+                      "load_1min": [entry.get("load_1min_before"), entry.get("load_1min_after")],
+                      "other_processes_cores": entry.get("other_processes_cores")}
+    loaded = fit.read_runs([str(out / "manifest.json")])
+    train = [r for r in loaded if r.name not in TARGETS]
+    targets = [r for r in loaded if r.name in TARGETS]
+    cross = fit.fit_and_predict(train, targets, profile) if len(train) >= 2 and targets else None
+
+    table = Table(title="step time (s): measured, and the planner on the plain calibrate profile and fitted on "
+                        "the other layouts")
+    for column in ("run", "load 1 min", "others' cores", "measured", "plain profile", "fitted on others"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    fitted = {row["run"]: row for row in cross["runs"]} if cross else {}
+    for name, r in runs.items():
+        f = fitted.get(name)
+        table.add_row(name + (" *" if name in TARGETS else ""), "{} → {}".format(*r["load_1min"]),
+                      str(r["other_processes_cores"]), f"{r['measured_s']:.3f}", f"{r['plain_s']:.3f} ({r['plain_error']:+.0%})",
+                      f"{f['predicted_s']:.3f} ({f['error']:+.0%})" if f else "")
+    plain_targets = [abs(runs[n]["plain_error"]) for n in TARGETS if n in runs]
+    caption = [f"* targets: plain mean |error| {sum(plain_targets) / max(1, len(plain_targets)):.1%}, "
+               f"worst {max(plain_targets, default=0):.1%} (bar 15%)"]
+    if cross:
+        caption.append(f"fitted on {', '.join(r.name for r in train)}: the targets' mean |error| "
+                       f"{cross['mean_abs_error']:.1%}, worst {cross['max_abs_error']:.1%} (bar 10%)")
+    table.caption = "\n".join(caption)
+    console.print(table)
+
+    exposed = Table(title="exposed communication per step (s): measured (dp, tp: the group's least wait; pp: "
+                          "rank 0's) and the planner's")
+    for column in ("run", "axis", "predicted", "measured", "within 25% or 20 ms"):
+        exposed.add_column(column, justify="left" if column in ("run", "axis") else "right")
+    for name, r in runs.items():
+        for axis, e in r["exposed"].items():
+            exposed.add_row(name + (" †" if name in EXPOSED_RUNS else ""), axis, f"{e['predicted_s']:.3f}",
+                            f"{e['measured_s']:.3f}", "yes" if e["within"] else "no")
+    exposed.caption = "† the runs of the bar (DDP, ZeRO-3, dp × pp); pp: the waits include the schedule's bubble"
+    console.print(exposed)
+    return {"profile": {k: profile[k] for k in ("peak_flops_fp32", "hbm_bw", "intra_node_bw", "latency_s",
+                                                "gpus_per_node", "measured_at")},
+            "runs": runs, "cross_validation": cross}
 
 
 @click.command()
-@click.option("--steps", type=int, default=8, show_default=True, help="Training steps per run.")
+@click.option("--steps", type=int, default=6, show_default=True, help="Training steps per run.")
 @click.option("--only", default=None, help="Comma-separated run names (default: all).")
-@click.option("--profile/--no-profile", default=True, help="Measure the machine profile first (calibrate --quick).")
-def main(steps, only, profile):
-    OUT.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, THREEFOLD_HOME=str(OUT), PYTHONPATH=str(ROOT))
-    if profile:
-        done = threefold("calibrate", "--quick", "--json", env=env)
-        if done.returncode:
-            sys.exit(done.stderr)
-        click.echo(f"profile: {done.stdout.strip()}")
-    manifest_path = OUT / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    for name, (config, overrides) in RUNS.items():
-        if only and name not in only.split(","):
-            continue
-        sets = [*overrides, *QUIET, f"train.steps={steps}"]
-        metrics = OUT / f"{name}.jsonl"
-        metrics.unlink(missing_ok=True)
-        began = time.perf_counter()
-        done = threefold("train", "--config", config, *(a for s in sets for a in ("--set", s)),
-                         "--metrics-file", str(metrics), "--no-progress", env=env)
-        seconds = time.perf_counter() - began
-        if done.returncode:
-            click.echo(f"{name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
-            continue
-        (OUT / f"{name}.toml").write_text((ROOT / config).read_text())
-        # The tokenizer's vocabulary, so that replaying needs no tokenizer.
-        vocab = load_run(ROOT / config, sets).model.vocab_size
-        manifest[name] = {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"],
-                          "metrics": f"{name}.jsonl", "seconds": seconds}
-        click.echo(f"{name}: {seconds:.0f} s")
-        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+@click.option("--profile/--no-profile", default=True, help="Measure the machine profile first (threefold calibrate).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=OUT, show_default=True)
+def main(steps, only, profile, out_dir):
+    console = Console(stderr=True)
+    names = [n for n in RUNS if not only or n in only.split(",")]
+    unknown = set(only.split(",")) - set(RUNS) if only else set()
+    if unknown:
+        raise click.BadParameter(f"unknown run {sorted(unknown)[0]!r} (known: {', '.join(RUNS)})", param_hint="--only")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, THREEFOLD_HOME=str(out_dir), PYTHONPATH=str(ROOT))
+    os.environ["THREEFOLD_HOME"] = str(out_dir)  # compare_run reads the profile from there
+    manifest_path = out_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() and only else {}
+    columns = [TextColumn("{task.description:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+               TimeElapsedColumn(), TextColumn("load {task.fields[load]}")]
+    began = time.perf_counter()
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("", total=steps * len(names) + (steps if profile else 0), load=load_1min())
+        done = 0
+        if profile:
+            bar.update(task, description="threefold calibrate")
+            measured = subprocess.run(threefold_command("calibrate", "--json"), cwd=ROOT, env=env, capture_output=True,
+                                      text=True, timeout=300)
+            if measured.returncode:
+                sys.exit(measured.stderr)
+            done += steps
+            bar.update(task, completed=done)
+        for name in names:
+            bar.update(task, description=f"{name} ({RUNS[name][0]})", load=load_1min())
+            entry = record_run(name, steps, out_dir, env,
+                               lambda n, done=done: bar.update(task, completed=done + n, load=load_1min()))
+            done += steps
+            bar.update(task, completed=done)
+            if entry:
+                manifest[name] = entry
+                manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    console.print(f"recorded in {time.perf_counter() - began:.0f} s")
+    summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_recorded_runs_replay_without_training():
     from threefold.plan import fit
 
     runs = fit.read_runs([str(RUNS / "manifest.json")])
-    assert len(runs) >= 6 and {"demo", "ddp", "tp", "pp", "zero3"} <= {r.name for r in runs}
+    assert len(runs) >= 6 and {"demo", "ddp", "tp", "pp", "zero3", "dp-pp"} <= {r.name for r in runs}
     assert all(r.measured_s > 0 and r.cfg.model.vocab_size == 4096 for r in runs)
 
 

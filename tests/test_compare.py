@@ -63,6 +63,11 @@ def test_3d_run_bytes_and_model_states_are_exact(tmp_path, corpus, distributed):
     assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp", "bytes/step: tp",
                  "bytes/step: pp")
     assert "tp.loss" not in " ".join(rows)  # the first stage computes no loss
+    # Exposed communication: measured per ledger key, beside the planner's per axis.
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(set(s["comm_exposed_s"]) == set(s["comm_bytes"]) and min(s["comm_exposed_s"].values()) >= 0
+               for s in steps)
+    assert {"exposed comm: dp", "exposed comm: tp", "exposed comm: pp"} <= set(rows)
     other = rows["bytes/step: other"]  # measured, not modelled: the tied embedding's gradient among them
     assert other.predicted is None and "pp.tied" in other.formula
     # 1F1B, pp 2: the first stage holds two micro-batches' activations at its peak; the blocks'

@@ -98,12 +98,20 @@ class CommLedger:
 
     def take(self) -> dict[str, int]:
         """Bytes per key ("dp", "dp.scalar", …) since the last call, and forget those records."""
+        return self.take_step()[0]
+
+    def take_step(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Bytes per key since the last call, and the seconds this rank was blocked per key: in
+        synchronous calls and in ``wait()``, the communication compute did not hide (the
+        exposed time); forget those records. A wait after this call is not counted."""
         with self._lock:
             records, self.records = self.records, []
-        out: dict[str, float] = {}
+        sent: dict[str, float] = {}
+        blocked: dict[str, float] = {}
         for r in records:
-            out[r.key] = out.get(r.key, 0.0) + r.bytes
-        return {k: round(v) for k, v in out.items()}
+            sent[r.key] = sent.get(r.key, 0.0) + r.bytes
+            blocked[r.key] = blocked.get(r.key, 0.0) + r.waited
+        return {k: round(v) for k, v in sent.items()}, blocked
 
 
 class Pending:

@@ -159,6 +159,21 @@ def cross_validate(runs: list[Run], profile: dict) -> dict:
     return {"fractions": fitted, "runs": rows, "mean_abs_error": mean}
 
 
+def fit_and_predict(train: list[Run], targets: list[Run], profile: dict) -> dict:
+    """Fit on the runs of some layouts, predict those of others: the cross-validation a user
+    does who calibrates on a few runs and plans another layout. The fractions fitted on
+    ``train``, and per target its measured and predicted step time and the error."""
+    fractions = fit(train, profile)
+    rows = []
+    for run in targets:
+        predicted = predict(run, profile, fractions)
+        rows.append({"run": run.name, "measured_s": run.measured_s, "predicted_s": predicted,
+                     "error": predicted / run.measured_s - 1})
+    errors = [abs(row["error"]) for row in rows]
+    return {"fitted_on": [run.name for run in train], "fractions": fractions, "runs": rows,
+            "mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors)}
+
+
 def calibrate_from_runs(specs, out, as_json: bool) -> None:
     from threefold.plan.profile import load_profile, profile_path, save_profile
 

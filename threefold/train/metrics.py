@@ -81,6 +81,31 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
+# The groups whose bulk traffic has a balanced counterpart in the planner: (axes, ledger keys of
+# that traffic on the group's key). Not pp: its stages wait for different things (the bubble).
+EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss")), (("cp",), ("",)))
+
+
+def least_exposed(comm, exposed: dict[str, float]) -> dict[str, float]:
+    """Per group of ``EXPOSED_GROUPS`` with more than one rank, keyed like the ledger ("dp",
+    "dp+cp", "tp", "cp"): the least seconds any rank of the group was blocked on the group's
+    traffic this step (``exposed``: this rank's ``CommLedger.take_step()`` times). A rank that
+    reaches a collective first also waits for its slowest partner; the last to arrive waits only
+    for the transfer itself, which is what a model of balanced ranks predicts. One MIN all-reduce
+    of one number per group, tagged ``"metrics"``; every rank must call it."""
+    import torch.distributed as dist
+
+    least: dict[str, float] = {}
+    for axes, suffixes in EXPOSED_GROUPS:
+        key = comm.mesh.label(*axes)
+        if comm.mesh.size(*axes) == 1 or key in least:
+            continue
+        mine = torch.tensor([sum(exposed.get(key + suffix, 0.0) for suffix in suffixes)], dtype=torch.float64)
+        comm.all_reduce(mine, axes, op=dist.ReduceOp.MIN, tag="metrics")
+        least[key] = mine.item()
+    return least
+
+
 class MetricsWriter:
     """One JSON object per line; the file is rewritten from the start of a fresh run."""
 

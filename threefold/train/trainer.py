@@ -21,7 +21,7 @@ from threefold.distributed.launch import StopRequest, restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
-from threefold.train.metrics import ActivationMeter, MetricsWriter
+from threefold.train.metrics import ActivationMeter, MetricsWriter, least_exposed
 
 
 class TrainingError(RuntimeError):
@@ -170,8 +170,11 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             engine.zero_grad()
             step_time = time.perf_counter() - step_began
             result.losses.append(loss)
+            comm_bytes, comm_exposed = engine.comm_step()
+            comm_exposed_least = least_exposed(engine.comm, comm_exposed)  # a collective on every rank
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                      "tokens_per_s": tokens_per_step / step_time, "comm_bytes": engine.comm_bytes(),
+                      "tokens_per_s": tokens_per_step / step_time, "comm_bytes": comm_bytes,
+                      "comm_exposed_s": comm_exposed, "comm_exposed_least_s": comm_exposed_least,
                       "memory": memory, **({"skipped": True} if skipped else {}),
                       **({"moe": model.moe_last_step} if moe else {})}
             timeline = engine.step_timeline()

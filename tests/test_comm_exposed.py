@@ -1,0 +1,78 @@
+"""Exposed communication: the ledger counts the time a rank was blocked (in a synchronous
+collective, or in ``wait()``), not the time from issuing to completion. One rank arrives late on
+purpose (a sleep), so how long the other must wait is known."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from threefold.config import ParallelConfig
+from threefold.distributed.mesh import ParallelMesh
+
+LATE_S = 0.4  # rank 1 joins each collective this late
+COMPUTE_S = 0.25  # rank 0's "compute" between issuing a collective and waiting for it
+
+
+def late_partner() -> dict:
+    from threefold.distributed.comm import Comm
+    from threefold.train.metrics import least_exposed
+
+    mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=30))
+    comm = Comm(mesh)
+    x = torch.ones(1000)
+    out = {}
+
+    def partner_late():
+        comm.barrier()
+        if mesh.rank == 1:
+            time.sleep(LATE_S)
+
+    # Synchronous: rank 0 sits in the call until rank 1 arrives.
+    comm.ledger.take_step()
+    partner_late()
+    comm.all_reduce(x, "dp")
+    out["sync"] = comm.ledger.take_step()
+    out["least"] = least_exposed(comm, out["sync"][1])  # the late rank's wait, on both ranks
+    out["least_counted"] = comm.ledger.take()
+
+    # Asynchronous, hidden in part: rank 0 issues, computes COMPUTE_S, then waits the rest.
+    partner_late()
+    pending = comm.all_reduce(x, "dp", async_op=True)
+    if mesh.rank == 0:
+        time.sleep(COMPUTE_S)
+    pending.wait()
+    out["async_seconds"] = pending.record.seconds
+    out["async"] = comm.ledger.take_step()
+
+    # Asynchronous, hidden entirely: the partner is on time, rank 0 computes longer than the transfer.
+    comm.barrier()
+    pending = comm.all_reduce(x, "dp", async_op=True, tag="scalar")
+    time.sleep(COMPUTE_S)
+    pending.wait()
+    out["hidden"] = comm.ledger.take_step()
+    comm.barrier()
+    mesh.shutdown()
+    return out
+
+
+def test_exposed_time_is_the_wait_not_the_flight(distributed):
+    rank0, rank1 = distributed.run(2, late_partner)
+    sent, blocked = rank0["sync"]
+    assert sent == {"dp": 4000} and set(blocked) == {"dp"}
+    assert blocked["dp"] > 0.8 * LATE_S, blocked  # blocked while its partner slept
+    assert rank1["sync"][1]["dp"] < 0.5 * LATE_S, rank1  # the late rank found its partner waiting
+
+    # The group's least: the late rank's, the same on both; one float counted under dp.metrics.
+    assert rank0["least"] == rank1["least"] == {"dp": pytest.approx(rank1["sync"][1]["dp"])}
+    assert rank0["least_counted"] == {"dp.metrics": 8}
+
+    # In flight about LATE_S, waited only what COMPUTE_S did not cover.
+    assert rank0["async_seconds"] > 0.8 * LATE_S
+    waited = rank0["async"][1]["dp"]
+    assert 0.3 * (LATE_S - COMPUTE_S) < waited < LATE_S - 0.5 * COMPUTE_S, waited
+
+    # Nothing to wait for: exposed near zero, under its own key.
+    sent, blocked = rank0["hidden"]
+    assert set(blocked) == {"dp.scalar"} and blocked["dp.scalar"] < 0.5 * COMPUTE_S, blocked
