@@ -53,10 +53,15 @@ def test_tp_bytes_equal_the_planner_and_plain_tp(distributed, tp):
         assert r["eval_comm"] == p["eval_comm"]  # evaluation's rings are tagged "eval", as its collectives
 
 
-def test_with_dp_and_zero(distributed):
-    extra = ("parallel.dp=2", "parallel.zero=1")
-    assert_same_training(equivalence.case(distributed, layout(2, True, *extra)),
-                         equivalence.reference(layout(2, False, *extra)))
+@pytest.mark.parametrize("extra", [("parallel.dp=2", "parallel.zero=1"), ("train.recompute=selective",),
+                                   ("parallel.pp=2", "parallel.schedule=zb-h1")])
+def test_composes(distributed, extra):
+    """With dp and ZeRO; with selective recomputation (the attention core: no tp traffic); in a
+    zero-bubble pipeline, whose W pass reuses the output gradient the row-parallel ring gathered in B."""
+    overlapped = equivalence.case(distributed, layout(2, True, *extra))
+    assert_same_training(overlapped, equivalence.reference(layout(2, False, *extra)))
+    plain = equivalence.case(distributed, layout(2, False, *extra))
+    assert [r["comm"] for r in overlapped] == [r["comm"] for r in plain]
 
 
 # --- one operation at a time, on gloo workers --------------------------------------------------
@@ -159,8 +164,10 @@ def test_each_send_is_in_flight_while_a_product_runs(distributed, kind):
     (["parallel.tp_overlap=true"], "parallel.tp_overlap: needs tensor parallelism with sequence parallelism"),
     (["parallel.tp_overlap=true", "parallel.tp=2"], "got tp=2, sequence_parallel=false"),
     (["parallel.tp_overlap=true", "parallel.sequence_parallel=true"], "got tp=1, sequence_parallel=true"),
+    (["parallel.tp_overlap=true", "parallel.sequence_parallel=true", "parallel.tp=2", "train.recompute=full"],
+     "parallel.tp_overlap: not with train.recompute=full"),
 ])
-def test_tp_overlap_without_tp_and_sp_is_refused(overrides, message):
+def test_tp_overlap_without_tp_and_sp_or_with_full_recompute_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, TINY + overrides)
     assert "\n" not in str(err.value)

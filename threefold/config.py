@@ -286,6 +286,11 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
+        if p.tp_overlap and t.recompute == "full":
+            # A custom autograd Function's tensors are saved when its forward returns, so checkpoint's
+            # early stop would end the recomputation after the MLP's fused reduce-scatter, not before.
+            raise ConfigError("parallel.tp_overlap: not with train.recompute=full (the recomputed block would run the "
+                              "MLP's fused reduce-scatter again); use train.recompute none or selective")
         if p.dp == AUTO:  # what depends on dp is checked by resolve_world, once the world size is known
             return self
         if t.global_batch % (p.dp * t.micro_batch):
