@@ -23,6 +23,14 @@ SP buys is memory: the norm region's activations shrink by tp. The column-parall
 save only this rank's part of their input and gather it again in backward (Megatron does the
 same), one extra all-gather per sublayer.
 
+Overlap (``parallel.tp_overlap``, SP only). Each sublayer's all-gather and the column-parallel
+products after it become one operation, a ring of t−1 sends in which every rank multiplies the
+sequence chunk it holds while the next chunk travels; the row-parallel product and the
+reduce-scatter after it become the reverse ring, each rank computing its addend for one chunk
+while the previous chunk's running sum travels. Backward runs the same rings on the gradients.
+The bytes are those of the collectives, counted as the sends they are. Without SP there is
+nothing to pipeline (the all-gather half of an all-reduce has no product beside it).
+
 Vocabulary. The embedding table and the output head are split by rows of the vocabulary,
 padded with zero rows to a multiple of tp (the padding never enters the loss). A rank looks up
 the tokens it owns and zeros the others, then ``g`` sums. The loss never materialises the full
