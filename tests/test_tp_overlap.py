@@ -19,7 +19,8 @@ import equivalence
 from equivalence import assert_same_training
 from threefold.config import ConfigError
 from threefold.configure import load_config
-from test_tensor_parallel import TINY, assert_ledger, planned_tp_bytes
+from test_tensor_parallel import TINY, assert_ledger, planned_tp_bytes, run_activations
+from threefold.plan import costs
 
 # The fused operations sum the same terms in another order (a weight gradient chunk by chunk,
 # a reduce-scatter's addends around the ring): fp32 rounding, a few ulps of the largest entry.
@@ -62,6 +63,17 @@ def test_composes(distributed, extra):
     assert_same_training(overlapped, equivalence.reference(layout(2, False, *extra)))
     plain = equivalence.case(distributed, layout(2, False, *extra))
     assert [r["comm"] for r in overlapped] == [r["comm"] for r in plain]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_saves_the_activations_plain_tp_saves(distributed, recompute):
+    """The fused operations save what the unfused ones do (a column-parallel input's sequence
+    shard, a row-parallel product's input): the planner's block bytes, to the byte."""
+    cfg = load_config(None, list(layout(2, True, f"train.recompute={recompute}")))
+    want = costs.block_activation_bytes(cfg.model, cfg.train.micro_batch * cfg.model.seq_len, 2, True, recompute,
+                                        dtype_bytes=4)
+    saved = distributed.run(2, run_activations, 2, True, recompute, 4, "parallel.tp_overlap=true")
+    assert saved == [want, want]
 
 
 # --- one operation at a time, on gloo workers --------------------------------------------------
