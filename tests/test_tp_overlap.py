@@ -23,8 +23,9 @@ from test_tensor_parallel import TINY, assert_ledger, planned_tp_bytes, run_acti
 from threefold.plan import costs
 
 # The fused operations sum the same terms in another order (a weight gradient chunk by chunk,
-# a reduce-scatter's addends around the ring): fp32 rounding, a few ulps of the largest entry.
-RTOL = 1e-6
+# a reduce-scatter's addends around the ring): fp32 rounding, a few ulps of the largest entry
+# (measured: at most 2.2e-7 at tp=2, 5.0e-7 at tp=4).
+RTOL = 5e-6  # a wrong chunk, a lost addend or a chunk added twice moves entries by 1e-2 or more
 
 
 def layout(tp: int, overlap: bool, *extra: str) -> tuple[str, ...]:
