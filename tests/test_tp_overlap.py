@@ -77,6 +77,15 @@ def test_saves_the_activations_plain_tp_saves(distributed, recompute):
     assert saved == [want, want]
 
 
+def test_bf16_autocast(distributed):
+    """bf16 products over fp32 weights (the fused operations cast as the unfused ones do): the
+    same losses as one process to bf16 precision, as plain tp's test asks."""
+    extra = ("train.dtype=bfloat16",)
+    ref = equivalence.reference(layout(2, False, *extra))
+    for r in equivalence.case(distributed, layout(2, True, *extra)):
+        assert r["losses"] == pytest.approx(ref["losses"], rel=2e-3)
+
+
 # --- one operation at a time, on gloo workers --------------------------------------------------
 def one_operation(kind: str, batch: int = 2) -> dict:
     """``kind`` ("column" or "row") fused and unfused on the same inputs, forward and backward:
