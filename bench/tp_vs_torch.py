@@ -7,15 +7,22 @@ RowwiseParallel, SequenceParallel, PrepareModuleInput, ``loss_parallel``), with 
 torchtitan uses for Llama. Steps alternate between the two on the same batches: forward,
 backward, gradient clipping, AdamW. Both run with and without sequence parallelism.
 
-Reported: the losses of both (they must agree), the median step time of each, and the ratio
-ours / PyTorch's (below 1: ours is faster). Embeddings are untied: DTensor cannot shard one
-parameter as both the embedding's rows and the head's.
+With sequence parallelism a third side runs too: ours with ``parallel.tp_overlap`` (the
+gathers and reduce-scatters as rings of sends pipelined with the products).
+
+Reported: the losses of each side (they must agree), the median step time of each, the ratio
+ours / PyTorch's (below 1: ours is faster), with SP the ratio overlapped / plain ours, and for
+ours the seconds per step a rank was blocked on tp traffic (a collective's whole duration; with
+the overlap, the waits for sends and receives that the products did not hide).
+Embeddings are untied: DTensor cannot shard one parameter as both the embedding's rows and the
+head's.
 
     .venv/bin/python bench/tp_vs_torch.py                 # writes bench/results/tp.json
 """
 from __future__ import annotations
 
 import copy
+import statistics
 from pathlib import Path
 
 import click
@@ -115,12 +122,34 @@ def run_mode(cfg: Config, device_mesh, warmup: int, steps: int) -> dict:
 
     plain = fresh_model(cfg)
     theirs = TorchStep(torch_tensor_parallel(copy.deepcopy(plain), device_mesh, cfg.parallel.sequence_parallel), cfg)
-    ours = build_engine(plain, cfg)
-    # one micro-batch a step (micro_batch = global_batch): the whole batch goes to forward_backward at once
-    out = alternate_steps(cfg, {"ours": lambda inputs, targets: train_step(ours, [(inputs, targets)], cfg),
-                                "torch": theirs}, warmup, steps)
-    ours.shutdown()
-    return summarise_pair(out)
+    engines = {"ours": build_engine(copy.deepcopy(plain), cfg)}
+    if cfg.parallel.sequence_parallel:
+        overlapped = copy.deepcopy(cfg)
+        overlapped.parallel.tp_overlap = True
+        engines["ours_overlap"] = build_engine(plain, overlapped.validate())
+    blocked = {name: [] for name in engines}  # per step: seconds this rank waited on tp traffic
+
+    def step(name: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        ledger = engines[name].comm.ledger
+        ledger.take()
+        # one micro-batch a step (micro_batch = global_batch): the whole batch goes to forward_backward at once
+        loss = train_step(engines[name], [(inputs, targets)], cfg)
+        blocked[name].append(sum(r.waited for r in ledger.records if r.axis == "tp"))
+        return loss
+
+    sides = {name: (lambda inputs, targets, name=name: step(name, inputs, targets)) for name in engines}
+    out = alternate_steps(cfg, {**sides, "torch": theirs}, warmup, steps)
+    for engine in engines.values():
+        engine.shutdown()
+    out = summarise_pair(out)
+    for name in engines:
+        out[name]["tp_blocked_s"] = statistics.median(blocked[name][warmup:])
+    if "ours_overlap" in out:
+        run = out["ours_overlap"]
+        run["step_time_s"] = statistics.median(run["times"])
+        out["overlap_ratio"] = run["step_time_s"] / out["ours"]["step_time_s"]
+        out["overlap_max_loss_difference"] = max(abs(a - b) for a, b in zip(run["losses"], out["ours"]["losses"]))
+    return out
 
 
 def worker(rank: int, world: int, port: int, micro_batch: int, warmup: int, steps: int, modes: list[bool],
@@ -140,11 +169,16 @@ def worker(rank: int, world: int, port: int, micro_batch: int, warmup: int, step
 def results_table(results: dict) -> Table:
     table = Table(title=f"tp={TP}, small preset (untied), {results['tokens_per_step']} tokens per step, "
                         "1 thread per rank")
-    for column in ("mode", "ours (s)", "PyTorch DTensor (s)", "ours / PyTorch", "max |Δloss|", "final loss"):
+    for column in ("mode", "ours (s)", "PyTorch DTensor (s)", "ours / PyTorch", "max |Δloss|", "final loss",
+                   "ours, tp_overlap (s)", "overlap / ours", "tp waits: ours / overlap (s)"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for mode, run in results["modes"].items():
+        overlap = ((f"{run['ours_overlap']['step_time_s']:.3f}", f"{run['overlap_ratio']:.3f}",
+                    f"{run['ours']['tp_blocked_s']:.3f} / {run['ours_overlap']['tp_blocked_s']:.3f}")
+                   if "ours_overlap" in run else ("–", "–", f"{run['ours']['tp_blocked_s']:.3f}"))
         table.add_row(mode, f"{run['ours']['step_time_s']:.3f}", f"{run['torch']['step_time_s']:.3f}",
-                      f"{run['ratio']:.3f}", f"{run['max_loss_difference']:.1e}", f"{run['ours']['losses'][-1]:.4f}")
+                      f"{run['ratio']:.3f}", f"{run['max_loss_difference']:.1e}", f"{run['ours']['losses'][-1]:.4f}",
+                      *overlap)
     return table
 
 

@@ -38,9 +38,18 @@ def test_tp_comm_overlap_hides_tp_behind_the_products(capsys):
     layout = [*GPT3, "--tp", "8", "--pp", "16", "--sequence-parallel"]
     plain, overlapped = estimate(capsys, *layout), estimate(capsys, *layout, "--tp-comm-overlap")
     assert plain["time_s"]["tp_exposed"] == pytest.approx(plain["comm"]["tp_s"])  # all exposed by default
-    # With the GEMMs longer than the traffic, only the first of t = 8 chunks stays exposed.
-    assert overlapped["time_s"]["tp_exposed"] == pytest.approx(plain["comm"]["tp_s"] / 8)
+    # With the GEMMs longer than the traffic, the rings hide all of theirs: what stays exposed is
+    # the traffic with no product beside it, here the loss's all-reduces (the last of 16 stages
+    # holds no embedding), their share of the bytes.
+    model, b = get_preset("gpt3-175b"), 1
+    loss = costs.tp_loss_bytes_per_step(1, b, model.seq_len, 8)
+    blocks = costs.tp_bytes_per_step(model.layers // 16, 1, b, model.seq_len, model.hidden, 8, True, "none", 2,
+                                     model.arch, embedding=False)
+    assert overlapped["time_s"]["tp_exposed"] == pytest.approx(plain["comm"]["tp_s"] * loss / (loss + blocks))
     assert overlapped["comm"]["tp_bytes"] == plain["comm"]["tp_bytes"]
+    # Without SP there is nothing to pipeline (Megatron-Core refuses --tp-comm-overlap without it).
+    no_sp = [x for x in layout if x != "--sequence-parallel"]
+    assert estimate(capsys, *no_sp, "--tp-comm-overlap")["step_time_s"] == estimate(capsys, *no_sp)["step_time_s"]
 
 
 def test_the_pipeline_drain_hides_the_last_stages_reduction():
@@ -52,7 +61,8 @@ def test_the_pipeline_drain_hides_the_last_stages_reduction():
 
 
 def test_batch_keys_for_overlap_and_links(capsys, tmp_path):
-    base = dict(model="gpt3-175b", global_batch=1536, gpu="a100-80gb", num_gpus=1024, tp=8, pp=16, zero=1)
+    base = dict(model="gpt3-175b", global_batch=1536, gpu="a100-80gb", num_gpus=1024, tp=8, pp=16, zero=1,
+                sequence_parallel=True)
     lines = [base, dict(base, overlap_dp=False), dict(base, tp_comm_overlap=True), dict(base, inter_node_gbps=400),
              dict(base, intra_node_gbps=4800), dict(base, inter_node_gbps=0)]
     path = tmp_path / "in.jsonl"

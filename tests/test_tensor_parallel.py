@@ -45,13 +45,13 @@ def reference(*extra: str) -> dict:
 
 
 # --- functions the workers run ------------------------------------------------------------------
-def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int) -> float:
+def run_activations(tp: int, sp: bool, recompute: str, kv_heads: int, *extra: str) -> float:
     """One block's bytes saved for backward on this rank, by one micro-batch's forward: the
     difference between a 3-layer and a 1-layer model, halved."""
     peaks = []
     for layers in (3, 1):
         cfg = make_config(tp, 1, 0, sp, f"model.kv_heads={kv_heads}", f"model.layers={layers}",
-                          f"train.recompute={recompute}")
+                          f"train.recompute={recompute}", *extra)
         if tp > 1:
             engine = new_engine(cfg)
         else:

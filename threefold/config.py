@@ -154,6 +154,7 @@ class ParallelConfig:
     ep: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    tp_overlap: bool = False  # SP's gathers and reduce-scatters as rings of sends pipelined with the products
     schedule: str = "1f1b"
     microbatches: int | None = None  # None: global_batch / (dp · micro_batch)
     virtual_stages: int = 1
@@ -180,6 +181,13 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cp_method: must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.tp_overlap and (self.tp == 1 or not self.sequence_parallel):
+            # Only SP's all-gather before a column-parallel product and reduce-scatter after a
+            # row-parallel one sit beside a product they can be pipelined with; half of an
+            # all-reduce (its all-gather after the sum) has none.
+            raise ConfigError(f"parallel.tp_overlap: needs tensor parallelism with sequence parallelism "
+                              f"(parallel.tp > 1 and parallel.sequence_parallel = true), got tp={self.tp}, "
+                              f"sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb: must be positive, got {self.bucket_mb}")
         if self.timeout_s <= 0:
@@ -278,6 +286,11 @@ class Config:
         self.train.validate()
         self.data.validate()
         p, t = self.parallel, self.train
+        if p.tp_overlap and t.recompute == "full":
+            # A custom autograd Function's tensors are saved when its forward returns, so checkpoint's
+            # early stop would end the recomputation after the MLP's fused reduce-scatter, not before.
+            raise ConfigError("parallel.tp_overlap: not with train.recompute=full (the recomputed block would run the "
+                              "MLP's fused reduce-scatter again); use train.recompute none or selective")
         if p.dp == AUTO:  # what depends on dp is checked by resolve_world, once the world size is known
             return self
         if t.global_batch % (p.dp * t.micro_batch):

@@ -296,6 +296,49 @@ class Comm:
         return None
 
 
+def ring_pass(comm: Comm, block: torch.Tensor, axis: str, visit, tag: str | None = None) -> list[float]:
+    """Pass every rank's ``block`` once around the ring of ``axis`` (to coordinate r+1, from r−1):
+    ``visit(owner, block)`` runs on each rank's block, this rank's own first, while the next one
+    is already in flight. n−1 sends of the block: the bytes of an all-gather of the n blocks.
+    Returns when each visit ended, to set beside the sends' launch times in the ledger."""
+    n, me = comm.mesh.size(axis), comm.mesh.coord(axis)
+    block, ends = block.contiguous(), []
+    for step in range(n):
+        if step < n - 1:  # the next block travels while this one is visited
+            incoming = torch.empty_like(block)
+            sending = comm.send(block, axis, (me + 1) % n, tag=tag)
+            receiving = comm.recv(incoming, axis, (me - 1) % n, tag=tag)
+        visit((me - step) % n, block)
+        ends.append(time.perf_counter())
+        if step < n - 1:
+            sending.wait()
+            receiving.wait()
+            block = incoming
+    return ends
+
+
+def ring_reduce_scatter(comm: Comm, partial, axis: str, tag: str | None = None) -> tuple[torch.Tensor, list[float]]:
+    """The sum over the ring of ``axis`` of every rank's ``partial(me)``, where ``partial(c)``
+    returns a new tensor, this rank's addend for the block of the rank at coordinate c. Each
+    block's running sum travels the ring (to r+1), gaining one rank's addend per hop, while the
+    next addend is computed; after n−1 hops it reaches its owner. n−1 sends of a block: the
+    bytes of a reduce-scatter. Returns (this rank's sum, when each ``partial`` ended)."""
+    n, me = comm.mesh.size(axis), comm.mesh.coord(axis)
+    ends, receiving = [], None
+    for step in range(n):
+        total = partial((me - step - 1) % n)  # the block whose sum arrives from r−1 this step
+        ends.append(time.perf_counter())
+        if receiving is not None:
+            receiving.wait()
+            total += incoming
+            sending.wait()
+        if step < n - 1:
+            incoming = torch.empty_like(total)
+            sending = comm.send(total, axis, (me + 1) % n, tag=tag)
+            receiving = comm.recv(incoming, axis, (me - 1) % n, tag=tag)
+    return total, ends
+
+
 def _axes(axis: Axes) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 

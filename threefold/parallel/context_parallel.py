@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from threefold.config import CP_METHODS, ConfigError
-from threefold.distributed.comm import Comm, all_to_all_autograd
+from threefold.distributed.comm import Comm, all_to_all_autograd, ring_pass
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
 
@@ -278,21 +278,12 @@ def _save_for_backward(ctx, core, q, k, v, outs, lses) -> torch.Tensor:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, core: "RingAttention"):
-        comm, cp, rank = core.comm, core.cp, core.rank
         outs, lses = _running(q)
-        kv = torch.stack([k, v])
-        core.compute_ends["forward"] = []
-        for step in range(cp):
-            if step < cp - 1:  # the next block in flight while this one is computed
-                incoming = torch.empty_like(kv)
-                sending = comm.send(kv, "cp", (rank + 1) % cp)
-                receiving = comm.recv(incoming, "cp", (rank - 1) % cp)
-            core.blocks += attend_blocks(q, kv, core.chunks(rank), core.chunks((rank - step) % cp), outs, lses)
-            core.compute_ends["forward"].append(time.perf_counter())
-            if step < cp - 1:
-                sending.wait()
-                receiving.wait()
-                kv = incoming
+
+        def attend(owner: int, kv: torch.Tensor) -> None:  # while the next block is in flight
+            core.blocks += attend_blocks(q, kv, core.chunks(core.rank), core.chunks(owner), outs, lses)
+
+        core.compute_ends["forward"] = ring_pass(core.comm, torch.stack([k, v]), "cp", attend)
         return _save_for_backward(ctx, core, q, k, v, outs, lses)
 
     @staticmethod

@@ -23,6 +23,14 @@ SP buys is memory: the norm region's activations shrink by tp. The column-parall
 save only this rank's part of their input and gather it again in backward (Megatron does the
 same), one extra all-gather per sublayer.
 
+Overlap (``parallel.tp_overlap``, SP only). Each sublayer's all-gather and the column-parallel
+products after it become one operation, a ring of t−1 sends in which every rank multiplies the
+sequence chunk it holds while the next chunk travels; the row-parallel product and the
+reduce-scatter after it become the reverse ring, each rank computing its addend for one chunk
+while the previous chunk's running sum travels. Backward runs the same rings on the gradients.
+The bytes are those of the collectives, counted as the sends they are. Without SP there is
+nothing to pipeline (the all-gather half of an all-reduce has no product beside it).
+
 Vocabulary. The embedding table and the output head are split by rows of the vocabulary,
 padded with zero rows to a multiple of tp (the padding never enters the loss). A rank looks up
 the tokens it owns and zeros the others, then ``g`` sums. The loss never materialises the full
@@ -56,7 +64,7 @@ gradient norm, the full state dict and the checkpoint pieces are computed for ev
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,7 +73,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from threefold.config import ConfigError
-from threefold.distributed.comm import Comm
+from threefold.distributed.comm import Comm, ring_pass, ring_reduce_scatter
 from threefold.models.llama import Llama
 from threefold.parallel.placements import Placement
 
@@ -82,6 +90,9 @@ class TensorParallelGroup:
     size: int
     sequence_parallel: bool
     vocab_size: int  # of the plain model; the shards hold it padded to a multiple of ``size``
+    overlap: bool = False  # parallel.tp_overlap: SP's collectives as rings pipelined with the products
+    ring_ends: list[list[float]] = field(default_factory=list)  # the last overlapped operation's
+    # rings: when each chunk's product ended (to set beside the sends' launch times in the ledger)
 
 
 def traffic_tag(training: str | None = None) -> str | None:
@@ -233,6 +244,139 @@ def _will_run(node) -> bool:
     return node is not None and torch._C._will_engine_execute_node(node)
 
 
+def _node(tensor: torch.Tensor):
+    """The autograd node a gradient for ``tensor`` flows into (None if it needs none)."""
+    return get_gradient_edge(tensor).node if tensor.requires_grad else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The same collectives overlapped with their products (parallel.tp_overlap)
+# ---------------------------------------------------------------------------------------------
+# The collective-matmul of Wang et al. 2023 ("Overlap communication with dependent computation
+# via decomposition"), Megatron-Core's tp_comm_overlap ring exchange and PyTorch's async-TP
+# micro-pipelining: an all-gather followed by a product is a ring of t−1 sends, each rank
+# multiplying the sequence chunk it holds while the next one travels; a product followed by a
+# reduce-scatter is the same ring the other way, each rank computing its addend for one chunk
+# while the running sum of the previous chunk travels. Same bytes as the collectives, counted
+# as the sends they are (t−1 chunks of B/t each = (t−1)/t·B, the ring convention's figure).
+
+def _rows(chunk: int, size: int) -> slice:
+    return slice(chunk * size, (chunk + 1) * size)
+
+
+class AllGatherColumnMatmuls(torch.autograd.Function):
+    """f under SP with tp_overlap, fused with every column-parallel product of one input (q, k, v;
+    gate, up; the head). Forward: the ring all-gather of x's sequence shards, each shard
+    multiplied by every weight as it arrives, the next in flight meanwhile; returns the gathered
+    x and the products. Backward: dL/dx = Σ_i dy_i·W_i as a ring reduce-scatter (each chunk's
+    addend computed while the previous chunk's sum travels), and each dW_i = Σ_c dy_i[c]ᵀ·x_c
+    from the shards passed around the ring again (only this rank's shard was saved)."""
+
+    @staticmethod
+    def forward(ctx, shard, tp: TensorParallelGroup, tag: str | None, *weights):
+        ctx.set_materialize_grads(False)
+        b, n = shard.shape[:2]
+        full = shard.new_empty((b, tp.size * n, *shard.shape[2:]))
+        products: list[torch.Tensor | None] = [None] * len(weights)
+
+        def multiply(owner: int, chunk: torch.Tensor) -> None:
+            rows = _rows(owner, n)
+            full[:, rows] = chunk
+            for i, weight in enumerate(weights):
+                product = F.linear(chunk, weight)
+                if products[i] is None:  # its dtype is the product's (autocast)
+                    products[i] = product.new_empty((b, tp.size * n, product.shape[-1]))
+                products[i][:, rows] = product
+
+        tp.ring_ends = [ring_pass(tp.comm, shard, "tp", multiply, tag)]
+        ctx.save_for_backward(shard, *weights)
+        ctx.tp, ctx.input_node, ctx.weight_nodes = tp, _node(shard), [_node(w) for w in weights]
+        return (full, *products)
+
+    @staticmethod
+    def backward(ctx, grad_full, *grads):
+        shard, *weights = ctx.saved_tensors
+        tp, n = ctx.tp, shard.shape[1]
+        tp.ring_ends = []
+        grad_shard = None
+        if _will_run(ctx.input_node):
+            def addend(chunk: int) -> torch.Tensor:  # this rank's part of dL/dx at rank chunk's positions
+                rows = _rows(chunk, n)
+                total = None if grad_full is None else grad_full[:, rows].clone()
+                for grad, weight in zip(grads, weights):
+                    if grad is not None:
+                        part = grad[:, rows] @ weight.to(grad.dtype)
+                        total = part if total is None else total.add_(part)
+                return total
+
+            grad_shard, ends = ring_reduce_scatter(tp.comm, addend, "tp")
+            tp.ring_ends.append(ends)
+        wanted = [grad is not None and _will_run(node) for grad, node in zip(grads, ctx.weight_nodes)]
+        grad_weights: list[torch.Tensor | None] = [None] * len(weights)
+        if any(wanted):
+            def accumulate(owner: int, chunk: torch.Tensor) -> None:
+                rows = _rows(owner, n)
+                for i in (i for i, want in enumerate(wanted) if want):
+                    grad = grads[i][:, rows]
+                    x = chunk.to(grad.dtype).reshape(-1, chunk.shape[-1])
+                    part = grad.reshape(-1, grad.shape[-1]).t() @ x
+                    grad_weights[i] = part if grad_weights[i] is None else grad_weights[i].add_(part)
+
+            tp.ring_ends.append(ring_pass(tp.comm, shard, "tp", accumulate))
+        return (grad_shard, None, None, *grad_weights)
+
+
+class RowMatmulReduceScatter(torch.autograd.Function):
+    """g under SP with tp_overlap, fused with the row-parallel product before it. Forward: this
+    rank's addend x[c]·Wᵀ for one chunk of the sequence at a time, each chunk's running sum
+    travelling the ring while the next addend is computed (a ring reduce-scatter). Backward: the
+    output gradient's shards passed around the ring (an all-gather), each multiplied as it
+    arrives for dL/dx and dL/dW. When backward runs in two passes (a zero-bubble pipeline's B,
+    then W), the gathered gradient is kept from B for W, as autograd keeps a linear's input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tp: TensorParallelGroup, tag: str | None):
+        n = x.shape[1] // tp.size
+        out, ends = ring_reduce_scatter(tp.comm, lambda chunk: F.linear(x[:, _rows(chunk, n)], weight), "tp", tag)
+        tp.ring_ends = [ends]
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.input_node, ctx.weight_node = tp, _node(x), _node(weight)
+        ctx.grad_full = None  # the gathered output gradient, kept from B for W
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        tp, n = ctx.tp, grad.shape[1]
+        want_input, want_weight = _will_run(ctx.input_node), _will_run(ctx.weight_node)
+        keep = ctx.weight_node is not None and not want_weight  # W comes later and needs it
+        grad_x = x.new_empty(x.shape, dtype=grad.dtype) if want_input else None
+        grad_weight = None
+        tp.ring_ends = []
+
+        def multiply(owner: int, chunk: torch.Tensor) -> None:
+            nonlocal grad_weight
+            rows = _rows(owner, n)
+            if want_input:
+                grad_x[:, rows] = chunk @ weight.to(chunk.dtype)
+            if want_weight:
+                xs = x[:, rows].to(chunk.dtype).reshape(-1, x.shape[-1])
+                part = chunk.reshape(-1, chunk.shape[-1]).t() @ xs
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            if keep:
+                ctx.grad_full[:, rows] = chunk
+
+        if ctx.grad_full is not None:  # W after B: the gradient is here already
+            full, ctx.grad_full = ctx.grad_full, None
+            for owner in range(tp.size):
+                multiply(owner, full[:, _rows(owner, n)])
+        elif want_input or want_weight:
+            if keep:
+                ctx.grad_full = grad.new_empty((grad.shape[0], tp.size * n, *grad.shape[2:]))
+            tp.ring_ends = [ring_pass(tp.comm, grad, "tp", multiply)]
+        return grad_x, grad_weight, None, None
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean next-token loss from vocab-sharded logits. Each rank holds the logits of its rows of
     the (padded) vocabulary; per token, the max, the sum of exp(logit − max) and the target's
@@ -289,11 +433,19 @@ class PreparedInput:
     def __init__(self, tp: TensorParallelGroup):
         self.tp = tp
         self.gathered: SequenceGathered | None = None  # SP: this forward's, while it runs
+        self.linears: list[ColumnParallelLinear] = []  # the column-parallel linears that read it
+        self.products: dict[ColumnParallelLinear, torch.Tensor] = {}  # tp_overlap: this forward's
+        self.full: torch.Tensor | None = None  # tp_overlap: the gathered input they are products of
 
     def before(self, module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
         if not self.tp.sequence_parallel:
             return (CopyToTensorParallel.apply(x, self.tp), *rest)
+        if self.tp.overlap:
+            self.full, *products = AllGatherColumnMatmuls.apply(x, self.tp, traffic_tag(),
+                                                                *(linear.weight for linear in self.linears))
+            self.products = dict(zip(self.linears, products))
+            return (self.full, *rest)
         self.gathered = SequenceGathered(x.detach(), self.tp)
         return (GatherSequence.apply(x, self.gathered, traffic_tag()), *rest)
 
@@ -301,6 +453,7 @@ class PreparedInput:
         if self.gathered is not None:
             self.gathered.shard = None  # the linears saved it; do not keep it alive here
             self.gathered = None
+        self.products, self.full = {}, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -313,6 +466,8 @@ class ColumnParallelLinear(nn.Module):
         self.input: PreparedInput | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self.input.full:  # tp_overlap: computed with the gather
+            return self.input.products.pop(self)
         gathered = self.input.gathered
         if gathered is not None and torch.is_grad_enabled():
             return ColumnParallelMatmul.apply(x, gathered.shard, self.weight, gathered)
@@ -331,6 +486,8 @@ class RowParallelLinear(nn.Module):
         self.weight, self.tp = weight, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.overlap:
+            return RowMatmulReduceScatter.apply(x, self.weight, self.tp, traffic_tag())
         return leave_tensor_parallel(F.linear(x, self.weight), self.tp)
 
     def extra_repr(self) -> str:
@@ -449,6 +606,7 @@ class PrepareInput:
         for sub in module.modules():
             if isinstance(sub, ColumnParallelLinear):
                 sub.input = prepared
+                prepared.linears.append(sub)
         return module
 
 

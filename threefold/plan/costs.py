@@ -619,13 +619,17 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     tp_bw, tp_lat = link(t)
     tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
     tp_bytes = m * tp_sent_mb
-    # Exposed: all of it, as our engine and plain Megatron run it (each collective sits between the
-    # products that produce and consume it); with Megatron-Core's --tp-comm-overlap each
-    # collective is cut into t chunks pipelined with the adjacent product, so only the first
-    # chunk and whatever exceeds the products' time stay exposed.
+    # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
+    # products that produce and consume it). With tp_comm_overlap (Megatron-Core's
+    # --tp-comm-overlap, our parallel.tp_overlap; both need SP) the blocks' and the head's
+    # all-gathers and reduce-scatters run as rings of t−1 transfers, each behind one chunk (1/t) of
+    # the adjacent product: transfers of C seconds beside products of G leave max(0, C − (t−1)/t·G)
+    # exposed. The embedding's pair and the loss's all-reduces have no product beside them.
     gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
-    tp_exposed_mb = np.where(work.tp_comm_overlap, tp_mb_s / t + np.maximum(0, tp_mb_s * (1 - 1 / t) - gemm_mb_s),
-                             tp_mb_s)
+    ringed_mb_s = tp_mb_s * tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes,
+                                              cfg.arch, embedding=False) / np.maximum(tp_sent_mb, 1)
+    tp_exposed_mb = np.where(work.tp_comm_overlap & sp,
+                             tp_mb_s - ringed_mb_s + np.maximum(0, ringed_mb_s - (t - 1) / t * gemm_mb_s), tp_mb_s)
 
     # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
     cp_collectives = stage_layers * (3 + full)

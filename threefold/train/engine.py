@@ -165,7 +165,8 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
     if mesh.size("tp") > 1:
         from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
 
-        tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel, cfg.model.vocab_size)
+        tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel, cfg.model.vocab_size,
+                                 overlap=p.tp_overlap)
         placements.update(apply_tp(model, tp))
 
     # 2. context parallelism: the attention cores only (the weights stay whole, replicated over cp)

@@ -67,7 +67,7 @@ class MeasuredAction:
 # --------------------------------------------------------------------------------------------
 # Splitting the backward into input gradient (B) and weight gradient (W)
 
-@dataclass
+@dataclass(eq=False)  # groups are told apart by identity (== would compare their tensors)
 class WeightGradGroup:
     """Parameters whose gradients W computes together from the same graph nodes."""
     params: list[nn.Parameter]
