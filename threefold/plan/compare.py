@@ -156,7 +156,8 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
     layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel)
-    work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed")
+    work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed",
+                          tp_comm_overlap=p.tp_overlap)
     return work, layout
 
 
