@@ -57,7 +57,7 @@ def test_explanations_name_the_cause():
     found = search.search(costs.Workload(get_preset("gpt3-175b"), 1536), A100, 1024)
     ranked = found.ranked(5)
     assert ranked[0][1].startswith("fastest:")
-    assert all(why.startswith("+") for _, why in ranked[1:])
+    assert all(why.startswith(("+", "ties #1")) for _, why in ranked[1:])
     assert len({r["describe"].split(" mb=")[0] for r, _ in ranked}) == 5  # one layout per mesh shape
     # A layout with TP across two nodes is explained by its exposed TP traffic.
     lay = found.layouts

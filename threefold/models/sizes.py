@@ -71,14 +71,25 @@ def moe_layer_count(cfg: ModelConfig) -> int:
     return sum(is_moe_layer(cfg, layer) for layer in range(cfg.layers))
 
 
+def moe_block_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(rest, router, routed experts): parameters of one MoE block. ``rest``: the attention, the
+    two norms and the shared experts (the dense block with its SwiGLU swapped for the shared one,
+    ``moe_shared_experts · moe_ffn`` wide); ``router``: E·h; routed experts: E SwiGLUs of
+    ``moe_ffn``, 3·h·moe_ffn each (gate, up, down)."""
+    h, expert = cfg.hidden, 3 * cfg.hidden * cfg.moe_ffn_hidden
+    rest = block_param_count(cfg) - 3 * h * cfg.ffn_hidden + cfg.moe_shared_experts * expert
+    return rest, cfg.moe_experts * h, cfg.moe_experts * expert
+
+
 def moe_parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of ``Llama(cfg)``; active = what one token computes with: the
     router, its top-k routed experts and the shared experts in each MoE layer, everything else
     whole. Equal for a dense model. The experts' routing biases are buffers, not counted."""
-    h, dense_mlp = cfg.hidden, 3 * cfg.hidden * cfg.ffn_hidden
-    expert = 3 * h * cfg.moe_ffn_hidden  # one SwiGLU expert: gate, up, down
     layers = moe_layer_count(cfg)
-    router, shared = cfg.moe_experts * h, cfg.moe_shared_experts * expert
-    total = count_parameters(cfg) + layers * (router + cfg.moe_experts * expert + shared - dense_mlp)
-    active = count_parameters(cfg) + layers * (router + cfg.moe_top_k_experts * expert + shared - dense_mlp)
-    return (total, active) if layers else (count_parameters(cfg),) * 2
+    if not layers:
+        return (count_parameters(cfg),) * 2
+    rest, router, experts = moe_block_param_counts(cfg)
+    moe_minus_dense = rest + router - block_param_count(cfg)
+    total = count_parameters(cfg) + layers * (moe_minus_dense + experts)
+    active = count_parameters(cfg) + layers * (moe_minus_dense + experts * cfg.moe_top_k_experts // cfg.moe_experts)
+    return total, active

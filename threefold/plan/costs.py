@@ -6,6 +6,7 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -13,8 +14,11 @@ from typing import Any
 import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
-from threefold.models.sizes import attention_width, block_param_count, count_parameters
+from threefold.models.sizes import (attention_width, block_param_count, moe_block_param_counts, moe_layer_count,
+                                    moe_parameter_counts)
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
+from threefold.plan import context
+from threefold.plan.context import METHODS as CP_METHODS
 
 SCHEDULES = schedule_names()  # the registry's order: Layout.schedule indexes it
 
@@ -42,23 +46,42 @@ def embedding_param_count(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Exact number of distinct parameters (tied embeddings counted once)."""
+    """Exact number of distinct parameters (tied embeddings counted once); of an MoE model, every
+    expert's (its total parameters)."""
     if cfg.arch == "llama":
         _require_vocab(cfg)
-        return count_parameters(cfg)  # the model's own count, torch-free
+        return moe_parameter_counts(cfg)[0]  # the model's own count, torch-free
     h, v = cfg.hidden, _require_vocab(cfg)
     head = 0 if cfg.tie_embeddings else v * h
     final_norm = 2 * h  # LayerNorm weight and bias
     return cfg.layers * block_param_count(cfg) + embedding_param_count(cfg) + head + final_norm
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token computes with: all of a dense model's; of an MoE model, the router,
+    the top-k routed experts and the shared experts of each MoE layer, everything else whole
+    (``sizes.moe_parameter_counts``). MFU counts these, as Mixtral's and DeepSeek-V3's reports do."""
+    if cfg.arch == "llama":
+        _require_vocab(cfg)
+        return moe_parameter_counts(cfg)[1]
+    return param_count(cfg)
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matrix multiply per token: all but the lookup tables.
+    """Active parameters that take part in a matrix multiply per token: all but the lookup tables.
 
     With tied embeddings the table is also the output head, so it stays counted once.
     """
     lookup_only = embedding_param_count(cfg) - (_require_vocab(cfg) * cfg.hidden if cfg.tie_embeddings else 0)
-    return param_count(cfg) - lookup_only
+    return active_param_count(cfg) - lookup_only
+
+
+def active_block_param_count(cfg: ModelConfig) -> int:
+    """Active parameters of all blocks together: L · block_param_count for a dense model; each
+    MoE block with its router, top-k and shared experts in place of the dense SwiGLU."""
+    return cfg.layers * block_param_count(cfg) + active_param_count(cfg) - param_count(
+        dataclasses.replace(cfg, moe_experts=0, moe_top_k=None, moe_ffn=None, moe_shared_experts=0)
+        if cfg.moe_experts else cfg)
 
 
 def attention_flops_per_token(cfg: ModelConfig) -> float:
@@ -85,7 +108,7 @@ def recompute_flops_per_token(cfg: ModelConfig) -> tuple[float, float, float]:
     full: every block's forward runs twice (the logits are not recomputed);
     selective: the attention core's forward runs twice (Korthikanti et al. 2022).
     """
-    return 0.0, attention_flops_per_token(cfg), 2.0 * cfg.layers * block_param_count(cfg) + attention_flops_per_token(cfg)
+    return 0.0, attention_flops_per_token(cfg), 2.0 * active_block_param_count(cfg) + attention_flops_per_token(cfg)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
@@ -276,23 +299,29 @@ class Layout:
     sequence_parallel: Any = False
     recompute: Any = 0
     schedule: Any = 1
+    ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
+    cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
 
     @classmethod
-    def named(cls, recompute: str = "none", schedule: str = "1f1b", **sizes) -> "Layout":
+    def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
         return cls(recompute=_index(RECOMPUTE, recompute, "--recompute"),
-                   schedule=_index(SCHEDULES, schedule, "--schedule"), **sizes)
+                   schedule=_index(SCHEDULES, schedule, "--schedule"),
+                   cp_method=_index(CP_METHODS, cp_method, "--cp-method"), **sizes)
 
     def take(self, index) -> "Layout":
         """The layouts at ``index`` of an array-valued Layout."""
         return Layout(**{f.name: np.asarray(getattr(self, f.name))[index] for f in fields(self)})
 
     def describe(self, i: int | None = None) -> str:
-        """``TP=8 PP=16 DP=8 mb=1 zero=1 SP selective 1f1b``: one layout (element ``i`` of an array)."""
+        """``TP=8 PP=16 DP=8 mb=1 zero=1 SP selective 1f1b`` (``EP=8``, ``CP=4 ring`` where they are
+        above 1): one layout (element ``i`` of an array)."""
         v = {f.name: (np.asarray(getattr(self, f.name))[i] if i is not None else getattr(self, f.name))
              for f in fields(self)}
         parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
+        if int(v["ep"]) > 1:
+            parts.append(f"EP={int(v['ep'])}")
         if int(v["cp"]) > 1:
-            parts.append(f"CP={int(v['cp'])}")
+            parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
         if bool(v["sequence_parallel"]):
             parts.append("SP")
@@ -316,10 +345,10 @@ def _recompute_index(recompute):
 
 def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus: int) -> None:
     """Raise ConfigError, one line, for a scalar layout that cannot run this model on these GPUs."""
-    t, p, d, c, b, v = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
-                                        layout.virtual_stages))
+    t, p, d, c, b, v, e = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
+                                           layout.virtual_stages, layout.ep))
     schedule = SCHEDULES[int(layout.schedule)]
-    for flag, value in (("--tp", t), ("--pp", p), ("--dp", d), ("--cp", c), ("--micro-batch", b),
+    for flag, value in (("--tp", t), ("--pp", p), ("--dp", d), ("--cp", c), ("--ep", e), ("--micro-batch", b),
                         ("--virtual-stages", v), ("--global-batch", global_batch), ("--num-gpus", num_gpus)):
         if value < 1:
             raise ConfigError(f"{flag}: must be a positive integer, got {value}")
@@ -331,14 +360,32 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
-    if model.seq_len % c:
-        raise ConfigError(f"--cp: {c} does not divide the sequence length {model.seq_len}")
+    if c > 1 and model.seq_len % (2 * c):
+        raise ConfigError(f"--cp: {c} does not divide half the sequence, {model.seq_len}/2 (the zigzag split "
+                          f"gives each rank 2 of 2·cp equal chunks)")
+    method = CP_METHODS[int(layout.cp_method)]
+    if c > 1 and method == "ulysses" and (model.heads // t % c or model.n_kv_heads // t % c):
+        raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {model.heads // t} query heads and "
+                          f"{model.n_kv_heads // t} key/value heads of one tp rank (it splits the heads over cp)")
+    check_experts(model, e, d)
     if global_batch % (d * b):
         raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
     if layout.sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel: needs --tp > 1")
     if p > 1 or v > 1:
         check_schedule(schedule, p, global_batch // (d * b), v, model.layers, flags=PLAN_FLAGS)
+
+
+def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
+    """ConfigError, one line, for an expert-parallel size the model or the dp ranks cannot take."""
+    if ep == 1:
+        return
+    if not model.moe_experts:
+        raise ConfigError(f"--ep: {ep} needs an MoE model (--moe-experts); this one is dense")
+    if model.moe_experts % ep:
+        raise ConfigError(f"--ep: {ep} does not divide the {model.moe_experts} experts (--moe-experts)")
+    if dp % ep:
+        raise ConfigError(f"--ep: {ep} does not divide --dp {dp} (the expert-parallel ranks are data-parallel ranks)")
 
 
 PLAN_FLAGS = {"schedule": "--schedule", "pp": "--pp", "virtual_stages": "--virtual-stages",
@@ -386,13 +433,19 @@ class Workload:
     activation_bytes: int = field(init=False)
     optimizer_bytes: int = field(init=False)
     optimizer_pass_bytes: int = field(init=False)
+    params_total: int = field(init=False)  # every expert's parameters
+    params_active: int = field(init=False)  # what one token computes with (MFU counts these)
 
     def __post_init__(self):
+        if self.model.moe_experts and self.model.arch != "llama":
+            raise ConfigError("--moe-experts: the planner models experts in llama blocks only (--arch llama)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--dtype: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for key, value in PRECISIONS[self.precision].items():
             object.__setattr__(self, key, value)
         object.__setattr__(self, "model_flops_per_token", model_flops_per_token(self.model))
+        object.__setattr__(self, "params_total", param_count(self.model))
+        object.__setattr__(self, "params_active", active_param_count(self.model))
         object.__setattr__(self, "recompute_flops_per_token", recompute_flops_per_token(self.model))
 
 
@@ -456,6 +509,30 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
                                               kept + tokens * coef["core"] / tp)))
 
 
+def moe_layers_below(cfg: ModelConfig, n):
+    """How many of the blocks 0 … n−1 hold experts (``sizes.is_moe_layer``), for arrays of n: none
+    among the first ``moe_first_dense``, then every ``moe_every``-th."""
+    if not cfg.moe_experts:
+        return np.zeros(np.shape(n))
+    after = np.maximum(0, np.asarray(n) - cfg.moe_first_dense)
+    return np.ceil(after / cfg.moe_every)
+
+
+def moe_activation_bytes(model: ModelConfig, tokens, tp, recompute, dtype_bytes: int = ACTIVATION_BYTES):
+    """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
+    on one tp rank, for ``tokens`` routed tokens (counted from the tensors threefold/models/moe.py
+    keeps, not measured): per token, the SwiGLU internals (gate, up, silu(gate), product) of its k
+    routed and the shared experts in place of the dense ones, split over tp like them; whole on
+    every tp rank: the k permuted input rows and the k expert outputs the combine weighs (2·k·h),
+    the router's fp32 scores (4·E) and the chosen experts' indices and weights (16·k bytes).
+    Full recomputation keeps only the block's input, as for a dense block."""
+    d, k, f = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden
+    sharded = 4 * d * ((k + model.moe_shared_experts) * f - model.ffn_hidden)
+    whole = 2 * k * model.hidden * d + 4 * model.moe_experts + 16 * k
+    return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), 0,
+                                     tokens * (sharded / np.asarray(tp) + whole)))
+
+
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
     """Idle fraction of a pipeline step at uniform stage costs: each schedule's closed form from
     the registry (threefold/parallel/pipeline/schedule.py), 0 without a pipeline. ``schedule`` is
@@ -502,7 +579,7 @@ def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
 
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
-                   drain_s) -> dict:
+                   drain_s, also: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -510,7 +587,11 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     the engines run it: a reduction runs during the backward that produces it (and the pipeline
     drain after it), parameters gather during the first micro-batch's forward, except one bucket
     each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
-    micro-batch's compute, and the first gather, are exposed."""
+    micro-batch's compute, and the first gather, are exposed.
+
+    ``also``: another group's result whose traffic shares the link and the same compute (an MoE
+    model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
+    the exposure is that of both groups' reductions and gathers behind the one backward and forward."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -521,12 +602,18 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), bw, latency)
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
+    active = replicas > 1
+    parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active}
+    if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
+        sent, seconds, active = sent + also["bytes"], seconds + also["seconds"], active | also["active"]
+        grad_s, gather_s = grad_s + also["grad_s"], gather_s + also["gather_s"]
+        one_collective_s = np.maximum(one_collective_s, also["one_s"])
     per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
                          np.maximum(grad_s - backward_s - drain_s, one_collective_s))
                 + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
     block_wise = m * np.maximum(0, seconds / m - mb_s) + one_collective_s
-    return {"bytes": sent, "seconds": seconds,
-            "exposed": np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)}
+    return {"bytes": sent, "seconds": seconds, **parts,
+            "exposed": np.where(active, np.where(zero == 3, block_wise, per_step), 0)}
 
 
 def _ring_time(bytes_sent, steps, link_bw, latency):
@@ -555,6 +642,14 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     stage_layers = np.ceil(L / p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
+    # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
+    # stage (L−n … L−1); each rank holds E/ep experts, each split over tp like the dense SwiGLU
+    # (Megatron's expert-tensor-parallel = tp), their states replicated on dp·cp/ep ranks.
+    moe = cfg.moe_experts > 0
+    e = np.asarray(layout.ep)
+    moe_first = moe_layers_below(cfg, stage_layers)
+    moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
+    expert_replicas = replicas / e
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
     coef = activation_coefficients(cfg, work.attention, work.activation_bytes)
@@ -565,8 +660,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
     in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
-    block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
-    block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
+    moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
+    if moe:
+        moe_all = moe_activation_bytes(cfg, tokens, t, "none", work.activation_bytes)
+        moe_kept = moe_activation_bytes(cfg, tokens, t, recompute, work.activation_bytes)
+        recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
+    block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first + recompute_workspace
+    block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last + recompute_workspace
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
     logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
     act_first = block_act_first + embedding_act + np.where(single_stage, logits_act, 0)
@@ -574,23 +674,41 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
+    largest_block = block_params / t  # one tp rank's share of the largest block (ZeRO-3 gathers it)
     final_norm = h if cfg.arch == "llama" else 2 * h
     block_numel = stage_layers * block_params / t
+    expert_first = expert_last = 0
+    if moe:  # per MoE block on one rank: the rest over tp, the router whole, E/ep experts over tp
+        rest, router, experts = moe_block_param_counts(cfg)
+        moe_block, expert_block = rest / t + router, experts / (e * t)
+        block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
+        block_numel = block_numel + moe_first * (moe_block - block_params / t)
+        expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
+        largest_block = np.maximum(largest_block, moe_block + expert_block)
+    else:
+        block_numel_last = block_numel
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
     head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel)
-    last_numel = np.where(single_stage, whole_numel, block_numel + head_numel)
-    gathered_params = np.where(zero == 3, 2 * block_params / t * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
-    gathered_grads = np.where(zero == 3, block_params / t * work.grad_bytes, 0)
+    last_numel = np.where(single_stage, whole_numel, block_numel_last + head_numel)
+    gathered_params = np.where(zero == 3, 2 * largest_block * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
+    gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
 
-    def states(numel):
+    def states(numel, expert_numel):
         st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
+        if moe:  # the experts' states: ZeRO shards them over the ranks that hold the same experts
+            ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
+                                   work.optimizer_bytes)
+            st = {key: st[key] + ex[key] for key in st}
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
-    first_states, last_states = states(first_numel), states(last_numel)
+    first_states, last_states = states(first_numel, expert_first), states(last_numel, expert_last)
     block_states = sum(model_state_bytes(block_numel, replicas, zero, work.param_bytes, work.grad_bytes,
                                          work.optimizer_bytes).values())
+    if moe:
+        block_states = block_states + sum(model_state_bytes(expert_first, expert_replicas, zero, work.param_bytes,
+                                                            work.grad_bytes, work.optimizer_bytes).values())
     total_first = sum(first_states) + act_first
     total_last = sum(last_states) + act_last
     last_fuller = total_last > total_first
@@ -611,9 +729,28 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
     layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
     math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
+    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
+    moe_extra_traffic = 0
+    if moe:
+        # An MoE block: the attention's products; the shared experts; the router; then this rank's
+        # E/ep experts, each on its share of the T·k rows the dispatch brings (balanced routing:
+        # T·k·ep/E rows each), split over tp. The same 3× for backward as any product.
+        k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
+        moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
+                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
+        if shared:
+            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e / t, gpu, a_bytes) + matmul_seconds(
+                rows, shared * f_e / t, h, gpu, a_bytes)
+        expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
+        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e / t, gpu, a_bytes)
+                                                   + matmul_seconds(expert_rows, f_e / t, h, gpu, a_bytes))
+        moe_layer_s = 3 * (moe_gemm_s + core_s) + np.where(full, moe_gemm_s + core_s, np.where(selective, core_s, 0))
+        math_s = math_s + moe_last * (moe_layer_s - layer_s)
+        gemm_mb_s = gemm_mb_s + moe_last * 3 * (moe_gemm_s - layer_gemm_s)
+        moe_extra_traffic = ELEMENTWISE_PASSES * moe_last * moe_all * np.where(full, 1.5, 1.0)
     traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
                                                     + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
-               + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
+               + moe_extra_traffic + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
     memory_bound_s = traffic / (gpu.hbm_bw * gpu.hbm_efficiency)
 
     def link(group_span):
@@ -636,18 +773,42 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # products that produce and consume it); with Megatron-Core's --tp-comm-overlap each
     # collective is cut into t chunks pipelined with the adjacent product, so only the first
     # chunk and whatever exceeds the products' time stay exposed.
-    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
     tp_exposed_mb = np.where(work.tp_comm_overlap, tp_mb_s / t + np.maximum(0, tp_mb_s * (1 - 1 / t) - gemm_mb_s),
                              tp_mb_s)
 
-    # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
-    cp_collectives = stage_layers * (3 + full)
-    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * work.activation_bytes / t)
+    # ---- context parallel: each method's bytes per layer and micro-batch (plan/context.py, what
+    # the engine sends), B_q and B_kv of this rank's b·s/c tokens and heads/t heads. ring: each
+    # next key/value block is in flight while the current block's products run, so its transfers
+    # hide behind the attention core's forward and backward, all but the last hop of the gradient
+    # home; allgather and ulysses: exposed (the gather or all-to-all precedes the core that needs it).
+    method = np.asarray(layout.cp_method)
+    b_q, b_kv = tokens * q / t * work.activation_bytes, 2 * tokens * kv / t * work.activation_bytes
+    cp_sent_mb = stage_layers * (context.cp_bytes_per_layer(method, c, b_q, b_kv)
+                                 + context.recompute_bytes_per_layer(method, recompute, c, b_q, b_kv))
     cp_bw, cp_lat = link(t * c)
-    cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
+    cp_messages = stage_layers * context.messages_per_layer(method, c, recompute)
+    cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_messages, cp_bw, cp_lat), 0)
     attention_s = stage_layers * 3 * core_s
-    cp_exposed_mb = np.maximum(0, cp_mb_s - attention_s)  # ring attention overlaps with the core
+    last_hop = np.minimum(cp_mb_s, stage_layers * (cp_lat + b_kv / cp_bw))
+    cp_exposed_mb = np.where(method == CP_METHODS.index("ring"),
+                             np.maximum(0, cp_mb_s - last_hop - attention_s) + last_hop, cp_mb_s)
     cp_bytes = m * cp_sent_mb
+
+    # ---- expert parallel: dispatch, combine, their gradients and the count exchange per MoE block
+    # (ep_bytes_per_step), all exposed: each all-to-all sits between the products that produce and
+    # consume it. The ep group is ep ranks t·c apart: those in this rank's node are reached over
+    # NVLink, the others over the network, in parallel; an all-to-all takes ep − 1 pairwise rounds.
+    ep_mb_s = ep_sent_mb = np.zeros(np.shape(num_gpus))
+    if moe:
+        ep_sent_mb = ep_bytes_per_step(tokens, cfg.moe_top_k_experts, h, e, moe_last, 1, cfg.moe_experts, recompute,
+                                       work.activation_bytes)
+        in_node = np.clip(gpu.gpus_per_node // (t * c), 1, e)  # ep ranks in one node, this one included
+        peers = np.maximum(e - 1, 1)
+        intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
+        inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)
+        ep_latency = np.where(in_node < e, gpu.inter_node_latency_s, gpu.intra_node_latency_s)
+        all_to_alls = moe_last * np.where(full, 8, 5)
+        ep_mb_s = np.where(e > 1, all_to_alls * (e - 1) * ep_latency + np.maximum(intra_s, inter_s), 0)
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
@@ -656,7 +817,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
     bubble = bubble_fraction(schedule, p, m, v)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
-    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb
+    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
     bubble_s = busy_s * bubble / (1 - bubble)
@@ -672,6 +833,12 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
                              mb_s, drain_s)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
                               forward_s, mb_s, 0)
+    if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), on the same
+        # link and behind the same backward as the rest: the two groups' exposure together
+        dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, dp_bw, dp_lat, backward_s,
+                                 forward_s, mb_s, drain_s, also=dp_last)
+        dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, dp_bw, dp_lat, backward_s,
+                                  forward_s, mb_s, 0, also=dp_first)
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
@@ -679,7 +846,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam's reads and
     # writes (PRECISIONS) and the gradient's; the gradient norm reads the gradients, zeroing writes them.
-    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1)
+    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
 
     # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
@@ -695,7 +862,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
     result = dict(
-        num_gpus=num_gpus, microbatches=m, step_time_s=step_s, tokens_per_s=step_tokens / step_s,
+        num_gpus=num_gpus, microbatches=m, params_total=np.full(np.shape(step_s), float(work.params_total)),
+        params_active=np.full(np.shape(step_s), float(work.params_active)), step_time_s=step_s, tokens_per_s=step_tokens / step_s,
         tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,
         mfu=model_flops / (step_s * num_gpus * gpu.peak_flops),
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
@@ -704,12 +872,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
-        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
-        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
+        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes, ep_bytes=m * ep_sent_mb,
+        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
-        cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
-        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
+        cp_exposed_s=m * cp_exposed_mb, ep_exposed_s=m * ep_mb_s, pp_exposed_s=2 * busy_slots * p2p_s,
+        bubble_s=bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
     )
-    result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
+    result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
+                           + result["pp_exposed_s"] + dp_exposed_s)
     return {key: (bool(value) if np.ndim(value) == 0 else value) if key == "fits" else _scalar_or_array(value)
             for key, value in result.items()}
