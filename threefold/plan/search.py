@@ -202,7 +202,10 @@ class SearchResult:
         if i == best:
             overhead = max((p for p in report.TIME_PARTS if p != "compute"), key=lambda p: self._get(f"{p}_s", i))
             share = self._get("compute_s", i) / self._get("step_time_s", i)
-            return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}"
+            # What its expert and context parallelism cost, when that is not already the largest part
+            also = "".join(f"; {self._phrase(part, i)}" for part, axis in (("ep_exposed", "ep"), ("cp_exposed", "cp"))
+                           if part != overhead and int(np.asarray(getattr(self.layouts, axis))[i]) > 1)
+            return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}{also}"
         deltas = {p: self._get(f"{p}_s", i) - self._get(f"{p}_s", best) for p in report.TIME_PARTS}
         worst, saved = max(deltas, key=deltas.get), min(deltas, key=deltas.get)
         step_best = self._get("step_time_s", best)
