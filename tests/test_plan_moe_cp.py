@@ -264,3 +264,23 @@ def test_batch_lines_take_the_moe_and_cp_keys(capsys, tmp_path):
     assert results[1] == {"error": "--moe-top-k: set without --moe-experts (a dense model)"}
     assert results[2]["layout"]["cp_method"] == "allgather" and results[2]["comm"]["cp_bytes"] > 0
     assert "cp_method" in results[3]["error"] and "zigzag" in results[3]["error"]
+
+
+# ---- the dry run: one real step of a cp rank against the planner's figures for it --------------
+
+@pytest.mark.parametrize("name", ["cp2-ring", "tp2-cp2-sp-allgather", "pp2-cp2-ring", "dp2-cp2-zero3-ulysses",
+                                  "cp2-ulysses-full"])
+def test_dry_run_of_a_cp_layout_equals_the_planner(name):
+    from tests.equivalence import CASES, matrix_config
+    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.train.dryrun import dry_run_config, dry_run_rank
+
+    cfg = matrix_config(*CASES[name])
+    cfg = dry_run_config(cfg, cfg.parallel.world_size)
+    for rank in sorted({0, cfg.parallel.world_size - 1}):
+        result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert result["memory"][key] == want["memory"][key], key
+        assert "cp" in want["comm_bytes"]
+        for key, value in want["comm_bytes"].items():
+            assert result["comm_bytes"][key] == value, key

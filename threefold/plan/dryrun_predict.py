@@ -7,10 +7,14 @@ any rank, so this generalises it to the rank's pipeline coordinate, with the sam
 shards are equal (the vocabulary padded to a multiple of tp) and every dp replica is the same.
 
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
-               dp; activations: costs.block_activation_bytes × the most blocks whose activations
+               dp × cp (the ranks that hold the same parameters); activations, of its seq_len / cp
+               tokens: costs.block_activation_bytes × the most blocks whose activations
                the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
-  comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
+  comm_bytes   cp: plan/context.py's bytes per layer (the forward's again where recomputation repeats
+               it) for its blocks; dp: costs.dp_bytes_per_step over dp × cp, under the ledger's key
+               for that group (dp, dp+cp, or with dp = 1 added to cp); tp: costs.tp_bytes_per_step
+               of its blocks, with the
                embedding where it holds stage 0 and the head term only where it holds the last
                stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
                coordinate; tp.scatter_gather (tp without sequence parallelism, pp > 1).
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from threefold.config import Config
 from threefold.models.sizes import stage_param_count
 from threefold.parallel.pipeline.schedule import build_schedule, partition
-from threefold.plan import costs
+from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 
 
@@ -63,7 +67,7 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> floa
     tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
     = 0) on the first stage. The estimate's expression, for this rank's dtype."""
     p, model = cfg.parallel, cfg.model
-    tokens = cfg.train.micro_batch * model.seq_len
+    tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
     seq_split = p.tp if p.sequence_parallel else 1
     embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
@@ -79,27 +83,35 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     share = rank_share(cfg, pp_rank)
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
-    memory = dict(costs.model_state_bytes(share.numel, p.dp, p.zero))
-    tokens = t.micro_batch * model.seq_len
+    replicas = p.dp * p.cp  # weight gradients are reduced over dp × cp together
+    memory = dict(costs.model_state_bytes(share.numel, replicas, p.zero))
+    seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
+    tokens = t.micro_batch * seq
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
     memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
 
     comm = {}
-    if p.dp > 1:
-        comm["dp"] = costs.dp_bytes_per_step(share.numel, p.dp, p.zero, m)
+    if p.cp > 1:
+        b_q, b_kv = context.qkv_bytes(t.micro_batch, model.seq_len, model.heads // p.tp, model.n_kv_heads // p.tp,
+                                      model.head_dim, p.cp, act_bytes)
+        comm["cp"] = share.blocks * m * (context.cp_bytes_per_layer(p.cp_method, p.cp, b_q, b_kv)
+                                         + context.recompute_bytes_per_layer(p.cp_method, t.recompute, p.cp, b_q, b_kv))
+    if replicas > 1:  # the ledger's key is the group's axes: dp, cp (added to the attention's), or dp+cp
+        key = "+".join(axis for axis, size in (("dp", p.dp), ("cp", p.cp)) if size > 1)
+        comm[key] = comm.get(key, 0) + costs.dp_bytes_per_step(share.numel, replicas, p.zero, m)
     if p.tp > 1:
-        tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
+        tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
         comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage)
         if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
             comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
         if share.last_stage:
-            comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp)
+            comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
     if p.pp > 1:
-        comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len,
+        comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
                                              model.hidden, p.tp, p.sequence_parallel, act_bytes)
         if p.tp > 1 and not p.sequence_parallel:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
-                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, model.seq_len, model.hidden, p.tp, act_bytes)
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes)
     return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}
