@@ -224,8 +224,8 @@ MIXTRAL_FLAGS = ["--model", "mixtral-8x7b", "--global-batch", "256", "--gpu", "h
     (["--dp", "4", "--ep", "8"], "--ep: 8 does not divide --dp 4"),
     (["--dp", "4", "--ep", "0"], "--ep: must be a positive integer, got 0"),
     (["--dp", "4", "--moe-top-k", "9"], "--moe-top-k: must be between 1 and --moe-experts 8, got 9"),
-    (["--tp", "8", "--cp", "2", "--cp-method", "ulysses"], "--cp-method ulysses: --cp 2 does not divide the 4 query "
-                                                          "heads and 1 key/value heads of one tp rank"),
+    (["--tp", "8", "--cp", "2", "--cp-method", "ulysses"], "--cp-method ulysses: --cp 2 does not divide the 1 "
+                                                          "key/value heads of one tp rank"),
     (["--cp", "3", "--seq-len", "4100"], "--cp: 3 does not divide half the sequence, 4100/2"),
 ])
 def test_bad_moe_and_cp_input_is_one_line_and_exit_2(capsys, args, message):
@@ -284,3 +284,25 @@ def test_dry_run_of_a_cp_layout_equals_the_planner(name):
         assert "cp" in want["comm_bytes"]
         for key, value in want["comm_bytes"].items():
             assert result["comm_bytes"][key] == value, key
+
+
+# ---- the docs' answers are what `plan` prints ----------------------------------------------------
+
+@pytest.mark.parametrize("doc, command", [
+    ("moe.md", "plan --model mixtral-8x7b --global-batch 1024 --gpu h100-sxm --num-gpus 64"),
+    ("context_parallel.md", "plan --model llama3-70b --seq-len 131072 --global-batch 32 --gpu h100-sxm --num-gpus 256"),
+])
+def test_the_docs_plans_are_what_plan_prints(capsys, doc, command):
+    import re
+    from pathlib import Path
+
+    code, out, _ = run(capsys, *command.split(), "--json")
+    printed = json.loads(out)
+    text = (Path(__file__).resolve().parents[1] / "docs" / doc).read_text()
+    block = text[text.index(f"$ threefold {command}\n"):]
+    evaluated, fitting = (int(x.replace(",", "")) for x in
+                          re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", block).groups())
+    assert (printed["evaluated"], printed["fitting"]) == (evaluated, fitting)
+    first = re.search(r"│ 1 │ (.*?)│ +([\d.]+) │", block)
+    assert printed["layouts"][0]["describe"].startswith(first.group(1).strip())
+    assert f"{printed['layouts'][0]['step_time_s']:.2f}" == first.group(2)

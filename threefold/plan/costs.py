@@ -364,9 +364,10 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--cp: {c} does not divide half the sequence, {model.seq_len}/2 (the zigzag split "
                           f"gives each rank 2 of 2·cp equal chunks)")
     method = CP_METHODS[int(layout.cp_method)]
-    if c > 1 and method == "ulysses" and (model.heads // t % c or model.n_kv_heads // t % c):
-        raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {model.heads // t} query heads and "
-                          f"{model.n_kv_heads // t} key/value heads of one tp rank (it splits the heads over cp)")
+    for heads, kind in ((model.heads // t, "query"), (model.n_kv_heads // t, "key/value")):
+        if c > 1 and method == "ulysses" and heads % c:
+            raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
+                              f"rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
     if global_batch % (d * b):
         raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
