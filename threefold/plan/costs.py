@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
-from threefold.models.sizes import (attention_width, block_param_count, moe_block_param_counts, moe_layer_count,
-                                    moe_parameter_counts)
+from threefold.models.sizes import (attention_width, block_param_count, moe_layer_count, moe_parameter_counts,
+                                    rank_expert_param_count, tp_moe_block_param_count)
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
 from threefold.plan import context
 from threefold.plan.context import METHODS as CP_METHODS
@@ -145,7 +145,7 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
 
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
-                      dtype_bytes: int = 4, arch: str = "llama", embedding=True):
+                      dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0):
     """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
     embedding and the head (the CommLedger's key ``tp``; ring convention).
 
@@ -153,14 +153,16 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     a = 2(t−1)/t (an all-reduce of B sends a·B; an all-gather or reduce-scatter a/2·B), each
     micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
     ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
+    ``moe_layers``: how many of the ``layers`` blocks hold experts.
     Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
     """
     ring = 2 * (np.asarray(tp) - 1) / tp
-    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding)
+    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers)
     return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
 
 
-def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True):
+def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True,
+                                  moe_layers=0):
     """The tensor-parallel collectives of one micro-batch, in all-reduces of its activations
     (an all-gather or a reduce-scatter of the same tensor counts ½), as the engine
     (threefold/parallel/tensor_parallel.py) runs them.
@@ -180,6 +182,12 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     Embedding (vocab-parallel lookup): g forward, 1 (SP: reduce-scatter forward, all-gather of
       its gradient backward, 1). Head (column-parallel over the vocabulary): f backward, 1 (SP:
       gather forward, reduce-scatter backward, re-gather for the weight gradient, 1½).
+    An MoE block (``moe_layers`` of the ``layers``) is replicated over tp, as the engine runs it
+      (tensor_parallel.ReplicatedMoE: each tp rank runs the whole block on the whole sequence):
+      its feed-forward has no f or g, so without SP the block has only the attention's 2; with
+      SP the block's input is all-gathered forward and its output's gradient all-gathered
+      backward (½ + ½) besides the attention's 2½: 3½. Its full recomputation repeats what a
+      dense block's does (the attention's g, and with SP the block input's gather): 1 (SP 1½).
     Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
     the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
     """
@@ -187,7 +195,9 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     recomputed = np.where(sp, 1.5, 1.0) if arch == "llama" else 2.0
     per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, 0.0)
-    return _scalar_or_array(layers * per_block + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0))
+    moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
+    return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
+                            + np.where(sp, 1.5, 1.0))
 
 
 def tp_loss_bytes_per_step(microbatches, micro_batch, seq_len, tp):
@@ -226,7 +236,7 @@ def scatter_gather_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virt
 
 
 def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_experts, recompute="none",
-                      dtype_bytes: int = 4, count_bytes: int = 8):
+                      dtype_bytes: int = 4, count_bytes: int = 8, combine_bytes: int | None = None):
     """Bytes each rank sends on the expert-parallel axis per optimizer step (ledger key ``ep``),
     for dropless routing that sends every rank's experts the same share of the assignments
     (round-robin routing; balanced routing on average).
@@ -249,13 +259,17 @@ def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_e
     combine included: + 2 · (ep−1)/ep · T·k·h · bytes + (ep−1) · E/ep · count_bytes per MoE layer
     and micro-batch; ``selective`` reruns only the attention core: nothing. With ep = 1 every term
     is 0. Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
+    ``combine_bytes``: the element size of the experts' outputs and their gradients where it
+    differs from the dispatched rows' ``dtype_bytes`` (the engine's bf16 autocast dispatches the
+    fp32 norm output and combines bf16 products: 4 and 2); the factor 4 above is then 2 + 2.
     """
     ep = np.asarray(ep)
     share = (ep - 1) / ep
-    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden * dtype_bytes
+    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden
+    sent = rows * (dtype_bytes + (dtype_bytes if combine_bytes is None else combine_bytes))  # one way and back
     counts = (ep - 1) * (num_experts / ep) * count_bytes
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
-    per_layer = 4 * rows + counts + np.where(full, 2 * rows + counts, 0)
+    per_layer = 2 * sent + counts + np.where(full, sent + counts, 0)
     return _scalar_or_array(microbatches * moe_layers * per_layer)
 
 
@@ -519,19 +533,26 @@ def moe_layers_below(cfg: ModelConfig, n):
     return np.ceil(after / cfg.moe_every)
 
 
-def moe_activation_bytes(model: ModelConfig, tokens, tp, recompute, dtype_bytes: int = ACTIVATION_BYTES):
+def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
+                         dtype_bytes: int = ACTIVATION_BYTES):
     """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
-    on one tp rank, for ``tokens`` routed tokens (counted from the tensors threefold/models/moe.py
-    keeps, not measured): per token, the SwiGLU internals (gate, up, silu(gate), product) of its k
-    routed and the shared experts in place of the dense ones, split over tp like them; whole on
-    every tp rank: the k permuted input rows and the k expert outputs the combine weighs (2·k·h),
-    the router's fp32 scores (4·E) and the chosen experts' indices and weights (16·k bytes).
-    Full recomputation keeps only the block's input, as for a dense block."""
+    on one tp rank, for the ``tokens`` of a micro-batch: the tensors autograd saves for
+    threefold/models/moe.py's block, counted with saved-tensor hooks on one process (the input,
+    already counted as the norm's output, and the weights left out). The block is replicated
+    over tp and runs on the whole sequence on every tp rank (tensor_parallel.ReplicatedMoE), so
+    all of it is whole. Per token: the SwiGLU internals (gate, up, silu(gate), product) of its k
+    routed and the shared experts, 4·(k + S)·f_e, in place of the dense SwiGLU's 4·f/tp; three
+    tensors of k rows of h (the permuted input, the experts' output and its weighted copy);
+    under SP the gathered input (h); in fp32 and int64 whatever the dtype, the router's logits
+    and scores (8·E bytes), the choices' indices and sort orders (32·k), their weights (8·k)
+    and the renormalising sum (4). Expert parallelism's regrouping adds a few bytes (not
+    counted). Full recomputation keeps only the block's input, as for a dense block."""
     d, k, f = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden
-    sharded = 4 * d * ((k + model.moe_shared_experts) * f - model.ffn_hidden)
-    whole = 2 * k * model.hidden * d + 4 * model.moe_experts + 16 * k
+    gathered = np.where(np.asarray(sequence_parallel, dtype=bool), model.hidden * d, 0)
+    whole = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * model.hidden * d + 8 * model.moe_experts
+             + 40 * k + 4)
     return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), 0,
-                                     tokens * (sharded / np.asarray(tp) + whole)))
+                                     tokens * (whole + gathered - 4 * d * model.ffn_hidden / np.asarray(tp))))
 
 
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
@@ -644,8 +665,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
-    # stage (L−n … L−1); each rank holds E/ep experts, each split over tp like the dense SwiGLU
-    # (Megatron's expert-tensor-parallel = tp), their states replicated on dp·cp/ep ranks.
+    # stage (L−n … L−1); each rank holds E/ep whole experts (an MoE block is replicated over tp,
+    # as the engine runs it), their states replicated on dp·cp/ep ranks.
     moe = cfg.moe_experts > 0
     e = np.asarray(layout.ep)
     moe_first = moe_layers_below(cfg, stage_layers)
@@ -663,8 +684,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
     if moe:
-        moe_all = moe_activation_bytes(cfg, tokens, t, "none", work.activation_bytes)
-        moe_kept = moe_activation_bytes(cfg, tokens, t, recompute, work.activation_bytes)
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes)
+        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes)
         recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first + recompute_workspace
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last + recompute_workspace
@@ -679,9 +700,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     final_norm = h if cfg.arch == "llama" else 2 * h
     block_numel = stage_layers * block_params / t
     expert_first = expert_last = 0
-    if moe:  # per MoE block on one rank: the rest over tp, the router whole, E/ep experts over tp
-        rest, router, experts = moe_block_param_counts(cfg)
-        moe_block, expert_block = rest / t + router, experts / (e * t)
+    if moe:  # per MoE block on one rank: the attention over tp; norms, router, shared and E/ep experts whole
+        moe_block, expert_block = tp_moe_block_param_count(cfg, t), rank_expert_param_count(cfg, e)
         block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
         block_numel = block_numel + moe_first * (moe_block - block_params / t)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
@@ -733,18 +753,19 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
     moe_extra_traffic = 0
     if moe:
-        # An MoE block: the attention's products; the shared experts; the router; then this rank's
-        # E/ep experts, each on its share of the T·k rows the dispatch brings (balanced routing:
-        # T·k·ep/E rows each), split over tp. The same 3× for backward as any product.
+        # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
+        # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
+        # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
+        # T·k·ep/E rows each). The same 3× for backward as any product.
         k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
         moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
                       + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
         if shared:
-            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e / t, gpu, a_bytes) + matmul_seconds(
-                rows, shared * f_e / t, h, gpu, a_bytes)
+            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e, gpu, a_bytes) + matmul_seconds(
+                rows, shared * f_e, h, gpu, a_bytes)
         expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
-        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e / t, gpu, a_bytes)
-                                                   + matmul_seconds(expert_rows, f_e / t, h, gpu, a_bytes))
+        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
+                                                   + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
         moe_layer_s = 3 * (moe_gemm_s + core_s) + np.where(full, moe_gemm_s + core_s, np.where(selective, core_s, 0))
         math_s = math_s + moe_last * (moe_layer_s - layer_s)
         gemm_mb_s = gemm_mb_s + moe_last * 3 * (moe_gemm_s - layer_gemm_s)
@@ -763,9 +784,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
-    tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage)
+    tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage,
+                                                   moe_layers=moe_last)
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
-                                    embedding=single_stage)
+                                    embedding=single_stage, moe_layers=moe_last)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t)
     tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
