@@ -1,6 +1,6 @@
 """The dry runs of docs/scale.md, each one step with --compare, written to bench/results/dryrun_*.jsonl.
 
-    python bench/dryrun_runs.py                  # all four (about 10 minutes on a shared 2-core machine)
+    python bench/dryrun_runs.py                  # all five (about 12 minutes on a shared 2-core machine)
     python bench/dryrun_runs.py --only llama3_70b
     python bench/dryrun_runs.py --predict-only   # recompute the planner's figures in the files, keep the measured
 
@@ -21,6 +21,7 @@ RUNS = {  # name → (config, world size, ranks)
     "llama3_70b": ("configs/dryrun-llama3-70b.toml", 1024, (0, 1024 - 1024 // 8)),
     "llama3_405b": ("configs/dryrun-llama3-405b.toml", 1024, (0, 1024 - 1024 // 16)),
     "llama3_405b_interleaved": ("configs/dryrun-llama3-405b-interleaved.toml", 896, (0, 896 - 896 // 14)),
+    "gpt3_175b_llama": ("configs/dryrun-gpt3-175b-llama.toml", 1024, (0, 1024 - 1024 // 8)),
 }
 
 

@@ -216,6 +216,7 @@ CASES = {
     "dp2-pp2-zb-h1-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=zb-h1"],
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
     "dp2-tp2-pp2-1f1b-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
+    "pp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev", "model.tie_embeddings=false"],
 }
 # Context parallelism: every method on cp2 and dp2·cp2, one method on each of the others.
 for _method in ("ring", "allgather", "ulysses"):

@@ -18,14 +18,10 @@ def test_matches_single_process(distributed, name):
 
 
 def cp_attention_bytes_per_step(cfg, layers: int) -> float:
-    """plan/context.py's bytes on the cp axis for ``layers`` blocks and a step's micro-batches,
-    the forward's again where recomputation repeats it."""
+    """plan/context.py's bytes on the cp axis for ``layers`` blocks and a step's micro-batches."""
     mdl, p, t = cfg.model, cfg.parallel, cfg.train
-    b_q, b_kv = context.qkv_bytes(t.micro_batch, mdl.seq_len, mdl.heads // p.tp, mdl.n_kv_heads // p.tp,
-                                  mdl.head_dim, p.cp)
-    per_layer = (context.cp_bytes_per_layer(p.cp_method, p.cp, b_q, b_kv)
-                 + context.recompute_bytes_per_layer(p.cp_method, t.recompute, p.cp, b_q, b_kv))
-    return layers * cfg.microbatches * per_layer
+    return context.cp_bytes_per_step(p.cp_method, p.cp, t.recompute, layers, cfg.microbatches, t.micro_batch,
+                                     mdl.seq_len, mdl.heads // p.tp, mdl.n_kv_heads // p.tp, mdl.head_dim)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -49,7 +45,7 @@ def test_bytes_per_axis_equal_the_planner(distributed, name):
             if p.pp > 1:
                 assert step["pp"] == costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch,
                                                              seq, cfg.model.hidden, p.tp,
-                                                             p.sequence_parallel), name
+                                                             p.sequence_parallel, schedule=p.schedule), name
             elif p.tp > 1:
                 assert step["tp"] == round(costs.tp_bytes_per_step(cfg.model.layers, m, t.micro_batch,
                                                                    seq, cfg.model.hidden, p.tp,

@@ -401,3 +401,120 @@ def test_finetune_config_starts_from_smollm2_on_two_ranks(tmp_path, smollm2, cor
     assert records[0]["val_loss"] < 6.0  # pretrained; a random 49,152-token model starts near ln(49152) = 10.8
     assert records[-1]["val_loss"] < records[0]["val_loss"] + 0.05  # a small fine-tuning step does no harm
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "8", "--prompt", "ROMEO:"]) == 0
+
+
+# --- init_from at scale: each rank reads only the pieces it keeps -------------------------------
+def rank_cut(model_cfg: ModelConfig, sizes: dict, rank: int):
+    """Rank ``rank``'s cut of a model built on meta, with ``[model] init_from``, on a mesh of
+    coordinates only (no process group: construction needs none)."""
+    from threefold.configure import load_config
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.train.engine import cut_model
+
+    base = load_config(None, [])
+    cfg = dataclasses.replace(base, model=model_cfg, parallel=dataclasses.replace(base.parallel, **sizes))
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    mesh = ParallelMesh(sizes, rank)
+    return cut_model(model, cfg, mesh, Comm(mesh))
+
+
+def assert_holds_its_pieces(cut, full: dict[str, torch.Tensor]) -> int:
+    """Every parameter of the cut is its placement's piece of ``full``; returns the elements held
+    (padding not counted)."""
+    from threefold.parallel.placements import held_range, local_piece
+
+    held = 0
+    for part in cut.parts.values():
+        for key, q in part.named_parameters():
+            key = "embed.weight" if key == "head.weight" and key not in full else key
+            placement = cut.placements[key]
+            assert not q.is_meta and torch.equal(q, local_piece(full[key], placement, q.shape)), key
+            if placement.dim is None:
+                held += q.numel()
+            else:
+                start, stop = held_range(placement, q.shape)
+                held += q.numel() // q.shape[placement.dim] * (stop - start)
+    return held
+
+
+def assert_every_rank_reads_its_share(model_cfg, full, read: list, total: int, most: float) -> None:
+    """Each rank of tp2·pp2 holds its pieces of ``full`` and read (``read``: the elements of each
+    read, recorded) exactly those elements, under ``most`` of the model's ``total``."""
+    for rank in range(4):
+        read.clear()
+        held = assert_holds_its_pieces(rank_cut(model_cfg, {"pp": 2, "tp": 2}, rank), full)
+        assert sum(read) == held < most * total, (rank, sum(read), held, total)
+
+
+def test_a_rank_reads_only_its_pieces_of_a_hugging_face_folder(tmp_path, transformers, monkeypatch):
+    """tp2·pp2 over a folder whose vocabulary (121) tp does not divide: each of the four ranks
+    holds exactly its slices (the padding zero), and reads from the safetensors files only
+    those elements — a quarter of the model or so, never the whole."""
+    config = transformers.LlamaConfig(vocab_size=121, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    randomize(theirs, seed=2)
+    theirs.save_pretrained(tmp_path / "hf")
+    model_cfg, full = load_hf_weights(tmp_path / "hf")
+    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
+
+    read = []  # elements of each tensor or slice read from the files
+    real_open = hf.safe_open
+
+    def counted(tensor):
+        read.append(tensor.numel())
+        return tensor
+
+    class SliceRecording:
+        def __init__(self, part):
+            self.part = part
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def __getitem__(self, index):
+            return counted(self.part[index])
+
+    class Recording:
+        """safe_open, counting what each read returns."""
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.opened = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.opened.keys()
+
+        def get_tensor(self, name):
+            return counted(self.opened.get_tensor(name))
+
+        def get_slice(self, name):
+            return SliceRecording(self.opened.get_slice(name))
+
+    monkeypatch.setattr(hf, "safe_open", Recording)
+    assert_every_rank_reads_its_share(model_cfg, full, read, sum(t.numel() for t in full.values()), 0.4)
+
+
+def test_a_rank_reads_only_its_pieces_of_a_checkpoint(tmp_path, tokenizer, monkeypatch):
+    """The same from a threefold checkpoint (saved by one process): DCP is asked for this rank's
+    boxes only, and fills them from the stored pieces."""
+    cfg = tiny_config(tokenizer, tie=True)
+    model, _ = save_checkpoint(tmp_path / "run", cfg, tokenizer)
+    full = dict(model.state_dict())
+    asked = []
+    real_read = checkpoint._read
+
+    def recording(path, state, no_dist):
+        asked.extend(s.tensor.numel() for shards in state.values() for s in shards)
+        return real_read(path, state, no_dist)
+
+    monkeypatch.setattr(checkpoint, "_read", recording)
+    run = dataclasses.replace(cfg, init_from=str(tmp_path / "run"))
+    assert_every_rank_reads_its_share(run, full, asked, sum(p.numel() for p in model.parameters()), 0.6)

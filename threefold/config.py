@@ -137,7 +137,7 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the registry's names (parallel/pipeline/schedule.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")  # the registry's names (parallel/pipeline/schedule.py)
 CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
 
 

@@ -15,17 +15,20 @@ dropless, so an exported model gives its logits without a capacity limit.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from threefold.config import WEIGHT_DEFINING_KEYS, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, Tokenizer, load_tokenizer, save_tokenizer
 from threefold.models.sizes import is_moe_layer
+from threefold.parallel.placements import Placement, held_range, zero_padded
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -262,24 +265,34 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder: ``model.safetensors``, or the shards its index lists."""
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: ``model.safetensors``, or the shards its index lists."""
     if (folder / WEIGHTS).is_file():
-        files = [folder / WEIGHTS]
-    elif (folder / WEIGHTS_INDEX).is_file():
+        return [folder / WEIGHTS]
+    if (folder / WEIGHTS_INDEX).is_file():
         weight_map = read_json(folder / WEIGHTS_INDEX).get("weight_map") or {}
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-    else:
-        raise ConfigError(f"{folder}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); only safetensors weights are read")
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    raise ConfigError(f"{folder}: no {WEIGHTS} (nor {WEIGHTS_INDEX}); only safetensors weights are read")
+
+
+@contextlib.contextmanager
+def readable(file: Path):
+    """A safetensors file's trouble (missing, a bad header, a short file) as one line."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: missing") from None
+    except Exception as err:  # safetensors reports a bad header or a short file with its own error types
+        reason = str(err).splitlines()[0][:100] if str(err) else err.__class__.__name__
+        raise ConfigError(f"{file}: not a readable safetensors file ({reason})") from None
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder."""
     tensors = {}
-    for file in files:
-        try:
+    for file in safetensors_files(folder):
+        with readable(file):
             tensors.update(load_file(file))
-        except FileNotFoundError:
-            raise ConfigError(f"{file}: missing") from None
-        except Exception as err:  # safetensors reports a bad header or a short file with its own error types
-            reason = str(err).splitlines()[0][:100] if str(err) else err.__class__.__name__
-            raise ConfigError(f"{file}: not a readable safetensors file ({reason})") from None
     return tensors
 
 
@@ -298,20 +311,81 @@ def load_hf_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
 # What must agree between a run's [model] and the folder it starts from; seq_len may differ.
 
 
-def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The weights for ``[model] init_from``: a Hugging Face folder or a threefold checkpoint
+# ``[model] init_from``: each rank reads only the pieces it keeps. A reader takes requests, our
+# key → (the placement of this rank's tensor, its local shape), and returns those local tensors.
+
+
+def hf_piece_reader(folder: str | Path):
+    """(the folder's ModelConfig, a reader of pieces of its weights). Names and shapes are checked
+    from the safetensors headers first; a piece is then read alone, as a slice of the stored
+    tensor (safetensors reads just those bytes), never the whole folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: not a folder (expected a Hugging Face folder with {CONFIG} and {WEIGHTS})")
+    cfg = model_config_from_hf(read_json(folder / CONFIG), str(folder))
+    located, headers = {}, {}
+    for file in safetensors_files(folder):
+        with readable(file), safe_open(file, "pt") as f:
+            for name in f.keys():
+                located[name] = file
+                headers[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+    from_hf_tensors(cfg, headers, str(folder))  # every name and shape checked; on meta tensors, nothing read
+    names = {**hf_names(cfg), **expert_names(cfg)}
+
+    def stored(name: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        with readable(located[name]), safe_open(located[name], "pt") as f:
+            if dim is None:
+                return f.get_tensor(name)
+            return f.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+
+    def read(requests: dict[str, tuple[Placement, tuple]]) -> dict[str, torch.Tensor]:
+        pieces = {}
+        for key, (placement, shape) in requests.items():
+            theirs, dim = names[key], placement.dim
+            start, stop = held_range(placement, shape) if dim is not None else (0, 0)
+            if isinstance(theirs, str):
+                piece = stored(theirs, dim, start, stop)
+            elif dim == 0:  # experts [start, stop) of the stack, each whole
+                piece = torch.stack([stored(name, None) for name in theirs[start:stop]])
+            else:  # every expert, each sliced
+                piece = torch.stack([stored(name, None if dim is None else dim - 1, start, stop) for name in theirs])
+            pieces[key] = piece.float() if dim is None else zero_padded(piece.float(), dim, shape[dim])
+        return pieces
+
+    return cfg, read
+
+
+def init_from_reader(cfg: ModelConfig):
+    """The piece reader of ``[model] init_from``: a Hugging Face folder or a threefold checkpoint
     (saved by any layout); a folder whose model is not the run's model is refused."""
     from threefold.train import checkpoint
 
     source = Path(cfg.init_from)
     if (source / "trainer.json").is_file() or checkpoint.list_checkpoints(source):  # a checkpoint, or their folder
-        pretrained, state = checkpoint.read_model(checkpoint.resolve(source))
+        pretrained, read = checkpoint.piece_reader(checkpoint.resolve(source))
     else:
-        pretrained, state = load_hf_weights(cfg.init_from)
+        pretrained, read = hf_piece_reader(cfg.init_from)
     for key in WEIGHT_DEFINING_KEYS:
         if getattr(pretrained, key) != getattr(cfg, key):
             raise ConfigError(f"model.init_from: {cfg.init_from} has {key}={getattr(pretrained, key)}, "
                               f"the run's model has {getattr(cfg, key)}")
+    return read
+
+
+def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The whole state dict of ``[model] init_from``, read by one process (every piece whole)."""
+    from threefold.models.llama import Llama
+
+    read = init_from_reader(cfg)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    state = read({key: (Placement(tuple(p.shape)), tuple(p.shape)) for key, p in model.named_parameters()})
+    saved = model.state_dict()
+    for key, buffer in model.named_buffers():
+        if key in saved:  # the experts' routing bias, a buffer saved with the model: it starts at zero
+            state[key] = torch.zeros(buffer.shape, dtype=buffer.dtype)
+    if cfg.tie_embeddings:
+        state["head.weight"] = state["embed.weight"]
     return state
 
 

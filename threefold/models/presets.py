@@ -27,6 +27,11 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-3 175B as Megatron-LM trains it (Korthikanti et al. 2022): vocabulary padded to 51200.
     "gpt3-175b": ModelConfig(arch="gpt", layers=96, hidden=12288, heads=96, ffn=49152, vocab_size=51200,
                              seq_len=2048, tie_embeddings=True),
+    # GPT-3 175B's shape on our Llama block, for the engine (whose blocks are Llama's): 96 layers,
+    # 12288 wide, 96 heads, tied 51200-token vocabulary, 2048 tokens; a SwiGLU of 8h/3 = 32768 holds
+    # what GPT's 4h GELU MLP does (3 · 32768 · h = 2 · 49152 · h), so 174.6B parameters.
+    "gpt3-175b-llama": ModelConfig(layers=96, hidden=12288, heads=96, ffn=32768, vocab_size=51200, seq_len=2048,
+                                   tie_embeddings=True),
     # The GPT models of Korthikanti et al. 2022, Table 3 (Megatron-LM; vocabulary padded to 51200).
     "gpt-22b": ModelConfig(arch="gpt", layers=48, hidden=6144, heads=64, ffn=24576, vocab_size=51200,
                            seq_len=2048, tie_embeddings=True),

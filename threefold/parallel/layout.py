@@ -69,7 +69,10 @@ def check_pipeline(cfg: Config) -> None:
     if p.pp == 1:
         return
     check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
-    if p.zero == 3 and p.schedule == "zb-h1" and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
-        raise ConfigError("parallel.zero: ZeRO-3 with zb-h1 is not supported: the deferred weight gradients (W) "
-                          "would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
-                          "with zb-h1, or another schedule with zero 3")
+    if p.zero == 3 and p.schedule in ("zb-h1", "dualpipev") and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
+        raise ConfigError(f"parallel.zero: ZeRO-3 with {p.schedule} is not supported: the deferred weight gradients "
+                          "(W) would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
+                          f"with {p.schedule}, or another schedule with zero 3")
+    if p.schedule == "dualpipev" and cfg.model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings: dualpipev puts the embedding and the head on pipeline rank 0 as two "
+                          "stages, which do not share one tied weight here; set model.tie_embeddings=false")

@@ -113,12 +113,25 @@ def local_piece(full: torch.Tensor, placement: Placement, local_shape) -> torch.
     if placement.dim is None:
         return full
     dim, size = placement.dim, local_shape[placement.dim]
-    short = placement.start + size - full.shape[dim]
-    if short > 0:
-        padding = list(full.shape)
-        padding[dim] = short
-        full = torch.cat([full, full.new_zeros(padding)], dim=dim)
-    return full.narrow(dim, placement.start, size)
+    start, stop = held_range(placement, local_shape)
+    return zero_padded(full.narrow(dim, start, stop - start), dim, size)
+
+
+def held_range(placement: Placement, local_shape) -> tuple[int, int]:
+    """The indices [start, stop) along ``placement.dim`` of the full tensor that a local tensor
+    of ``local_shape`` holds (the rest of it, if any, is padding)."""
+    full = placement.full_shape[placement.dim]
+    return min(placement.start, full), min(placement.start + local_shape[placement.dim], full)
+
+
+def zero_padded(piece: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``piece`` extended with zeros along ``dim`` to ``size`` (a vocabulary tp does not divide)."""
+    short = size - piece.shape[dim]
+    if short <= 0:
+        return piece
+    padding = list(piece.shape)
+    padding[dim] = short
+    return torch.cat([piece, piece.new_zeros(padding)], dim=dim)
 
 
 def _placed(name: str, placement: Placement, offsets, view: torch.Tensor, also_sharded=()) -> list[Shard]:

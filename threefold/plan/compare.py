@@ -30,7 +30,7 @@ import click
 from threefold.config import Config, ConfigError
 from threefold.configure import load_config
 from threefold.models.sizes import stage_param_count
-from threefold.parallel.pipeline.schedule import build_schedule, partition
+from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import costs
 from threefold.plan.simulate import peak_in_flight
 
@@ -76,7 +76,7 @@ def rank_zero(cfg: Config) -> RankZero:
     if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
         return RankZero(numel, model.layers, True, model.layers, 1)
-    spans = partition(model, p.pp, p.virtual_stages)
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(0)]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
@@ -233,7 +233,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     if p.pp > 1:
         rows.append(Row("bytes/step: pp", costs.pp_bytes_per_step(0, p.pp, m, p.virtual_stages, t.micro_batch,
                                                                   model.seq_len, model.hidden, p.tp,
-                                                                  p.sequence_parallel, act_bytes),
+                                                                  p.sequence_parallel, act_bytes, p.schedule),
                         axis("pp"), "pp_bytes_per_step of pipeline rank 0"))
     predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""}
     others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)

@@ -96,3 +96,15 @@ def _method_index(method):
 
 def _recompute_index(recompute):
     return ("none", "selective", "full").index(recompute) if isinstance(recompute, str) else np.asarray(recompute)
+
+
+def cp_bytes_per_step(method: str, cp: int, recompute: str, layers: int, microbatches: int, micro_batch: int,
+                      seq_len: int, heads: int, kv_heads: int, head_dim: int, bytes_per_element: int = 4) -> float:
+    """Bytes one rank sends on the cp axis in a step for its ``layers`` blocks: every layer's
+    per micro-batch bytes, the forward's again where recomputation repeats it. ``heads`` and
+    ``kv_heads`` are this rank's (divided by tp)."""
+    if cp == 1:
+        return 0.0
+    b_q, b_kv = qkv_bytes(micro_batch, seq_len, heads, kv_heads, head_dim, cp, bytes_per_element)
+    per_layer = cp_bytes_per_layer(method, cp, b_q, b_kv) + recompute_bytes_per_layer(method, recompute, cp, b_q, b_kv)
+    return layers * microbatches * per_layer

@@ -208,7 +208,8 @@ def tp_loss_bytes_per_step(microbatches, micro_batch, seq_len, tp):
 
 
 def pp_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int, micro_batch: int, seq_len: int,
-                      hidden: int, tp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4) -> float:
+                      hidden: int, tp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
+                      schedule: str = "1f1b") -> float:
     """Bytes pipeline rank ``pp_rank`` sends on the pp axis per step (ledger key ``pp``).
 
     Each of its v stages sends every micro-batch's output activations forward, except the very
@@ -216,23 +217,39 @@ def pp_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: 
     rank] − [first rank]) messages. A message is one micro-batch's hidden states; each tp rank
     sends 1/tp of it: its part of the sequence under sequence parallelism, and without SP its
     slice of the flat tensor (Megatron's scatter/gather, ``scatter_gather_bytes_per_step``).
+    DualPipeV's V sends fewer messages (``pp_messages_per_step``).
     """
-    messages = pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages)
+    messages = pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages, schedule)
     return messages * micro_batch * seq_len * hidden * dtype_bytes / tp
 
 
-def pp_messages_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int) -> int:
-    """Messages pipeline rank ``pp_rank`` sends per step; it receives as many."""
+def pp_messages_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int,
+                         schedule: str = "1f1b") -> int:
+    """Messages pipeline rank ``pp_rank`` sends per step; it receives as many.
+
+    DualPipeV (``dualpipev_messages_per_step``) leaves out the local hand-off at the turn of its V."""
+    if schedule == "dualpipev":
+        return dualpipev_messages_per_step(pp_rank, pp, microbatches)
     return microbatches * (2 * virtual_stages - (pp_rank == pp - 1) - (pp_rank == 0))
 
 
+def dualpipev_messages_per_step(pp_rank: int, pp: int, microbatches: int) -> int:
+    """DualPipeV's messages from rank r per step. Each of its two stages sends every micro-batch's
+    activation on and its input gradient back, 4m in all, except across the model's two ends,
+    both on rank 0 (stage 0 sends no gradient, the last stage no activation), and across the turn
+    of the V on rank pp − 1, where stages pp − 1 and pp hand both over in memory: 2m·([r > 0] +
+    [r < pp − 1])."""
+    return 2 * microbatches * ((pp_rank > 0) + (pp_rank < pp - 1))
+
+
 def scatter_gather_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: int, micro_batch: int,
-                                  seq_len: int, hidden: int, tp: int, dtype_bytes: int = 4) -> float:
+                                  seq_len: int, hidden: int, tp: int, dtype_bytes: int = 4,
+                                  schedule: str = "1f1b") -> float:
     """Bytes a rank sends on the tp axis per step to put the messages it received back
     together under tp without SP (ledger key ``tp.scatter_gather``): one all-gather of the
     whole message per message received."""
     message = micro_batch * seq_len * hidden * dtype_bytes
-    return pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages) * (tp - 1) / tp * message
+    return pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages, schedule) * (tp - 1) / tp * message
 
 
 def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_experts, recompute="none",
@@ -658,6 +675,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
                                np.asarray(layout.schedule))
     full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
     single_stage = p == 1
+    # The registry's placement: DualPipeV's V fixes 2 stages per rank and puts both ends on rank 0.
+    fixed_chunks = np.array([spec.stages_per_rank or 0 for spec in SCHEDULE_REGISTRY.values()])[schedule]
+    v = np.where(fixed_chunks > 0, fixed_chunks, v)
+    v_shape = np.array([spec.placement.ends_on_rank_0 for spec in SCHEDULE_REGISTRY.values()])[schedule] & ~single_stage
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
     tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
@@ -691,8 +712,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last + recompute_workspace
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
     logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
-    act_first = block_act_first + embedding_act + np.where(single_stage, logits_act, 0)
-    act_last = np.where(single_stage, act_first, block_act_last + logits_act)
+    act_first = block_act_first + embedding_act + np.where(single_stage | v_shape, logits_act, 0)
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act))
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
@@ -711,8 +732,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
     head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
-    first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel)
-    last_numel = np.where(single_stage, whole_numel, block_numel_last + head_numel)
+    first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
+    last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
     gathered_params = np.where(zero == 3, 2 * largest_block * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
     gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
 

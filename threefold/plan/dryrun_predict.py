@@ -15,13 +15,14 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
                ranks of the expert-data-parallel group; their reduction under "dp", the
                dispatch and combine under "ep" (costs.ep_bytes_per_step, round-robin routing as
                the dry run routes fake tokens); the activations an MoE block adds are estimated;
-  comm_bytes   cp: plan/context.py's bytes per layer (the forward's again where recomputation repeats
-               it) for its blocks; dp: costs.dp_bytes_per_step over dp × cp, under the ledger's key
-               for that group (dp, dp+cp, or with dp = 1 added to cp); tp: costs.tp_bytes_per_step
-               of its blocks, with the
+  comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
                embedding where it holds stage 0 and the head term only where it holds the last
                stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
                coordinate; tp.scatter_gather (tp without sequence parallelism, pp > 1).
+Under context parallelism a rank holds seq_len / cp tokens of each sequence: its activations,
+tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
+the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
+when dp = 1).
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config
 from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
-from threefold.parallel.pipeline.schedule import build_schedule, partition
+from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 
@@ -57,7 +58,7 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
         return RankShare(numel, model.layers, True, True, model.layers, moe)
-    spans = partition(model, p.pp, p.virtual_stages)
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
@@ -73,7 +74,7 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> floa
     """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
     counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
     tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
-    = 0) on the first stage. The estimate's expression, for this rank's dtype."""
+    = 0) on the first stage. The estimate's expression, for this rank's dtype and tokens."""
     p, model = cfg.parallel, cfg.model
     tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
@@ -110,14 +111,13 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
 
     comm = {}
+    grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
+    if replicas > 1:
+        comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m)
     if p.cp > 1:
-        b_q, b_kv = context.qkv_bytes(t.micro_batch, model.seq_len, model.heads // p.tp, model.n_kv_heads // p.tp,
-                                      model.head_dim, p.cp, act_bytes)
-        comm["cp"] = share.blocks * m * (context.cp_bytes_per_layer(p.cp_method, p.cp, b_q, b_kv)
-                                         + context.recompute_bytes_per_layer(p.cp_method, t.recompute, p.cp, b_q, b_kv))
-    if replicas > 1:  # the ledger's key is the group's axes: dp, cp (added to the attention's), or dp+cp
-        key = "+".join(axis for axis, size in (("dp", p.dp), ("cp", p.cp)) if size > 1)
-        comm[key] = comm.get(key, 0) + costs.dp_bytes_per_step(share.numel, replicas, p.zero, m)
+        comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
+            p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
+            model.n_kv_heads // p.tp, model.head_dim, act_bytes)
     if experts and expert_replicas > 1:  # the expert-data-parallel group is part of dp: the ledger's "dp"
         comm["dp"] = comm.get("dp", 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
     if p.ep > 1 and share.moe_blocks:
@@ -136,8 +136,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
     if p.pp > 1:
         comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
-                                             model.hidden, p.tp, p.sequence_parallel, act_bytes)
+                                             model.hidden, p.tp, p.sequence_parallel, act_bytes, p.schedule)
         if p.tp > 1 and not p.sequence_parallel:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
-                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes)
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes, p.schedule)
     return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from threefold.config import ConfigError
-from threefold.parallel.pipeline.schedule import build_schedule, check_schedule, schedule_names
+from threefold.parallel.pipeline.schedule import build_schedule, check_schedule, schedule_names, stages_per_rank
 from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
@@ -56,6 +56,7 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
     spec = check_schedule(name, pp, microbatches, virtual_stages,
                           flags={"schedule": "--schedule", "pp": "--pp", "microbatches": "--microbatches",
                                  "virtual_stages": "--virtual-stages"})
+    virtual_stages = stages_per_rank(name, virtual_stages)  # DualPipeV: always 2
     pairs = pp * microbatches * virtual_stages
     if pairs > MAX_PAIRS:
         raise ConfigError(f"--microbatches: pp × microbatches × virtual_stages = {pairs:,} (stage, micro-batch) "

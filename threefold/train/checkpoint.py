@@ -462,6 +462,22 @@ def read_model(path: Path):
     return model_cfg, model.state_dict()
 
 
+def piece_reader(path: Path):
+    """(the checkpoint's ModelConfig, a reader of pieces of its weights): each request, our key →
+    (placement, local shape), is read as that box of the saved tensor, whatever layout saved it
+    (DCP reads the stored pieces that overlap it, nothing else)."""
+    model_cfg = ModelConfig(**read_meta(path)["config"]["model"])
+
+    def read(requests: dict[str, tuple[Placement, tuple]]) -> dict[str, torch.Tensor]:
+        pieces = {key: torch.zeros(shape) for key, (_, shape) in requests.items()}  # padding stays zero
+        boxes = {f"model/{key}": whole_shards(f"model/{key}", pieces[key], placement)
+                 for key, (placement, _) in requests.items()}
+        _read(path, {name: shards for name, shards in boxes.items() if shards}, no_dist=True)
+        return pieces
+
+    return model_cfg, read
+
+
 def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every full tensor of a checkpoint whose name starts with ``prefix``, read whole by this
     process alone ("model/<key>", "exp_avg/<key>", "exp_avg_sq/<key>", "rng/rank<r>")."""

@@ -182,7 +182,7 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
         from threefold.parallel.pipeline.stages import stage_modules
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
-        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), p.virtual_stages),
+        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages),
                                   cut.schedule.stages_of(mesh.coord("pp")))
         if cfg.model.tie_embeddings:
             ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
@@ -196,19 +196,41 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
     return cut
 
 
+def drawn_pieces(cfg: Config):
+    """The reader of pieces drawn from the seed: each parameter's initial value drawn whole (its
+    own generator), cut by the placement, and let go before the next is drawn."""
+    def read(requests: dict[str, tuple[Placement, tuple]]) -> dict[str, torch.Tensor]:
+        return {key: local_piece(initial_value(cfg.model, key, placement.full_shape, cfg.train.seed), placement,
+                                 shape).clone() for key, (placement, shape) in requests.items()}
+    return read
+
+
+def initial_pieces(cfg: Config):
+    """Where a rank's initial weights come from: ``[model] init_from`` (a Hugging Face folder or
+    a checkpoint, of which it reads its pieces only), else the seed."""
+    if cfg.model.init_from:
+        from threefold.interop.hf import init_from_reader
+
+        return init_from_reader(cfg.model)
+    return drawn_pieces(cfg)
+
+
 @torch.no_grad()
 def materialise(cut: CutModel, cfg: Config, device: torch.device) -> None:
     """Give every meta tensor of this rank's parts its real value on ``device``: a parameter its
-    initial value (drawn whole, then cut by its placement), a buffer zeros, the rotary tables
+    initial value (its piece only, from ``initial_pieces``), a buffer zeros, the rotary tables
     computed."""
     m = cfg.model
+    wanted = {key: (cut.placements[key], tuple(q.shape)) for part in cut.parts.values()
+              for key, q in named_plain_parameters(part, m.tie_embeddings) if q.is_meta}
+    values = initial_pieces(cfg)(wanted)
+    made = {}  # key → the tensor made for it: a second copy (both ends of tied embeddings) is cloned from it
     for part in cut.parts.values():
         real = {}  # id of a meta parameter → its materialised replacement (a tied one is made once)
         for key, q in named_plain_parameters(part, m.tie_embeddings):
-            if q.is_meta:
-                full = initial_value(m, key, cut.placements[key].full_shape, cfg.train.seed)
-                real[id(q)] = nn.Parameter(local_piece(full, cut.placements[key], q.shape).to(device).clone(),
-                                           requires_grad=q.requires_grad)
+            if q.is_meta and id(q) not in real:
+                made[key] = values.pop(key).to(device) if key in values else made[key].clone()
+                real[id(q)] = nn.Parameter(made[key], requires_grad=q.requires_grad)
         for module in part.modules():
             for name, q in module._parameters.items():
                 if q is not None and id(q) in real:

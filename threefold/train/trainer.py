@@ -94,17 +94,10 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
     t = cfg.train
 
-    # Built on the meta device: the engine draws only the tensors this rank keeps. Weights loaded
-    # from a file are read whole, into a real model.
-    with torch.device("cpu" if cfg.model.init_from else "meta"):
+    # Built on the meta device: the engine draws, or with [model] init_from reads, only the
+    # tensors this rank keeps.
+    with torch.device("meta"):
         model = Llama(cfg.model)
-    if cfg.model.init_from:  # pretrained weights from a Hugging Face folder or a checkpoint
-        from threefold.interop.hf import describe_init_from, init_from_state
-
-        model.load_state_dict(init_from_state(cfg.model))
-        if _is_main_process():
-            console.print(f"model.init_from: loaded {describe_init_from(cfg.model.init_from)}", markup=False,
-                          highlight=False)
     model.set_recompute(t.recompute)
     n_params = sum(p.numel() for p in model.parameters())  # before a strategy keeps its part
     moe = bool(model.moe_layers())
@@ -112,6 +105,11 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         raise ConfigError("model.moe_bias_rate: the routing bias is updated on one process only for now "
                           "(its token counts are not summed over ranks yet)")
     engine = build_engine(model, cfg)
+    if cfg.model.init_from and engine.is_main:  # pretrained weights from a Hugging Face folder or a checkpoint
+        from threefold.interop.hf import describe_init_from
+
+        console.print(f"model.init_from: loaded {describe_init_from(cfg.model.init_from)}", markup=False,
+                      highlight=False)
     engine.activation_meter = ActivationMeter(engine.parameter_storages)
     main = engine.is_main
     sampler = BatchSampler(dataset.train_tokens, cfg.model.seq_len, t.global_batch, t.seed)

@@ -17,6 +17,10 @@ The runtime interprets the schedule; it never decides an order itself. For each 
   WEIGHT_GRAD the deferred weight gradients of a split backward.
   SEND_GRAD  post the input's gradient to the previous stage's rank.
 
+Where two consecutive stages live on the same rank (DualPipeV's turn of the V) the schedule has
+no send or receive between them: FORWARD takes the previous stage's output from memory, and
+BACKWARD the next stage's input gradient.
+
 Point-to-point traffic goes through ``Comm.send``/``Comm.recv`` on the mesh's pp axis. Sends
 are asynchronous, as the schedule's contract requires. A send is waited for (which releases
 its tensor) as soon as the schedule proves it complete: gloo and NCCL complete a send only
@@ -327,6 +331,8 @@ class PipelineRuntime:
         with self.compute_context():
             if module.first:
                 inputs = module.embed(tokens)
+            elif self.schedule.hands_over_locally(stage):  # the previous stage ran here: its output, in memory
+                inputs = step.outputs.pop((microbatch, stage - 1)).requires_grad_()
             else:
                 inputs = step.received.pop((microbatch, stage)).requires_grad_()
             output = module(inputs, step.positions)
@@ -342,7 +348,12 @@ class PipelineRuntime:
     def _backward(self, microbatch: int, stage: int) -> None:
         step, key = self.step, (microbatch, stage)
         forwarded, module = step.forwarded.pop(key), self.stages[stage]
-        grad = torch.ones((), device=self.device) if module.last else step.output_grads.pop(key)
+        if module.last:
+            grad = torch.ones((), device=self.device)
+        elif self.schedule.hands_over_locally(stage + 1):  # the next stage's backward ran here
+            grad = step.input_grads.pop((microbatch, stage + 1))
+        else:
+            grad = step.output_grads.pop(key)
         if self.schedule.split_backward:
             input_grad, step.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
                                                                 self.params[stage])
@@ -380,6 +391,8 @@ class PipelineRuntime:
                 with self.compute_context():
                     if module.first:
                         hidden = module.embed(tokens)
+                    elif self.schedule.hands_over_locally(stage):
+                        hidden = output  # the previous stage's, computed just before on this rank
                     else:
                         message = torch.empty(self.wire.message_shape(activation_shape), dtype=activation_dtype,
                                               device=self.device)
@@ -388,7 +401,7 @@ class PipelineRuntime:
                     output = module(hidden, positions)
                 if module.last:
                     losses[i] = self.loss_fn(output, targets).double()
-                else:
+                elif not self.schedule.hands_over_locally(stage + 1):
                     sends.append(self.comm.send(self.wire.pack(output), self.axis, self.schedule.rank_of(stage + 1),
                                                 tag=tag))
         for pending in sends:

@@ -10,8 +10,11 @@ entry there; config validation, the runtime, the simulator, the planner and the 
 
 Stages. The model is cut into ``pp · virtual_stages`` consecutive stages. Stage ``s`` lives on
 rank ``s % pp`` as that rank's model chunk ``s // pp`` (Megatron's looping placement), so with
-one virtual stage, stage and rank coincide. The first stage reads the micro-batch's tokens; the
-last stage's forward ends with the loss, so its backward needs no received gradient.
+one virtual stage, stage and rank coincide; DualPipeV places its 2·pp stages in a V instead
+(``VShape``), where two consecutive stages share rank pp − 1 and hand over in memory, with no
+send or receive between them (``Schedule.hands_over_locally``). The first stage reads the
+micro-batch's tokens; the last stage's forward ends with the loss, so its backward needs no
+received gradient.
 
 Actions. ``FORWARD``, ``BACKWARD`` and ``WEIGHT_GRAD`` compute; the four p2p kinds move one
 tensor between neighbouring stages. ``stage`` is always a stage that lives on the acting rank:
@@ -104,6 +107,11 @@ class Schedule:
         """Which of its rank's model chunks a stage is (0 unless interleaved)."""
         return SCHEDULE_REGISTRY[self.name].placement.chunk_of(stage, self.pp)
 
+    def hands_over_locally(self, stage: int) -> bool:
+        """True when ``stage`` takes its input from stage − 1 on its own rank (DualPipeV's turn of
+        the V): the activation and its gradient pass in memory, with no send or receive."""
+        return 0 < stage < self.num_stages and self.rank_of(stage - 1) == self.rank_of(stage)
+
     @cached_property
     def split_backward(self) -> bool:
         """True when BACKWARD is the input gradient only and WEIGHT_GRAD follows separately."""
@@ -122,6 +130,7 @@ class Schedule:
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The per-rank actions of schedule ``name`` for ``pp`` ranks and ``microbatches`` micro-batches."""
     spec = check_schedule(name, pp, microbatches, virtual_stages)
+    virtual_stages = stages_per_rank(name, virtual_stages)
     compute = [spec.compute_order(rank, pp, microbatches, virtual_stages) for rank in range(pp)]
     return Schedule(name, pp, microbatches, virtual_stages,
                     _with_p2p(compute, pp, virtual_stages, spec.placement.rank_of))
@@ -190,6 +199,71 @@ def _interleaved_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return order
 
 
+def _dualpipev_order(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab 2025): 2·pp stages in a V, rank r
+    holding stage r on the way down and stage 2·pp − 1 − r on the way up, so rank 0 holds the
+    embedding and the head. DeepSeek's eight phases, as their ``DualPipeV.step`` runs them:
+
+      1. 2·(pp − r − 1) forwards down;  2. r + 1 pairs of forwards, down then up;
+      3. pp − r − 1 times a backward up and a forward up;
+      4. m − 2·pp + r + 1 times forward down, backward up, forward up, backward down (the steady
+         state, where DualPipe overlaps each forward with the backward beside it);
+      5. pp − r − 1 times backward up, forward up, backward down;
+      6. r + 1 pairs of backwards, up then down, the second half with their weight gradients
+         deferred (from the pair's first backward on odd ranks, its second on even ones);
+      7. pp − r − 1 times a deferred weight gradient and a backward down, deferring its own;
+      8. the r + 1 weight gradients still deferred.
+
+    Every backward is split (B then W): a backward that DeepSeek runs whole is B directly
+    followed by W, which computes the same and sends the input gradient sooner; the deferred W
+    run in the order their B ran. Needs m ≥ 2·pp (phase 4 runs at least once on rank 0)."""
+    down, up = rank, 2 * pp - 1 - rank
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # stage → its next micro-batch
+    deferred: deque[Action] = deque()
+    order: list[Action] = []
+
+    def forward(stage: int) -> None:
+        order.append(_forward(forwards[stage], stage))
+        forwards[stage] += 1
+
+    def backward(stage: int, defer: bool = False) -> None:
+        mb = backwards[stage]
+        backwards[stage] += 1
+        order.append(_backward(mb, stage))
+        (deferred.append if defer else order.append)(Action(Kind.WEIGHT_GRAD, mb, stage))
+
+    def weight_grad() -> None:
+        order.append(deferred.popleft())
+
+    for _ in range(2 * (pp - rank - 1)):
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(pp - rank - 1):
+        backward(up)
+        forward(up)
+    for _ in range(m - 2 * pp + rank + 1):
+        forward(down)
+        backward(up)
+        forward(up)
+        backward(down)
+    for _ in range(pp - rank - 1):
+        backward(up)
+        forward(up)
+        backward(down)
+    half = (rank + 1) // 2
+    for i in range(rank + 1):
+        backward(up, defer=i > half or (i == half and rank % 2 == 1))
+        backward(down, defer=i >= half)
+    for _ in range(pp - rank - 1):
+        weight_grad()
+        backward(down, defer=True)
+    while deferred:
+        weight_grad()
+    return order
+
+
 def _with_p2p(compute: list[list[Action]], pp: int, v: int,
               rank_of: Callable[[int, int], int]) -> tuple[tuple[Action, ...], ...]:
     """Put each receive just before the compute that consumes it, so a rank blocks only when it
@@ -198,22 +272,26 @@ def _with_p2p(compute: list[list[Action]], pp: int, v: int,
     message (interleaved with pp = 2 sends activations and gradients on one channel). A send
     held back only waits for a message its receiver needs first, so it costs no time."""
     last = pp * v - 1
+
+    def crosses(stage: int) -> bool:  # the boundary in front of ``stage`` joins two ranks
+        return 0 < stage <= last and rank_of(stage - 1, pp) != rank_of(stage, pp)
+
     naive = []
     for order in compute:
         actions = []
         for action in order:
             mb, stage = action.microbatch, action.stage
             if action.kind is Kind.FORWARD:
-                if stage > 0:
+                if crosses(stage):
                     actions.append(Action(Kind.RECV_ACT, mb, stage, rank_of(stage - 1, pp)))
                 actions.append(action)
-                if stage < last:
+                if crosses(stage + 1):
                     actions.append(Action(Kind.SEND_ACT, mb, stage, rank_of(stage + 1, pp)))
             elif action.kind is Kind.BACKWARD:
-                if stage < last:
+                if crosses(stage + 1):
                     actions.append(Action(Kind.RECV_GRAD, mb, stage, rank_of(stage + 1, pp)))
                 actions.append(action)
-                if stage > 0:
+                if crosses(stage):
                     actions.append(Action(Kind.SEND_GRAD, mb, stage, rank_of(stage - 1, pp)))
             else:
                 actions.append(action)
@@ -323,11 +401,16 @@ def validate(schedule: Schedule) -> None:
             if needs is None:
                 raise ScheduleError(f"{where}: the first/last stage has no such neighbour")
             expected_peer = _neighbour_rank(schedule, action)
+            if action.peer is not None and expected_peer == rank:
+                raise ScheduleError(f"{where}: the neighbour stage is on this rank, which hands over locally")
             if action.peer != expected_peer:
                 raise ScheduleError(f"{where}: peer should be rank {expected_peer}")
-            missing = [need for need in needs if (need, mb, stage) not in done]
+            required = [_local_source(schedule, (need, mb, stage)) for need in needs]
+            missing = [key for key in required if key not in done]
             if missing:
-                raise ScheduleError(f"{where}: comes before its {missing[0].name} on this rank")
+                kind, _, of = missing[0]
+                raise ScheduleError(f"{where}: comes before its {kind.name}"
+                                    + (f" of stage {of}" if of != stage else "") + " on this rank")
             if (action.kind, mb, stage) in done:
                 raise ScheduleError(f"{where}: appears twice")
             done.add((action.kind, mb, stage))
@@ -363,6 +446,18 @@ def _prerequisites(action: Action, last: int) -> tuple[Kind, ...] | None:
     if kind is Kind.RECV_ACT:
         return None if first_stage else ()
     return None if last_stage else ()  # RECV_GRAD
+
+
+def _local_source(schedule: Schedule, need: tuple[Kind, int, int]) -> tuple[Kind, int, int]:
+    """What a prerequisite (kind, micro-batch, stage) is where a stage hands over locally: the
+    neighbour stage's FORWARD in place of receiving its activation, its BACKWARD in place of
+    receiving its gradient."""
+    kind, mb, stage = need
+    if kind is Kind.RECV_ACT and schedule.hands_over_locally(stage):
+        return Kind.FORWARD, mb, stage - 1
+    if kind is Kind.RECV_GRAD and schedule.hands_over_locally(stage + 1):
+        return Kind.BACKWARD, mb, stage + 1
+    return need
 
 
 def _neighbour_rank(schedule: Schedule, action: Action) -> int | None:
@@ -443,6 +538,7 @@ class Placement:
     """How a schedule's ``pp · v`` stages sit on its ranks. Looping (Megatron's): stage ``s`` on
     rank ``s % pp`` as that rank's model chunk ``s // pp``; with one chunk, stage = rank."""
     name: str = "looping"
+    ends_on_rank_0: bool = False  # the first and the last stage (embedding and head) on one rank
 
     @staticmethod
     def rank_of(stage: int, pp: int) -> int:
@@ -458,6 +554,30 @@ class Placement:
 
 
 LOOPING = Placement()
+
+
+@dataclass(frozen=True)
+class VShape(Placement):
+    """DualPipeV's: two stages per rank, stage ``s < pp`` on rank ``s`` going down, stage
+    ``s ≥ pp`` on rank ``2·pp − 1 − s`` coming back; rank pp − 1 holds the two middle stages, rank
+    0 the first and the last."""
+    name: str = "v-shape"
+    ends_on_rank_0: bool = True
+
+    @staticmethod
+    def rank_of(stage: int, pp: int) -> int:
+        return stage if stage < pp else 2 * pp - 1 - stage
+
+    @staticmethod
+    def stages_of(rank: int, pp: int, v: int) -> tuple[int, int]:
+        return rank, 2 * pp - 1 - rank
+
+    @staticmethod
+    def chunk_of(stage: int, pp: int) -> int:
+        return int(stage >= pp)
+
+
+V_SHAPE = VShape()
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +624,20 @@ def _interleaved_constraints(flags: dict, pp: int, m: int, v: int, layers: int |
                           f"(its groups of micro-batches go round the ring of ranks), got {m}")
 
 
+def _dualpipev_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    if v not in (1, 2):
+        raise ConfigError(f"{flags['virtual_stages']}: dualpipev always holds two stages per rank (the V); leave it "
+                          f"at 1 or set 2, got {v}")
+    if pp < 2:
+        raise ConfigError(f"{flags['pp']}: dualpipev needs at least 2 pipeline ranks (its V turns on the last), got 1")
+    if m < 2 * pp:
+        raise ConfigError(f"{flags['microbatches']}: dualpipev needs at least 2·pp = {2 * pp} micro-batches per step "
+                          f"(its steady phase runs both directions at once), got {m}")
+    if layers is not None and layers % (2 * pp):
+        raise ConfigError(f"{flags['pp']}: dualpipev cuts the model into 2·pp = {2 * pp} equal stages; "
+                          f"{layers} layers do not split so")
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """Everything about one schedule. The closed forms take (pp, m, v) as numbers or numpy
@@ -523,6 +657,7 @@ class ScheduleSpec:
     chunked: bool = False  # takes virtual_stages > 1
     placement: Placement = LOOPING
     summary: str = ""
+    stages_per_rank: int | None = None  # fixed by the placement (DualPipeV: 2); None: virtual_stages
 
 
 def _zb_h1_idle(p, m):
@@ -555,10 +690,25 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
                  summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
+    ScheduleSpec("dualpipev", _dualpipev_order, _dualpipev_constraints, placement=V_SHAPE, stages_per_rank=2,
+                 # per rank, idle (p − 1)·(F + B − W) (B: the input gradient alone) beside 2m·(F + B + W)
+                 # busy: at F = B = W, (p − 1)/(6m + p − 1)
+                 bubble=lambda p, m, v: (p - 1) / (6 * m + p - 1),
+                 # 2p + 1 chunks on every rank (DeepSeek's PP + 1 stages' worth), p + 1/2 of the rank's layers
+                 in_flight_first=lambda p, m, v: p + 0.5,
+                 in_flight_last=lambda p, m, v: p + 0.5,
+                 summary="two stages per rank in a V, both directions at once (DeepSeek-V3's DualPipe, "
+                         "cut in half)"),
 ]}
 
 _RUN_FLAGS = {"schedule": "parallel.schedule", "pp": "parallel.pp", "microbatches": "parallel.microbatches",
               "virtual_stages": "parallel.virtual_stages"}
+
+
+def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """How many stages each rank of schedule ``name`` holds: fixed by its placement (DualPipeV:
+    2, whatever ``virtual_stages`` says), else ``virtual_stages``."""
+    return SCHEDULE_REGISTRY[name].stages_per_rank or virtual_stages
 
 
 def schedule_names() -> tuple[str, ...]:
