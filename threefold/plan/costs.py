@@ -6,7 +6,6 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -14,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
-from threefold.models.sizes import (attention_width, block_param_count, moe_layer_count, moe_parameter_counts,
-                                    rank_expert_param_count, tp_moe_block_param_count)
+from threefold.models.sizes import (attention_width, block_param_count, count_parameters, moe_layer_count,
+                                    moe_parameter_counts, rank_expert_param_count, tp_moe_block_param_count)
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
 from threefold.plan import context
 from threefold.plan.context import METHODS as CP_METHODS
@@ -79,9 +78,9 @@ def matmul_param_count(cfg: ModelConfig) -> int:
 def active_block_param_count(cfg: ModelConfig) -> int:
     """Active parameters of all blocks together: L · block_param_count for a dense model; each
     MoE block with its router, top-k and shared experts in place of the dense SwiGLU."""
-    return cfg.layers * block_param_count(cfg) + active_param_count(cfg) - param_count(
-        dataclasses.replace(cfg, moe_experts=0, moe_top_k=None, moe_ffn=None, moe_shared_experts=0)
-        if cfg.moe_experts else cfg)
+    dense_count = count_parameters(cfg) if cfg.arch == "llama" else param_count(cfg)
+    outside_blocks = dense_count - cfg.layers * block_param_count(cfg)
+    return active_param_count(cfg) - outside_blocks  # the embeddings, the final norm and the head
 
 
 def attention_flops_per_token(cfg: ModelConfig) -> float:
