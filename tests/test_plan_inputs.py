@@ -126,7 +126,7 @@ def test_plan_explains_one_row_shown_of_many_that_fit(capsys):
     code, out, _ = run(capsys, "plan", "--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm",
                        "--num-gpus", "7")
     assert code == 0
-    assert "use 1 mesh (tp × pp × dp × cp); the table shows the fastest of each" in " ".join(out.split())
+    assert "use 1 mesh (tp × pp × dp × cp × ep); the table shows the fastest of each" in " ".join(out.split())
 
 
 def test_plan_names_the_knob_that_would_change_the_ranking(capsys):

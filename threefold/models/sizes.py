@@ -42,14 +42,16 @@ def tp_block_param_count(cfg: ModelConfig, tp: int) -> int:
     return (block_param_count(cfg) - 2 * h) // tp + 2 * h
 
 
-def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1) -> int:
+def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1, moe_blocks: int = 0) -> int:
     """Parameters one tp rank of a Llama pipeline stage holds: its blocks, the embedding's rows
     on the first stage, the final norm and the head's rows on the last. With tied embeddings a
     stage that is both first and last holds the one table once; a last stage that is not the
-    first holds its own copy of it (the engine keeps the two ends' gradients in step)."""
+    first holds its own copy of it (the engine keeps the two ends' gradients in step).
+    ``moe_blocks`` of the ``blocks`` hold experts: those count ``tp_moe_block_param_count``, and
+    their routed experts not at all (``rank_expert_param_count``: ZeRO shards them apart)."""
     h = cfg.hidden
     table = padded_vocab(cfg.vocab_size, tp) // tp * h
-    numel = blocks * tp_block_param_count(cfg, tp)
+    numel = (blocks - moe_blocks) * tp_block_param_count(cfg, tp) + moe_blocks * tp_moe_block_param_count(cfg, tp)
     if first:
         numel += table
     if last:
@@ -71,14 +73,40 @@ def moe_layer_count(cfg: ModelConfig) -> int:
     return sum(is_moe_layer(cfg, layer) for layer in range(cfg.layers))
 
 
+def moe_block_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(rest, router, routed experts): parameters of one MoE block. ``rest``: the attention, the
+    two norms and the shared experts (the dense block with its SwiGLU swapped for the shared one,
+    ``moe_shared_experts · moe_ffn`` wide); ``router``: E·h; routed experts: E SwiGLUs of
+    ``moe_ffn``, 3·h·moe_ffn each (gate, up, down)."""
+    h, expert = cfg.hidden, 3 * cfg.hidden * cfg.moe_ffn_hidden
+    rest = block_param_count(cfg) - 3 * h * cfg.ffn_hidden + cfg.moe_shared_experts * expert
+    return rest, cfg.moe_experts * h, cfg.moe_experts * expert
+
+
+def tp_moe_block_param_count(cfg: ModelConfig, tp: int) -> int:
+    """Parameters of one MoE block on one tp rank, its routed experts left out: the attention's
+    matrices split over tp as in a dense block; the two norms, the router and the shared experts
+    whole (an MoE block is replicated over tp: parallel/tensor_parallel.py's ReplicatedMoE)."""
+    h, shared = cfg.hidden, cfg.moe_shared_experts * 3 * cfg.hidden * cfg.moe_ffn_hidden
+    attention = block_param_count(cfg) - 3 * h * cfg.ffn_hidden - 2 * h
+    return attention // tp + 2 * h + cfg.moe_experts * h + shared
+
+
+def rank_expert_param_count(cfg: ModelConfig, ep: int) -> int:
+    """Routed-expert parameters of one MoE block on one rank: E/ep whole experts (the same on
+    every tp rank), 3·h·moe_ffn each."""
+    return cfg.moe_experts // ep * 3 * cfg.hidden * cfg.moe_ffn_hidden
+
+
 def moe_parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of ``Llama(cfg)``; active = what one token computes with: the
     router, its top-k routed experts and the shared experts in each MoE layer, everything else
     whole. Equal for a dense model. The experts' routing biases are buffers, not counted."""
-    h, dense_mlp = cfg.hidden, 3 * cfg.hidden * cfg.ffn_hidden
-    expert = 3 * h * cfg.moe_ffn_hidden  # one SwiGLU expert: gate, up, down
     layers = moe_layer_count(cfg)
-    router, shared = cfg.moe_experts * h, cfg.moe_shared_experts * expert
-    total = count_parameters(cfg) + layers * (router + cfg.moe_experts * expert + shared - dense_mlp)
-    active = count_parameters(cfg) + layers * (router + cfg.moe_top_k_experts * expert + shared - dense_mlp)
-    return (total, active) if layers else (count_parameters(cfg),) * 2
+    if not layers:
+        return (count_parameters(cfg),) * 2
+    rest, router, experts = moe_block_param_counts(cfg)
+    moe_minus_dense = rest + router - block_param_count(cfg)
+    total = count_parameters(cfg) + layers * (moe_minus_dense + experts)
+    active = count_parameters(cfg) + layers * (moe_minus_dense + experts * cfg.moe_top_k_experts // cfg.moe_experts)
+    return total, active

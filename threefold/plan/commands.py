@@ -21,7 +21,11 @@ from threefold.plan.pictures import check_picture_path, draw_breakdown
 
 # Flag → ModelConfig field, for the model's shape.
 MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
-                "ffn": "ffn", "vocab": "vocab_size", "seq_len": "seq_len", "tie_embeddings": "tie_embeddings"}
+                "ffn": "ffn", "vocab": "vocab_size", "seq_len": "seq_len", "tie_embeddings": "tie_embeddings",
+                "moe_experts": "moe_experts", "moe_top_k": "moe_top_k", "moe_ffn": "moe_ffn",
+                "moe_shared_experts": "moe_shared_experts", "moe_first_dense": "moe_first_dense",
+                "moe_every": "moe_every"}
+MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "moe_every")
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
@@ -35,6 +39,12 @@ def _model_options(command):
         click.option("--ffn", type=int, help="FFN width; default 4·hidden (gpt) or Llama's ~8/3·hidden."),
         click.option("--vocab", type=int), click.option("--seq-len", type=int),
         click.option("--tie-embeddings/--no-tie-embeddings", default=None),
+        click.option("--moe-experts", type=int, help="Routed experts per MoE layer (0: dense); makes any shape MoE."),
+        click.option("--moe-top-k", type=int, help="Experts per token (default 2)."),
+        click.option("--moe-ffn", type=int, help="Each expert's SwiGLU width (default --ffn)."),
+        click.option("--moe-shared-experts", type=int, help="Experts every token passes through (DeepSeek)."),
+        click.option("--moe-first-dense", type=int, help="Leading layers that stay dense (DeepSeek-V3: 3)."),
+        click.option("--moe-every", type=int, help="After them, every n-th layer is MoE (default 1)."),
         click.option("--global-batch", type=int, help="Sequences per optimizer step."),
         click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`)."),
         click.option("--cluster", type=click.Path(dir_okay=False),
@@ -71,6 +81,15 @@ def build_model(o: dict) -> ModelConfig:
             raise ConfigError(f"--{missing[0].replace('_', '-')}: required unless --model PRESET is given")
         cfg = ModelConfig(arch=o.get("arch") or "llama")
     cfg = dataclasses.replace(cfg, **{field: o[flag] for flag, field in MODEL_FIELDS.items() if o.get(flag) is not None})
+    if not cfg.moe_experts:
+        for flag in MOE_FLAGS:
+            if o.get(flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')}: set without --moe-experts (a dense model)")
+    if cfg.moe_experts < 0:
+        raise ConfigError(f"--moe-experts: must not be negative (0 = dense), got {cfg.moe_experts}")
+    if cfg.moe_experts and not 1 <= cfg.moe_top_k_experts <= cfg.moe_experts:
+        raise ConfigError(f"--moe-top-k: must be between 1 and --moe-experts {cfg.moe_experts}, "
+                          f"got {cfg.moe_top_k_experts}{'' if cfg.moe_top_k else ' (the default)'}")
     cfg.validate()
     if cfg.vocab_size is None:
         raise ConfigError("--vocab: required: the preset leaves the vocabulary to the tokenizer")
@@ -109,7 +128,7 @@ def check_positive(o: dict, keys) -> None:
             raise ConfigError(f"--{key.replace('_', '-')}: must be a positive integer, got {o[key]}")
 
 
-LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages", "num_gpus")
+LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "num_gpus")
 
 
 def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
@@ -128,7 +147,8 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
-                                cp=cp, zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
+                                cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
+                                zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=bool(o.get("sequence_parallel")))
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
@@ -171,6 +191,10 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
 @click.option("--dp", type=int, help="Data-parallel size; default: --num-gpus / (tp·pp·cp).")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel size.")
+@click.option("--cp-method", type=click.Choice(costs.CP_METHODS), default="ring", show_default=True,
+              help="Attention over the split sequence: ring, allgather (Llama 3) or ulysses (DeepSpeed).")
+@click.option("--ep", type=int, default=1, show_default=True,
+              help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
@@ -227,6 +251,8 @@ def _fixed_knobs(command):
         click.option("--pp", type=int, help="Fix the pipeline stages."),
         click.option("--dp", type=int, help="Fix the data-parallel size."),
         click.option("--cp", type=int, help="Fix the context-parallel size."),
+        click.option("--cp-method", type=click.Choice(costs.CP_METHODS), help="Fix the context-parallel method."),
+        click.option("--ep", type=int, help="Fix the expert-parallel size."),
         click.option("--micro-batch", type=int, help="Fix the micro-batch."),
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
@@ -274,7 +300,7 @@ def plan(as_json, top, out, **options):
                           f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")
     if len(best) < min(top, found.fitting):
         console.print(f"The {found.fitting:,} layouts that fit use {found.meshes()} mesh"
-                      f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp); the table shows the fastest of each "
+                      f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp × ep); the table shows the fastest of each "
                       "(the others differ in ZeRO stage, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
                                     _title(options, work, num_gpus, gpu)))

@@ -25,7 +25,14 @@ forward all-to-alls of Ulysses, (cp−1)/cp·(2·B_q + B_kv).
 """
 from __future__ import annotations
 
+import numpy as np
+
 METHODS = ("ring", "allgather", "ulysses")
+
+
+def _number(value):
+    """A 0-d result as a Python float; arrays (the planner's search) stay arrays."""
+    return float(value) if np.ndim(value) == 0 else value
 
 
 def qkv_bytes(micro_batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, cp: int,
@@ -35,36 +42,60 @@ def qkv_bytes(micro_batch: int, seq_len: int, heads: int, kv_heads: int, head_di
     return tokens * heads * head_dim * bytes_per_element, 2 * tokens * kv_heads * head_dim * bytes_per_element
 
 
-def ring_bytes_per_layer(cp: int, b_kv: float) -> float:
-    return (3 * cp - 2) * b_kv if cp > 1 else 0.0
+def ring_bytes_per_layer(cp, b_kv):
+    return _number(np.where(np.asarray(cp) > 1, (3 * np.asarray(cp) - 2) * b_kv, 0.0))
 
 
-def allgather_bytes_per_layer(cp: int, b_kv: float) -> float:
-    return 3 * (cp - 1) * b_kv
+def allgather_bytes_per_layer(cp, b_kv):
+    return _number(3 * (np.asarray(cp) - 1) * b_kv)
 
 
-def ulysses_bytes_per_layer(cp: int, b_q: float, b_kv: float) -> float:
-    return 2 * (cp - 1) / cp * (2 * b_q + b_kv)
+def ulysses_bytes_per_layer(cp, b_q, b_kv):
+    return _number(2 * (np.asarray(cp) - 1) / cp * (2 * b_q + b_kv))
 
 
-def recompute_bytes_per_layer(method: str, recompute: str, cp: int, b_q: float, b_kv: float) -> float:
-    """The bytes recomputation adds per layer and micro-batch (see the module docstring)."""
-    if recompute == "none" or (method == "ulysses" and recompute == "selective"):
-        return 0.0
-    if method == "ulysses":
-        return (cp - 1) / cp * (2 * b_q + b_kv)
-    return (cp - 1) * b_kv
+def messages_per_layer(method, cp, recompute="none"):
+    """Messages (point-to-point sends, or ring steps of a collective) one rank sends per layer and
+    micro-batch, forward and backward: what the link's latency is paid on. ring: 3·cp − 2 sends;
+    allgather: three collectives of cp − 1 steps; ulysses: eight all-to-alls of cp − 1 steps.
+    Recomputation repeats the forward's where ``recompute_bytes_per_layer`` repeats its bytes:
+    cp − 1 (ring, allgather), 4·(cp − 1) (ulysses, full only)."""
+    method, recompute, cp = _method_index(method), _recompute_index(recompute), np.asarray(cp)
+    ulysses = method == METHODS.index("ulysses")
+    again = np.where(ulysses, np.where(recompute == 2, 4 * (cp - 1), 0), np.where(recompute > 0, cp - 1, 0))
+    return _number(np.where(cp > 1, np.choose(method, [3 * cp - 2, 3 * (cp - 1), 8 * (cp - 1)]) + again, 0))
 
 
-def cp_bytes_per_layer(method: str, cp: int, b_q: float, b_kv: float) -> float:
-    """Bytes one rank sends on the cp axis per layer and micro-batch, forward and backward."""
-    if method == "ring":
-        return ring_bytes_per_layer(cp, b_kv)
-    if method == "allgather":
-        return allgather_bytes_per_layer(cp, b_kv)
-    if method == "ulysses":
-        return ulysses_bytes_per_layer(cp, b_q, b_kv)
-    raise ValueError(f"unknown context-parallel method {method!r}; the methods are {METHODS}")
+def recompute_bytes_per_layer(method, recompute, cp, b_q, b_kv):
+    """The bytes recomputation adds per layer and micro-batch (see the module docstring).
+    ``method`` and ``recompute`` are names, or (the planner's arrays) indices into METHODS and
+    ("none", "selective", "full")."""
+    method, recompute = _method_index(method), _recompute_index(recompute)
+    cp = np.asarray(cp)
+    ulysses_full = np.where(recompute == 2, (cp - 1) / cp * (2 * b_q + b_kv), 0.0)
+    forward_again = np.where(recompute > 0, (cp - 1) * b_kv, 0.0)
+    return _number(np.where(method == METHODS.index("ulysses"), ulysses_full, forward_again))
+
+
+def cp_bytes_per_layer(method, cp, b_q, b_kv):
+    """Bytes one rank sends on the cp axis per layer and micro-batch, forward and backward.
+    ``method`` is a name or (arrays) indices into METHODS."""
+    index = _method_index(method)
+    each = np.broadcast_arrays(ring_bytes_per_layer(cp, b_kv), allgather_bytes_per_layer(cp, b_kv),
+                               ulysses_bytes_per_layer(cp, b_q, b_kv))
+    return _number(np.choose(index, each))
+
+
+def _method_index(method):
+    if isinstance(method, str):
+        if method not in METHODS:
+            raise ValueError(f"unknown context-parallel method {method!r}; the methods are {METHODS}")
+        return METHODS.index(method)
+    return np.asarray(method)
+
+
+def _recompute_index(recompute):
+    return ("none", "selective", "full").index(recompute) if isinstance(recompute, str) else np.asarray(recompute)
 
 
 def cp_bytes_per_step(method: str, cp: int, recompute: str, layers: int, microbatches: int, micro_batch: int,

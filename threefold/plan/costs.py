@@ -13,8 +13,11 @@ from typing import Any
 import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
-from threefold.models.sizes import attention_width, block_param_count, count_parameters
+from threefold.models.sizes import (attention_width, block_param_count, count_parameters, moe_layer_count,
+                                    moe_parameter_counts, rank_expert_param_count, tp_moe_block_param_count)
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
+from threefold.plan import context
+from threefold.plan.context import METHODS as CP_METHODS
 
 SCHEDULES = schedule_names()  # the registry's order: Layout.schedule indexes it
 
@@ -42,23 +45,42 @@ def embedding_param_count(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Exact number of distinct parameters (tied embeddings counted once)."""
+    """Exact number of distinct parameters (tied embeddings counted once); of an MoE model, every
+    expert's (its total parameters)."""
     if cfg.arch == "llama":
         _require_vocab(cfg)
-        return count_parameters(cfg)  # the model's own count, torch-free
+        return moe_parameter_counts(cfg)[0]  # the model's own count, torch-free
     h, v = cfg.hidden, _require_vocab(cfg)
     head = 0 if cfg.tie_embeddings else v * h
     final_norm = 2 * h  # LayerNorm weight and bias
     return cfg.layers * block_param_count(cfg) + embedding_param_count(cfg) + head + final_norm
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token computes with: all of a dense model's; of an MoE model, the router,
+    the top-k routed experts and the shared experts of each MoE layer, everything else whole
+    (``sizes.moe_parameter_counts``). MFU counts these, as Mixtral's and DeepSeek-V3's reports do."""
+    if cfg.arch == "llama":
+        _require_vocab(cfg)
+        return moe_parameter_counts(cfg)[1]
+    return param_count(cfg)
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matrix multiply per token: all but the lookup tables.
+    """Active parameters that take part in a matrix multiply per token: all but the lookup tables.
 
     With tied embeddings the table is also the output head, so it stays counted once.
     """
     lookup_only = embedding_param_count(cfg) - (_require_vocab(cfg) * cfg.hidden if cfg.tie_embeddings else 0)
-    return param_count(cfg) - lookup_only
+    return active_param_count(cfg) - lookup_only
+
+
+def active_block_param_count(cfg: ModelConfig) -> int:
+    """Active parameters of all blocks together: L · block_param_count for a dense model; each
+    MoE block with its router, top-k and shared experts in place of the dense SwiGLU."""
+    dense_count = count_parameters(cfg) if cfg.arch == "llama" else param_count(cfg)
+    outside_blocks = dense_count - cfg.layers * block_param_count(cfg)
+    return active_param_count(cfg) - outside_blocks  # the embeddings, the final norm and the head
 
 
 def attention_flops_per_token(cfg: ModelConfig) -> float:
@@ -85,7 +107,7 @@ def recompute_flops_per_token(cfg: ModelConfig) -> tuple[float, float, float]:
     full: every block's forward runs twice (the logits are not recomputed);
     selective: the attention core's forward runs twice (Korthikanti et al. 2022).
     """
-    return 0.0, attention_flops_per_token(cfg), 2.0 * cfg.layers * block_param_count(cfg) + attention_flops_per_token(cfg)
+    return 0.0, attention_flops_per_token(cfg), 2.0 * active_block_param_count(cfg) + attention_flops_per_token(cfg)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
@@ -122,7 +144,7 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
 
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
-                      dtype_bytes: int = 4, arch: str = "llama", embedding=True):
+                      dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0):
     """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
     embedding and the head (the CommLedger's key ``tp``; ring convention).
 
@@ -130,14 +152,16 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     a = 2(t−1)/t (an all-reduce of B sends a·B; an all-gather or reduce-scatter a/2·B), each
     micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
     ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
+    ``moe_layers``: how many of the ``layers`` blocks hold experts.
     Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
     """
     ring = 2 * (np.asarray(tp) - 1) / tp
-    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding)
+    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers)
     return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
 
 
-def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True):
+def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True,
+                                  moe_layers=0):
     """The tensor-parallel collectives of one micro-batch, in all-reduces of its activations
     (an all-gather or a reduce-scatter of the same tensor counts ½), as the engine
     (threefold/parallel/tensor_parallel.py) runs them.
@@ -157,6 +181,12 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     Embedding (vocab-parallel lookup): g forward, 1 (SP: reduce-scatter forward, all-gather of
       its gradient backward, 1). Head (column-parallel over the vocabulary): f backward, 1 (SP:
       gather forward, reduce-scatter backward, re-gather for the weight gradient, 1½).
+    An MoE block (``moe_layers`` of the ``layers``) is replicated over tp, as the engine runs it
+      (tensor_parallel.ReplicatedMoE: each tp rank runs the whole block on the whole sequence):
+      its feed-forward has no f or g, so without SP the block has only the attention's 2; with
+      SP the block's input is all-gathered forward and its output's gradient all-gathered
+      backward (½ + ½) besides the attention's 2½: 3½. Its full recomputation repeats what a
+      dense block's does (the attention's g, and with SP the block input's gather): 1 (SP 1½).
     Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
     the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
     """
@@ -164,7 +194,9 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     recomputed = np.where(sp, 1.5, 1.0) if arch == "llama" else 2.0
     per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, 0.0)
-    return _scalar_or_array(layers * per_block + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0))
+    moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
+    return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
+                            + np.where(sp, 1.5, 1.0))
 
 
 def tp_loss_bytes_per_step(microbatches, micro_batch, seq_len, tp):
@@ -219,6 +251,44 @@ def scatter_gather_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virt
     return pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages, schedule) * (tp - 1) / tp * message
 
 
+def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_experts, recompute="none",
+                      dtype_bytes: int = 4, count_bytes: int = 8, combine_bytes: int | None = None):
+    """Bytes each rank sends on the expert-parallel axis per optimizer step (ledger key ``ep``),
+    for dropless routing that sends every rank's experts the same share of the assignments
+    (round-robin routing; balanced routing on average).
+
+    ``tokens`` is T, the tokens this rank routes in one micro-batch (micro_batch · seq_len / cp);
+    each makes ``top_k`` = k assignments, one row of ``hidden`` = h elements. Of a rank's T·k
+    rows, 1/ep are for its own experts and stay; (ep−1)/ep go to the other ep − 1 ranks. Per MoE
+    layer and micro-batch:
+      dispatch (forward)      all_to_all of the rows to their experts' ranks:  (ep−1)/ep · T·k·h · bytes
+      combine (forward)       all_to_all of the experts' outputs back:         (ep−1)/ep · T·k·h · bytes
+      backward                the gradients of both, the same sizes reversed: 2 · (ep−1)/ep · T·k·h · bytes
+                              → 4 · (ep−1)/ep · T·k·h · dtype_bytes
+      count exchange          before the dispatch, an all_to_all_single of this rank's E per-expert
+      (forward)               counts (int64, E = ``num_experts``) split evenly over the ep ranks: each
+                              other rank gets the E/ep counts of its own experts, so a rank sends
+                              (ep−1) · E/ep · count_bytes. The receiver needs per-expert counts, not
+                              one total per peer, to group its rows by local expert. The backward
+                              reuses the forward's splits: no second exchange.
+    Recomputation: ``full`` reruns each block's forward, its routing, count exchange, dispatch and
+    combine included: + 2 · (ep−1)/ep · T·k·h · bytes + (ep−1) · E/ep · count_bytes per MoE layer
+    and micro-batch; ``selective`` reruns only the attention core: nothing. With ep = 1 every term
+    is 0. Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
+    ``combine_bytes``: the element size of the experts' outputs and their gradients where it
+    differs from the dispatched rows' ``dtype_bytes`` (the engine's bf16 autocast dispatches the
+    fp32 norm output and combines bf16 products: 4 and 2); the factor 4 above is then 2 + 2.
+    """
+    ep = np.asarray(ep)
+    share = (ep - 1) / ep
+    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden
+    sent = rows * (dtype_bytes + (dtype_bytes if combine_bytes is None else combine_bytes))  # one way and back
+    counts = (ep - 1) * (num_experts / ep) * count_bytes
+    full = _recompute_index(recompute) == RECOMPUTE.index("full")
+    per_layer = 2 * sent + counts + np.where(full, sent + counts, 0)
+    return _scalar_or_array(microbatches * moe_layers * per_layer)
+
+
 def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict:
     """Bytes of parameters, gradients and optimizer states on one rank under ZeRO stage ``zero``.
 
@@ -259,23 +329,29 @@ class Layout:
     sequence_parallel: Any = False
     recompute: Any = 0
     schedule: Any = 1
+    ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
+    cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
 
     @classmethod
-    def named(cls, recompute: str = "none", schedule: str = "1f1b", **sizes) -> "Layout":
+    def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
         return cls(recompute=_index(RECOMPUTE, recompute, "--recompute"),
-                   schedule=_index(SCHEDULES, schedule, "--schedule"), **sizes)
+                   schedule=_index(SCHEDULES, schedule, "--schedule"),
+                   cp_method=_index(CP_METHODS, cp_method, "--cp-method"), **sizes)
 
     def take(self, index) -> "Layout":
         """The layouts at ``index`` of an array-valued Layout."""
         return Layout(**{f.name: np.asarray(getattr(self, f.name))[index] for f in fields(self)})
 
     def describe(self, i: int | None = None) -> str:
-        """``TP=8 PP=16 DP=8 mb=1 zero=1 SP selective 1f1b``: one layout (element ``i`` of an array)."""
+        """``TP=8 PP=16 DP=8 mb=1 zero=1 SP selective 1f1b`` (``EP=8``, ``CP=4 ring`` where they are
+        above 1): one layout (element ``i`` of an array)."""
         v = {f.name: (np.asarray(getattr(self, f.name))[i] if i is not None else getattr(self, f.name))
              for f in fields(self)}
         parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
+        if int(v["ep"]) > 1:
+            parts.append(f"EP={int(v['ep'])}")
         if int(v["cp"]) > 1:
-            parts.append(f"CP={int(v['cp'])}")
+            parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
         if bool(v["sequence_parallel"]):
             parts.append("SP")
@@ -299,10 +375,10 @@ def _recompute_index(recompute):
 
 def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus: int) -> None:
     """Raise ConfigError, one line, for a scalar layout that cannot run this model on these GPUs."""
-    t, p, d, c, b, v = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
-                                        layout.virtual_stages))
+    t, p, d, c, b, v, e = (int(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp, layout.micro_batch,
+                                           layout.virtual_stages, layout.ep))
     schedule = SCHEDULES[int(layout.schedule)]
-    for flag, value in (("--tp", t), ("--pp", p), ("--dp", d), ("--cp", c), ("--micro-batch", b),
+    for flag, value in (("--tp", t), ("--pp", p), ("--dp", d), ("--cp", c), ("--ep", e), ("--micro-batch", b),
                         ("--virtual-stages", v), ("--global-batch", global_batch), ("--num-gpus", num_gpus)):
         if value < 1:
             raise ConfigError(f"{flag}: must be a positive integer, got {value}")
@@ -314,14 +390,33 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
-    if model.seq_len % c:
-        raise ConfigError(f"--cp: {c} does not divide the sequence length {model.seq_len}")
+    if c > 1 and model.seq_len % (2 * c):
+        raise ConfigError(f"--cp: {c} does not divide half the sequence, {model.seq_len}/2 (the zigzag split "
+                          f"gives each rank 2 of 2·cp equal chunks)")
+    method = CP_METHODS[int(layout.cp_method)]
+    for heads, kind in ((model.heads // t, "query"), (model.n_kv_heads // t, "key/value")):
+        if c > 1 and method == "ulysses" and heads % c:
+            raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
+                              f"rank (Ulysses splits the heads over cp)")
+    check_experts(model, e, d)
     if global_batch % (d * b):
         raise ConfigError(f"--global-batch: {global_batch} is not divisible by --dp × --micro-batch = {d} × {b}")
     if layout.sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel: needs --tp > 1")
     if p > 1 or v > 1:
         check_schedule(schedule, p, global_batch // (d * b), v, model.layers, flags=PLAN_FLAGS)
+
+
+def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
+    """ConfigError, one line, for an expert-parallel size the model or the dp ranks cannot take."""
+    if ep == 1:
+        return
+    if not model.moe_experts:
+        raise ConfigError(f"--ep: {ep} needs an MoE model (--moe-experts); this one is dense")
+    if model.moe_experts % ep:
+        raise ConfigError(f"--ep: {ep} does not divide the {model.moe_experts} experts (--moe-experts)")
+    if dp % ep:
+        raise ConfigError(f"--ep: {ep} does not divide --dp {dp} (the expert-parallel ranks are data-parallel ranks)")
 
 
 PLAN_FLAGS = {"schedule": "--schedule", "pp": "--pp", "virtual_stages": "--virtual-stages",
@@ -369,13 +464,19 @@ class Workload:
     activation_bytes: int = field(init=False)
     optimizer_bytes: int = field(init=False)
     optimizer_pass_bytes: int = field(init=False)
+    params_total: int = field(init=False)  # every expert's parameters
+    params_active: int = field(init=False)  # what one token computes with (MFU counts these)
 
     def __post_init__(self):
+        if self.model.moe_experts and self.model.arch != "llama":
+            raise ConfigError("--moe-experts: the planner models experts in llama blocks only (--arch llama)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--dtype: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for key, value in PRECISIONS[self.precision].items():
             object.__setattr__(self, key, value)
         object.__setattr__(self, "model_flops_per_token", model_flops_per_token(self.model))
+        object.__setattr__(self, "params_total", param_count(self.model))
+        object.__setattr__(self, "params_active", active_param_count(self.model))
         object.__setattr__(self, "recompute_flops_per_token", recompute_flops_per_token(self.model))
 
 
@@ -439,6 +540,37 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
                                               kept + tokens * coef["core"] / tp)))
 
 
+def moe_layers_below(cfg: ModelConfig, n):
+    """How many of the blocks 0 … n−1 hold experts (``sizes.is_moe_layer``), for arrays of n: none
+    among the first ``moe_first_dense``, then every ``moe_every``-th."""
+    if not cfg.moe_experts:
+        return np.zeros(np.shape(n))
+    after = np.maximum(0, np.asarray(n) - cfg.moe_first_dense)
+    return np.ceil(after / cfg.moe_every)
+
+
+def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
+                         dtype_bytes: int = ACTIVATION_BYTES):
+    """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
+    on one tp rank, for the ``tokens`` of a micro-batch: the tensors autograd saves for
+    threefold/models/moe.py's block, counted with saved-tensor hooks on one process (the input,
+    already counted as the norm's output, and the weights left out). The block is replicated
+    over tp and runs on the whole sequence on every tp rank (tensor_parallel.ReplicatedMoE), so
+    all of it is whole. Per token: the SwiGLU internals (gate, up, silu(gate), product) of its k
+    routed and the shared experts, 4·(k + S)·f_e, in place of the dense SwiGLU's 4·f/tp; three
+    tensors of k rows of h (the permuted input, the experts' output and its weighted copy);
+    under SP the gathered input (h); in fp32 and int64 whatever the dtype, the router's logits
+    and scores (8·E bytes), the choices' indices and sort orders (32·k), their weights (8·k)
+    and the renormalising sum (4). Expert parallelism's regrouping adds a few bytes (not
+    counted). Full recomputation keeps only the block's input, as for a dense block."""
+    d, k, f = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden
+    gathered = np.where(np.asarray(sequence_parallel, dtype=bool), model.hidden * d, 0)
+    whole = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * model.hidden * d + 8 * model.moe_experts
+             + 40 * k + 4)
+    return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), 0,
+                                     tokens * (whole + gathered - 4 * d * model.ffn_hidden / np.asarray(tp))))
+
+
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
     """Idle fraction of a pipeline step at uniform stage costs: each schedule's closed form from
     the registry (threefold/parallel/pipeline/schedule.py), 0 without a pipeline. ``schedule`` is
@@ -485,7 +617,7 @@ def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
 
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
-                   drain_s) -> dict:
+                   drain_s, also: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -493,7 +625,11 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     the engines run it: a reduction runs during the backward that produces it (and the pipeline
     drain after it), parameters gather during the first micro-batch's forward, except one bucket
     each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
-    micro-batch's compute, and the first gather, are exposed."""
+    micro-batch's compute, and the first gather, are exposed.
+
+    ``also``: another group's result whose traffic shares the link and the same compute (an MoE
+    model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
+    the exposure is that of both groups' reductions and gathers behind the one backward and forward."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -504,12 +640,18 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), bw, latency)
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
+    active = replicas > 1
+    parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active}
+    if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
+        sent, seconds, active = sent + also["bytes"], seconds + also["seconds"], active | also["active"]
+        grad_s, gather_s = grad_s + also["grad_s"], gather_s + also["gather_s"]
+        one_collective_s = np.maximum(one_collective_s, also["one_s"])
     per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
                          np.maximum(grad_s - backward_s - drain_s, one_collective_s))
                 + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
     block_wise = m * np.maximum(0, seconds / m - mb_s) + one_collective_s
-    return {"bytes": sent, "seconds": seconds,
-            "exposed": np.where(replicas > 1, np.where(zero == 3, block_wise, per_step), 0)}
+    return {"bytes": sent, "seconds": seconds, **parts,
+            "exposed": np.where(active, np.where(zero == 3, block_wise, per_step), 0)}
 
 
 def _ring_time(bytes_sent, steps, link_bw, latency):
@@ -542,6 +684,14 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     stage_layers = np.ceil(L / p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
+    # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
+    # stage (L−n … L−1); each rank holds E/ep whole experts (an MoE block is replicated over tp,
+    # as the engine runs it), their states replicated on dp·cp/ep ranks.
+    moe = cfg.moe_experts > 0
+    e = np.asarray(layout.ep)
+    moe_first = moe_layers_below(cfg, stage_layers)
+    moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
+    expert_replicas = replicas / e
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
     coef = activation_coefficients(cfg, work.attention, work.activation_bytes)
@@ -552,8 +702,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
     in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
     recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
-    block_act_first = stage_layers * per_layer * in_flight_first + recompute_workspace
-    block_act_last = stage_layers * per_layer * in_flight_last + recompute_workspace
+    moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
+    if moe:
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes)
+        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes)
+        recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
+    block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first + recompute_workspace
+    block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last + recompute_workspace
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
     logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
     act_first = block_act_first + embedding_act + np.where(single_stage | v_shape, logits_act, 0)
@@ -561,23 +716,40 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
+    largest_block = block_params / t  # one tp rank's share of the largest block (ZeRO-3 gathers it)
     final_norm = h if cfg.arch == "llama" else 2 * h
     block_numel = stage_layers * block_params / t
+    expert_first = expert_last = 0
+    if moe:  # per MoE block on one rank: the attention over tp; norms, router, shared and E/ep experts whole
+        moe_block, expert_block = tp_moe_block_param_count(cfg, t), rank_expert_param_count(cfg, e)
+        block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
+        block_numel = block_numel + moe_first * (moe_block - block_params / t)
+        expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
+        largest_block = np.maximum(largest_block, moe_block + expert_block)
+    else:
+        block_numel_last = block_numel
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
     head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
-    last_numel = np.where(single_stage, whole_numel, block_numel + np.where(v_shape, 0, head_numel))
-    gathered_params = np.where(zero == 3, 2 * block_params / t * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
-    gathered_grads = np.where(zero == 3, block_params / t * work.grad_bytes, 0)
+    last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
+    gathered_params = np.where(zero == 3, 2 * largest_block * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
+    gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
 
-    def states(numel):
+    def states(numel, expert_numel):
         st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
+        if moe:  # the experts' states: ZeRO shards them over the ranks that hold the same experts
+            ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
+                                   work.optimizer_bytes)
+            st = {key: st[key] + ex[key] for key in st}
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
-    first_states, last_states = states(first_numel), states(last_numel)
+    first_states, last_states = states(first_numel, expert_first), states(last_numel, expert_last)
     block_states = sum(model_state_bytes(block_numel, replicas, zero, work.param_bytes, work.grad_bytes,
                                          work.optimizer_bytes).values())
+    if moe:
+        block_states = block_states + sum(model_state_bytes(expert_first, expert_replicas, zero, work.param_bytes,
+                                                            work.grad_bytes, work.optimizer_bytes).values())
     total_first = sum(first_states) + act_first
     total_last = sum(last_states) + act_last
     last_fuller = total_last > total_first
@@ -598,9 +770,29 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
     layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
     math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
+    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
+    moe_extra_traffic = 0
+    if moe:
+        # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
+        # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
+        # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
+        # T·k·ep/E rows each). The same 3× for backward as any product.
+        k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
+        moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
+                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
+        if shared:
+            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e, gpu, a_bytes) + matmul_seconds(
+                rows, shared * f_e, h, gpu, a_bytes)
+        expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
+        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
+                                                   + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
+        moe_layer_s = 3 * (moe_gemm_s + core_s) + np.where(full, moe_gemm_s + core_s, np.where(selective, core_s, 0))
+        math_s = math_s + moe_last * (moe_layer_s - layer_s)
+        gemm_mb_s = gemm_mb_s + moe_last * 3 * (moe_gemm_s - layer_gemm_s)
+        moe_extra_traffic = ELEMENTWISE_PASSES * moe_last * moe_all * np.where(full, 1.5, 1.0)
     traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
                                                     + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
-               + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
+               + moe_extra_traffic + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
     memory_bound_s = traffic / (gpu.hbm_bw * gpu.hbm_efficiency)
 
     def link(group_span):
@@ -612,9 +804,10 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
-    tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage)
+    tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage,
+                                                   moe_layers=moe_last)
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
-                                    embedding=single_stage)
+                                    embedding=single_stage, moe_layers=moe_last)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t)
     tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
@@ -625,20 +818,44 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # all-gathers and reduce-scatters run as rings of t−1 transfers, each behind one chunk (1/t) of
     # the adjacent product: transfers of C seconds beside products of G leave max(0, C − (t−1)/t·G)
     # exposed. The embedding's pair and the loss's all-reduces have no product beside them.
-    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
     ringed_mb_s = tp_mb_s * tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes,
-                                              cfg.arch, embedding=False) / np.maximum(tp_sent_mb, 1)
+                                              cfg.arch, embedding=False, moe_layers=moe_last) / np.maximum(tp_sent_mb, 1)
     tp_exposed_mb = np.where(work.tp_comm_overlap & sp,
                              tp_mb_s - ringed_mb_s + np.maximum(0, ringed_mb_s - (t - 1) / t * gemm_mb_s), tp_mb_s)
 
-    # ---- context parallel: all-gather K and V forward, again and reduce-scatter their grads backward
-    cp_collectives = stage_layers * (3 + full)
-    cp_sent_mb = cp_collectives * (c - 1) / c * (b * s * 2 * kv * work.activation_bytes / t)
+    # ---- context parallel: each method's bytes per layer and micro-batch (plan/context.py, what
+    # the engine sends), B_q and B_kv of this rank's b·s/c tokens and heads/t heads. ring: each
+    # next key/value block is in flight while the current block's products run, so its transfers
+    # hide behind the attention core's forward and backward, all but the last hop of the gradient
+    # home; allgather and ulysses: exposed (the gather or all-to-all precedes the core that needs it).
+    method = np.asarray(layout.cp_method)
+    b_q, b_kv = tokens * q / t * work.activation_bytes, 2 * tokens * kv / t * work.activation_bytes
+    cp_sent_mb = stage_layers * (context.cp_bytes_per_layer(method, c, b_q, b_kv)
+                                 + context.recompute_bytes_per_layer(method, recompute, c, b_q, b_kv))
     cp_bw, cp_lat = link(t * c)
-    cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_collectives * (c - 1), cp_bw, cp_lat), 0)
+    cp_messages = stage_layers * context.messages_per_layer(method, c, recompute)
+    cp_mb_s = np.where(c > 1, _ring_time(cp_sent_mb, cp_messages, cp_bw, cp_lat), 0)
     attention_s = stage_layers * 3 * core_s
-    cp_exposed_mb = np.maximum(0, cp_mb_s - attention_s)  # ring attention overlaps with the core
+    last_hop = np.minimum(cp_mb_s, stage_layers * (cp_lat + b_kv / cp_bw))
+    cp_exposed_mb = np.where(method == CP_METHODS.index("ring"),
+                             np.maximum(0, cp_mb_s - last_hop - attention_s) + last_hop, cp_mb_s)
     cp_bytes = m * cp_sent_mb
+
+    # ---- expert parallel: dispatch, combine, their gradients and the count exchange per MoE block
+    # (ep_bytes_per_step), all exposed: each all-to-all sits between the products that produce and
+    # consume it. The ep group is ep ranks t·c apart: those in this rank's node are reached over
+    # NVLink, the others over the network, in parallel; an all-to-all takes ep − 1 pairwise rounds.
+    ep_mb_s = ep_sent_mb = np.zeros(np.shape(num_gpus))
+    if moe:
+        ep_sent_mb = ep_bytes_per_step(tokens, cfg.moe_top_k_experts, h, e, moe_last, 1, cfg.moe_experts, recompute,
+                                       work.activation_bytes)
+        in_node = np.clip(gpu.gpus_per_node // (t * c), 1, e)  # ep ranks in one node, this one included
+        peers = np.maximum(e - 1, 1)
+        intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
+        inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)
+        ep_latency = np.where(in_node < e, gpu.inter_node_latency_s, gpu.intra_node_latency_s)
+        all_to_alls = moe_last * np.where(full, 8, 5)
+        ep_mb_s = np.where(e > 1, all_to_alls * (e - 1) * ep_latency + np.maximum(intra_s, inter_s), 0)
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
@@ -647,7 +864,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
     bubble = bubble_fraction(schedule, p, m, v)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
-    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb
+    mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
     bubble_s = busy_s * bubble / (1 - bubble)
@@ -663,6 +880,12 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
                              mb_s, drain_s)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
                               forward_s, mb_s, 0)
+    if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), on the same
+        # link and behind the same backward as the rest: the two groups' exposure together
+        dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, dp_bw, dp_lat, backward_s,
+                                 forward_s, mb_s, drain_s, also=dp_last)
+        dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, dp_bw, dp_lat, backward_s,
+                                  forward_s, mb_s, 0, also=dp_first)
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
@@ -670,7 +893,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam's reads and
     # writes (PRECISIONS) and the gradient's; the gradient norm reads the gradients, zeroing writes them.
-    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1)
+    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
 
     # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
@@ -686,7 +909,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
     result = dict(
-        num_gpus=num_gpus, microbatches=m, step_time_s=step_s, tokens_per_s=step_tokens / step_s,
+        num_gpus=num_gpus, microbatches=m, params_total=np.full(np.shape(step_s), float(work.params_total)),
+        params_active=np.full(np.shape(step_s), float(work.params_active)), step_time_s=step_s, tokens_per_s=step_tokens / step_s,
         tflops_per_gpu=model_flops / (step_s * num_gpus) / 1e12,
         mfu=model_flops / (step_s * num_gpus * gpu.peak_flops),
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
@@ -695,12 +919,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
-        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes,
-        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s,
+        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes, ep_bytes=m * ep_sent_mb,
+        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
-        cp_exposed_s=m * cp_exposed_mb, pp_exposed_s=2 * busy_slots * p2p_s, bubble_s=bubble_s,
-        dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
+        cp_exposed_s=m * cp_exposed_mb, ep_exposed_s=m * ep_mb_s, pp_exposed_s=2 * busy_slots * p2p_s,
+        bubble_s=bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
     )
-    result["exposed_s"] = result["tp_exposed_s"] + result["cp_exposed_s"] + result["pp_exposed_s"] + dp_exposed_s
+    result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
+                           + result["pp_exposed_s"] + dp_exposed_s)
     return {key: (bool(value) if np.ndim(value) == 0 else value) if key == "fits" else _scalar_or_array(value)
             for key, value in result.items()}

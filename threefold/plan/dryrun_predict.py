@@ -7,9 +7,14 @@ any rank, so this generalises it to the rank's pipeline coordinate, with the sam
 shards are equal (the vocabulary padded to a multiple of tp) and every dp replica is the same.
 
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
-               dp; activations: costs.block_activation_bytes × the most blocks whose activations
+               dp × cp (the ranks that hold the same parameters); activations, of its seq_len / cp
+               tokens: costs.block_activation_bytes × the most blocks whose activations
                the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
+  experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
+               ranks of the expert-data-parallel group; their reduction under "dp", the
+               dispatch and combine under "ep" (costs.ep_bytes_per_step, round-robin routing as
+               the dry run routes fake tokens); the activations an MoE block adds are estimated;
   comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
                embedding where it holds stage 0 and the head term only where it holds the last
                stage; tp.loss where it computes the loss; pp: costs.pp_bytes_per_step of its pp
@@ -26,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config
-from threefold.models.sizes import stage_param_count
+from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
 from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
@@ -34,14 +39,15 @@ from threefold.plan.simulate import peak_in_flight
 
 @dataclass(frozen=True)
 class RankShare:
-    """What one pipeline coordinate runs: its parameter elements (one tp shard), its blocks,
-    whether it holds the first and the last stage, and the most blocks whose activations it
-    holds at once."""
+    """What one pipeline coordinate runs: its parameter elements (one tp shard; routed experts
+    apart), its blocks, whether it holds the first and the last stage, the most blocks whose
+    activations it holds at once, and how many of its blocks hold experts."""
     numel: int
     blocks: int
     first_stage: bool
     last_stage: bool
     blocks_in_flight: int
+    moe_blocks: int = 0
 
 
 def rank_share(cfg: Config, pp_rank: int) -> RankShare:
@@ -49,16 +55,19 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     registry's stage placement, models/sizes.py's counts."""
     p, model = cfg.parallel, cfg.model
     if p.pp == 1:
-        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
-        return RankShare(numel, model.layers, True, True, model.layers)
+        moe = sum(is_moe_layer(model, i) for i in range(model.layers))
+        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
+        return RankShare(numel, model.layers, True, True, model.layers, moe)
     spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
-    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
+    moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
+    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)
+                for span, n in zip(held, moe))
     in_flight = peak_in_flight(schedule.actions[pp_rank], schedule.split_backward,
                                lambda a: len(spans[a.stage].blocks))
     return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
-                     any(span.last for span in held), in_flight)
+                     any(span.last for span in held), in_flight, sum(moe))
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> float:
@@ -83,11 +92,22 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     share = rank_share(cfg, pp_rank)
     m = cfg.microbatches
     act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
-    replicas = p.dp * p.cp  # the ranks that hold the same weights: gradients are reduced over them
+    replicas = p.dp * p.cp  # weight gradients are reduced over dp × cp together
     memory = dict(costs.model_state_bytes(share.numel, replicas, p.zero))
-    seq = model.seq_len // p.cp  # the tokens of a sequence this rank holds
-    block = costs.block_activation_bytes(model, t.micro_batch * seq, p.tp, p.sequence_parallel, t.recompute,
+    # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
+    # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
+    experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
+    expert_replicas = p.dp // p.ep * p.cp
+    if experts:
+        for key, value in costs.model_state_bytes(experts, expert_replicas, p.zero).items():
+            memory[key] += value
+    seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
+    tokens = t.micro_batch * seq
+    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
+    if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
+        block += share.moe_blocks / share.blocks * costs.moe_activation_bytes(
+            model, tokens, p.tp, p.sequence_parallel, t.recompute, act_bytes)
     memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
 
     comm = {}
@@ -98,10 +118,18 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
+    if experts and expert_replicas > 1:  # the expert-data-parallel group is part of dp: the ledger's "dp"
+        comm["dp"] = comm.get("dp", 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+    if p.ep > 1 and share.moe_blocks:
+        # Under bf16 autocast the dispatched rows are the norm's fp32 output, the combined ones bf16
+        comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,
+                                             share.moe_blocks, m, model.moe_experts, t.recompute, 4,
+                                             combine_bytes=act_bytes)
     if p.tp > 1:
         tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
-        comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage)
+        comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage,
+                                             moe_layers=share.moe_blocks)
         if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
             comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
         if share.last_stage:

@@ -4,19 +4,19 @@ from __future__ import annotations
 import numpy as np
 from rich.table import Table
 
-from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout
+from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout
 
 GiB = 2**30
 
 # Seconds of one step, by where they go; they add up to step_time_s.
-TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer",
+TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "ep_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer",
               "contention")
 
 
 def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
     """One layout's estimate (element ``i`` of array-valued ones) as the JSON DESIGN.md promises."""
     def get(key):
-        value = est[key] if i is None else np.asarray(est[key])[i]
+        value = est[key] if i is None or np.ndim(est[key]) == 0 else np.asarray(est[key])[i]
         return value.item() if isinstance(value, np.generic) else value
 
     def lay(name):
@@ -30,13 +30,15 @@ def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
         "layout": {"tp": int(lay("tp")), "pp": int(lay("pp")), "dp": int(lay("dp")), "cp": int(lay("cp")),
                    "zero": int(lay("zero")), "micro_batch": int(lay("micro_batch")),
                    "virtual_stages": int(lay("virtual_stages")), "sequence_parallel": bool(lay("sequence_parallel")),
-                   "recompute": RECOMPUTE[int(lay("recompute"))], "schedule": SCHEDULES[int(lay("schedule"))]},
+                   "recompute": RECOMPUTE[int(lay("recompute"))], "schedule": SCHEDULES[int(lay("schedule"))],
+                   "ep": int(lay("ep")), "cp_method": CP_METHODS[int(lay("cp_method"))]},
+        "parameters": {"total": int(get("params_total")), "active": int(get("params_active"))},
         "num_gpus": int(get("num_gpus")), "microbatches": int(get("microbatches")),
         "step_time_s": get("step_time_s"), "tokens_per_s": get("tokens_per_s"), "tflops_per_gpu": get("tflops_per_gpu"),
         "mfu": get("mfu"), "hfu": get("hfu"), "bubble_fraction": get("bubble_fraction"), "fits": bool(get("fits")),
         "memory_gib": memory,
-        "comm": {key: get(key) for key in ("dp_bytes", "tp_bytes", "pp_bytes", "cp_bytes", "dp_s", "tp_s", "pp_s", "cp_s",
-                                           "exposed_s")},
+        "comm": {key: get(key) for key in ("dp_bytes", "tp_bytes", "pp_bytes", "cp_bytes", "ep_bytes", "dp_s", "tp_s",
+                                           "pp_s", "cp_s", "ep_s", "exposed_s")},
         "time_s": {part: get(f"{part}_s") for part in TIME_PARTS},
     }
 
@@ -79,7 +81,7 @@ def estimate_tables(result: dict, title: str) -> list[Table]:
     comm.add_column("axis")
     comm.add_column("bytes sent", justify="right")
     comm.add_column("seconds", justify="right")
-    for axis in ("dp", "tp", "pp", "cp"):
+    for axis in ("dp", "tp", "pp", "cp", "ep"):
         comm.add_row(axis.upper(), _bytes(result["comm"][f"{axis}_bytes"]), f"{result['comm'][f'{axis}_s']:.3f}")
     comm.add_row("exposed", "", f"{result['comm']['exposed_s']:.3f}")
     return [summary, time, memory, comm]

@@ -16,10 +16,10 @@ import numpy as np
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule
 from threefold.plan import costs, report
-from threefold.plan.costs import RECOMPUTE, SCHEDULES, Layout, Workload
+from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout, Workload
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-CONTEXT_PARALLEL = (1, 2, 4, 8)
+CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 
 
@@ -48,7 +48,24 @@ def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> boo
     return True
 
 
-KNOBS = ("tp", "pp", "dp", "cp", "zero", "micro_batch", "virtual_stages", "sequence_parallel", "recompute", "schedule")
+KNOBS = ("tp", "pp", "dp", "cp", "ep", "cp_method", "zero", "micro_batch", "virtual_stages", "sequence_parallel",
+         "recompute", "schedule")
+
+
+def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
+    """Indices into CP_METHODS the layout can run: all three with cp > 1 (ulysses only where cp
+    divides each tp rank's query and key/value heads); without cp, ring stands for all."""
+    if cp == 1:
+        return [CP_METHODS.index(fixed.get("cp_method", "ring"))]
+    return [i for i, name in enumerate(CP_METHODS) if fixed.get("cp_method", name) == name
+            and (name != "ulysses" or not (cfg.heads // tp % cp or cfg.n_kv_heads // tp % cp))]
+
+
+def _expert_parallel(cfg, dp: int, fixed: dict) -> list[int]:
+    """Expert-parallel sizes: every divisor of dp that divides the experts (1 for a dense model)."""
+    if "ep" in fixed:
+        return [fixed["ep"]] if dp % fixed["ep"] == 0 and (cfg.moe_experts or 1) % fixed["ep"] == 0 else []
+    return [e for e in _divisors(dp) if cfg.moe_experts % e == 0] if cfg.moe_experts else [1]
 
 
 def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) -> Layout:
@@ -56,7 +73,9 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     (KNOBS; recompute and schedule by name) to the one value the user fixed.
 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
-    layer count; CP: 1-8 dividing the sequence; DP fills the rest. Then every ZeRO stage,
+    layer count; CP: 1-16 dividing half the sequence (the zigzag split), with each method that
+    runs (``_context_methods``); DP fills the rest; EP: each divisor of dp that divides the
+    experts (MoE models only). Then every ZeRO stage,
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
     (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
     rank; pipelines only when PP > 1). A fixed knob replaces its range by its one value.
@@ -65,7 +84,8 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     grids = []
     for tp, pp, cp in itertools.product(_divisors(num_gpus), repeat=3):
         if (tp * pp * cp > num_gpus or num_gpus % (tp * pp * cp) or cfg.heads % tp
-                or cfg.n_kv_heads % tp or cfg.ffn_hidden % tp or pp > cfg.layers or cfg.seq_len % cp
+                or cfg.n_kv_heads % tp or cfg.ffn_hidden % tp or pp > cfg.layers
+                or cfg.seq_len % (2 * cp if cp > 1 else 1)
                 or (tp & (tp - 1) if "tp" not in fixed else tp != fixed["tp"])
                 or (cp not in CONTEXT_PARALLEL if "cp" not in fixed else cp != fixed["cp"])
                 or pp != fixed.get("pp", pp) or num_gpus // (tp * pp * cp) != fixed.get("dp", num_gpus // (tp * pp * cp))):
@@ -74,12 +94,13 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
         micro = [b for b in ((fixed["micro_batch"],) if "micro_batch" in fixed else MICRO_BATCHES)
                  if work.global_batch % (dp * b) == 0]
         parallel = (fixed["sequence_parallel"],) if "sequence_parallel" in fixed else (False, True)
-        for b, (schedule, v), sp in itertools.product(
+        for b, (schedule, v), sp, method, ep in itertools.product(
                 micro, _pipelines(cfg.layers, pp, fixed.get("schedule"), fixed.get("virtual_stages")),
-                [x for x in parallel if tp > 1 or not x]):
+                [x for x in parallel if tp > 1 or not x], _context_methods(cfg, tp, cp, fixed),
+                _expert_parallel(cfg, dp, fixed)):
             if (pp > 1 or v > 1) and not _runs(schedule, pp, work.global_batch // (dp * b), v, cfg.layers):
                 continue
-            grids.append((tp, pp, dp, cp, b, v, sp, schedule))
+            grids.append((tp, pp, dp, cp, b, v, sp, schedule, ep, method))
     if not grids:
         return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
     base = np.array(grids, dtype=np.int64)
@@ -89,9 +110,12 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     rows = np.repeat(base, len(zeros) * len(modes), axis=0)
     zero = np.tile(np.repeat(zeros, len(modes)), len(base))
     recompute = np.tile(modes, len(zeros) * len(base))
-    tp, pp, dp, cp, b, v, sp, schedule = rows.T
+    tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
-                  sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule)
+                  sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
+
+
+MESH_AXES = ("tp", "pp", "dp", "cp", "ep")  # what makes two layouts different meshes
 
 
 @dataclass
@@ -114,10 +138,10 @@ class SearchResult:
         return len(self.order)
 
     def shown(self, top: int) -> list[int]:
-        """Indices of the fastest layout of each of the ``top`` fastest meshes (TP, PP, DP, CP).
+        """Indices of the fastest layout of each of the ``top`` fastest meshes (TP, PP, DP, CP, EP).
         Variants of one mesh (ZeRO stage, recomputation) often tie; showing one of each keeps
         the near misses informative."""
-        mesh = np.stack([np.asarray(getattr(self.layouts, axis))[self.order] for axis in ("tp", "pp", "dp", "cp")], axis=1)
+        mesh = np.stack([np.asarray(getattr(self.layouts, axis))[self.order] for axis in MESH_AXES], axis=1)
         _, first = np.unique(mesh, axis=0, return_index=True)
         return [int(i) for i in self.order[np.sort(first)[:top]]]
 
@@ -148,7 +172,15 @@ class SearchResult:
         if part == "pp_exposed":
             return f"PP={lay['pp']}: {seconds:.2f} s of exposed pipeline transfers"
         if part == "cp_exposed":
-            return f"CP={lay['cp']}: {seconds:.2f} s of exposed key/value exchange"
+            method = CP_METHODS[lay["cp_method"]]
+            where = "crosses nodes" if lay["tp"] * lay["cp"] > self.gpu.gpus_per_node else "within a node"
+            hidden = self._get("cp_s", i) - seconds
+            behind = f", {hidden:.2f} s more hidden behind the attention" if method == "ring" and hidden > 0.005 else ""
+            return f"CP={lay['cp']} {method} {where}: {seconds:.2f} s of exposed key/value exchange{behind}"
+        if part == "ep_exposed":
+            span = lay["tp"] * lay["cp"] * lay["ep"]
+            where = "crosses nodes" if span > self.gpu.gpus_per_node else "within a node"
+            return f"EP={lay['ep']} {where}: {seconds:.2f} s of all-to-all per step"
         if part == "compute":
             mode = RECOMPUTE[lay["recompute"]]
             if mode != "none":
@@ -170,7 +202,10 @@ class SearchResult:
         if i == best:
             overhead = max((p for p in report.TIME_PARTS if p != "compute"), key=lambda p: self._get(f"{p}_s", i))
             share = self._get("compute_s", i) / self._get("step_time_s", i)
-            return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}"
+            # What its expert and context parallelism cost, when that is not already the largest part
+            also = "".join(f"; {self._phrase(part, i)}" for part, axis in (("ep_exposed", "ep"), ("cp_exposed", "cp"))
+                           if part != overhead and int(np.asarray(getattr(self.layouts, axis))[i]) > 1)
+            return f"fastest: {share:.0%} of the step is math; largest overhead: {self._phrase(overhead, i)}{also}"
         deltas = {p: self._get(f"{p}_s", i) - self._get(f"{p}_s", best) for p in report.TIME_PARTS}
         worst, saved = max(deltas, key=deltas.get), min(deltas, key=deltas.get)
         step_best = self._get("step_time_s", best)
@@ -187,10 +222,10 @@ class SearchResult:
         return f"+{gap:.2f} s ({gap / step_best:+.0%}) vs #1; {self._phrase(worst, i)}{trade}"
 
     def meshes(self) -> int:
-        """How many distinct meshes (tp, pp, dp, cp) the fitting layouts use."""
+        """How many distinct meshes (tp, pp, dp, cp, ep) the fitting layouts use."""
         if not self.fitting:
             return 0
-        mesh = np.stack([np.asarray(getattr(self.layouts, a))[self.order] for a in ("tp", "pp", "dp", "cp")], axis=1)
+        mesh = np.stack([np.asarray(getattr(self.layouts, a))[self.order] for a in MESH_AXES], axis=1)
         return len(np.unique(mesh, axis=0))
 
     def what_would_change(self, shown: list[int]) -> list[str]:
