@@ -55,7 +55,7 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--world-size: must be a positive integer, got {world_size}")
     p = cfg.parallel
     if p.dp != AUTO and p.world_size != world_size:
-        raise ConfigError(f"--world-size: the layout dp×tp×pp×cp×ep = {p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = "
+        raise ConfigError(f"--world-size: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
                           f"{p.world_size} ranks, not {world_size}")
     cfg = resolve_world(cfg, world_size)
     m = cfg.model
@@ -187,7 +187,7 @@ def result_table(cfg: Config, result: dict):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The run's TOML config (without one: the defaults and --set).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config key (repeatable).")
-@click.option("--world-size", required=True, type=int, help="Ranks of the job (dp×tp×pp×cp×ep).")
+@click.option("--world-size", required=True, type=int, help="Ranks of the job (dp×tp×pp×cp; ep splits dp).")
 @click.option("--rank", "ranks", multiple=True, type=int, help="A global rank to run (repeatable; default 0).")
 @click.option("--compare", is_flag=True, help="Put the planner's figures for the same rank beside each.")
 @click.option("--device", type=click.Choice(["cpu", "meta"]), default="cpu", show_default=True,
