@@ -59,7 +59,7 @@ from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
-from threefold.parallel.data_parallel import BucketGradSync, LocalGradSync
+from threefold.parallel.data_parallel import BucketGradSync, GradSyncs, LocalGradSync
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from threefold.train.metrics import storage_key
 from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
@@ -174,7 +174,13 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
 
         apply_cp(model, comm, p.cp_method)
 
-    # 3. pipeline: this rank's stages (one part per stage), or the whole model as one part
+    # 3. expert parallelism: this rank's experts; tokens dispatched to them and combined back
+    if mesh.size("ep") > 1:
+        from threefold.parallel.expert_parallel import apply_ep
+
+        placements.update(apply_ep(model, comm))
+
+    # 4. pipeline: this rank's stages (one part per stage), or the whole model as one part
     cut = CutModel({0: model}, placements, tp, None)
     if mesh.size("pp") > 1:
         from threefold.parallel.pipeline.partition import partition
@@ -253,24 +259,28 @@ class Engine:
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
         self.runtime = None
 
-        # 4. gradient synchronisation over dp (× cp), per part
+        # 5. gradient synchronisation over dp (× cp), per part; experts over edp (see _expert_sync)
         reduced_over = mesh.size(*self.grad_axes)
         zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
         isolated = (self.tied_param,) if self.tied_param is not None else ()
+        experts = {k for k, pl in self.placements.items() if "ep" in pl.sharded}
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
             alone = tuple(q for q in isolated if any(q is r for _, r in named))
+            dense = [(k, q) for k, q in named if k not in experts]
             if reduced_over == 1:
-                self.syncs[stage] = LocalGradSync(named, self.placements)
+                sync = LocalGradSync(dense, self.placements)
             elif zero == 3:
                 from threefold.parallel.fsdp import ShardedGradSync
 
-                self.syncs[stage] = ShardedGradSync(part, {id(q): k for k, q in named}, self.placements, mesh, comm,
-                                                    isolated=alone, axes=self.grad_axes)
+                sync = ShardedGradSync(part, {id(q): k for k, q in dense}, self.placements, mesh, comm,
+                                       isolated=alone, axes=self.grad_axes)
             else:
-                self.syncs[stage] = BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb,
-                                                   overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
+                sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
+                                      overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
+            expert_named = [(k, q) for k, q in named if k in experts]
+            self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
 
         # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks)
         entries = [e for sync in self.syncs.values() for e in sync.optimizer_params()]
@@ -282,6 +292,25 @@ class Engine:
         # the driver
         if self.schedule is not None:
             self._build_runtime()
+
+    def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
+        """The experts' gradient synchronisation: over edp = dp/ep, the ranks that hold the same
+        experts, as ZeRO 0–3 shards them there; the sums divided by dp, not edp (an expert's
+        gradient on its rank already sums the tokens of every rank of its ep group; see
+        expert_parallel.py). Over an edp of one rank it only divides."""
+        p, mesh, comm = self.cfg.parallel, self.mesh, self.comm
+        dp = mesh.size(*self.grad_axes)
+        zero = p.zero if mesh.size("edp") > 1 else 0
+        if zero == 3:
+            from threefold.models.moe import GroupedExperts
+            from threefold.parallel.fsdp import ShardedGradSync
+
+            units = nn.Module()  # one unit per layer's local experts, gathered around its forward
+            units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
+            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm, axes=("edp",),
+                                   mean_over=dp)
+        return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
+                              axes=("edp",), mean_over=dp)
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
@@ -351,6 +380,8 @@ class Engine:
         is the mean over all tokens of the batch, as one big batch would compute it.
         """
         micro_batches, positions = self.context_split(micro_batches)
+        for layer in self.moe_layers():  # the balance loss is weighted like each micro-batch's loss
+            layer.aux_loss_scale = 1 / len(micro_batches)
         for sync in self.syncs.values():
             sync.start_step()
         if self.runtime is None:
@@ -468,6 +499,41 @@ class Engine:
     def zero_grad(self) -> None:
         for sync in self.syncs.values():
             sync.zero_grad()
+
+    # --- Mixture-of-Experts: the step's routing counters, the same on every rank ---------------
+    def moe_layers(self) -> list:
+        """This rank's MoE blocks (its stages'), in layer order."""
+        from threefold.models.moe import MoE
+
+        return [m for part in self.parts.values() for m in part.modules() if isinstance(m, MoE)]
+
+    @torch.no_grad()
+    def end_moe_step(self, update_bias: bool = True) -> dict | None:
+        """After the optimizer step: this step's routed tokens per expert, dropped assignments and
+        aux loss of this rank's MoE layers, summed over the ranks that routed different tokens of
+        the same layers (dp, × cp), so that every rank takes the same bias step (DeepSeek-V3's
+        update from the whole step's counts) and the metrics describe the global batch; then the
+        layers' counters restart. One all-reduce, tagged "moe". Returns the step's statistics
+        (``models/moe.step_statistics``; under a pipeline, of this rank's stages' layers)."""
+        from threefold.models.moe import step_statistics
+
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        experts = layers[0].num_experts
+        flat = torch.stack([torch.cat([layer.step_tokens.double(), layer.step_dropped.double().view(1),
+                                       layer.step_aux_loss.double().view(1)]) for layer in layers])
+        ranks = self.mesh.size(*self.grad_axes)
+        if ranks > 1:
+            self.comm.all_reduce(flat, self.grad_axes, tag="moe")
+        counts = flat[:, :experts].round().long()
+        for layer, row in zip(layers, flat):
+            layer.step_dropped.fill_(int(row[experts].round().item()))
+            layer.step_aux_loss.fill_(row[experts + 1].item() / ranks)  # the mean over the ranks' losses
+        stats = step_statistics(layers, counts)
+        for layer, layer_counts in zip(layers, counts):
+            layer.end_step(layer_counts, update_bias)
+        return stats
 
     # --- the measured timeline ----------------------------------------------------------------
     def _gather_timeline(self, timeline) -> dict:
