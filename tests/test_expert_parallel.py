@@ -35,6 +35,97 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     ref = reference(overrides(name))
     assert_same_training(results, ref)
     assert all(r["comm"][0].get("ep", 0) > 0 for r in results)  # the tokens did travel
+    if "parallel.pp=2" not in overrides(name):  # the step's routing, summed over the ranks, is one process's
+        for r in results:
+            assert [m["dropped"] for m in r["moe"]] == [m["dropped"] for m in ref["moe"]]
+            assert [m["tokens_per_expert"] for m in r["moe"]] == [m["tokens_per_expert"] for m in ref["moe"]]
+    if "capacity" in name:  # the capacity rule dropped tokens, the same ones as on one process
+        assert all(m["dropped"] > 0 for m in ref["moe"])
     if "model.moe_bias_rate=0.01" in overrides(name):  # the biases moved, and as on one process
         biases = [k for k in ref["state"] if k.endswith("expert_bias")]
         assert biases and all(ref["state"][k].abs().sum() > 0 for k in biases)
+
+
+# --- the exchange itself --------------------------------------------------------------------------
+def dispatch_then_combine() -> dict:
+    """dp2·ep2, 4 experts: rank r sends rows sorted by expert with counts of its own; dispatch
+    must deliver each rank's rows for expert e to e's rank, and combine (experts = identity,
+    weights 1) must return the input and, backward, its gradient, bit for bit."""
+    from threefold.config import ParallelConfig
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.expert_parallel import combine, dispatch
+
+    mesh = ParallelMesh.from_config(ParallelConfig(dp=2, ep=2, timeout_s=30))
+    comm = Comm(mesh)
+    everyone = {r: torch.tensor([[3, 0, 2, 1], [1, 4, 0, 2]][r]) for r in range(2)}  # rank 0 sends expert 1 nothing
+    rows = {r: torch.randn(int(c.sum()), 8, generator=torch.Generator().manual_seed(r)) for r, c in everyone.items()}
+    me = mesh.coord("ep")
+    x = rows[me].clone().requires_grad_()
+    local, exchange = dispatch(x, everyone[me], comm)
+    y = combine(local * 1.0, exchange, comm)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + me))
+    y.backward(grad)
+    expected = torch.cat([rows[r].split(everyone[r].tolist())[e] for e in (2 * me, 2 * me + 1) for r in range(2)])
+    out = {"local": torch.equal(local.detach(), expected), "values": torch.equal(y.detach(), x.detach()),
+           "grad": torch.equal(x.grad, grad), "local_counts": exchange.local_counts, "bytes": comm.ledger.take()}
+    mesh.shutdown()
+    return out
+
+
+def test_dispatch_then_combine_is_the_identity_values_and_gradient(distributed):
+    results = distributed.run(2, dispatch_then_combine)
+    for r in results:
+        assert r["local"] and r["values"] and r["grad"]
+    assert results[0]["local_counts"] == [3 + 1, 0 + 4] and results[1]["local_counts"] == [2 + 0, 1 + 2]
+    # rank 0 sends its 2 + 1 rows for experts 2, 3 twice (dispatch, the combine's gradient) and the
+    # 1 + 4 rows rank 1 sent it back twice (combine, the dispatch's gradient), 8 fp32 each; and its
+    # counts for rank 1's experts once (2 int64). Rank 1 the other way round.
+    assert results[0]["bytes"] == results[1]["bytes"] == {"ep": (2 * 3 + 2 * 5) * 8 * 4 + 2 * 8}
+
+
+# --- the gradients: ep=1 and ep=2 at the same dp; an expert without tokens ----------------------
+SCALING = TINY + MOE + ["model.moe_bias_rate=0.01", "parallel.dp=2"]
+
+
+def expert_gradients(overrides: tuple[str, ...]) -> dict:
+    """One step's reduced gradients, full tensors, with expert 3 never chosen (its routing bias
+    −100 in every layer); then the optimizer step and expert 3's Adam moments."""
+    from threefold.configure import load_config
+    from threefold.parallel.placements import full_tensors
+
+    from equivalence import global_batches, my_micro_batches, new_engine
+
+    cfg = load_config(None, list(overrides))
+    engine = new_engine(cfg)
+    for layer in engine.moe_layers():
+        layer.expert_bias[3] = -100.0
+    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, engine.dp_rank, engine.dp_size))
+    experts = [k for k in engine.shapes if ".experts." in k]
+    shards = engine.grad_shards()
+    found = {s.name for s in shards}
+    grads = full_tensors(shards, {f"grad/{k}": engine.shapes[k] for k in experts}, engine.mesh, engine.comm)
+    routed = engine.end_moe_step(update_bias=False)["tokens_per_expert"]
+    engine.optimizer_step(cfg.train.lr)
+    moments = full_tensors(engine.moment_shards(), {f"{m}/{k}": engine.shapes[k] for k in experts
+                                                    for m in ("exp_avg", "exp_avg_sq")}, engine.mesh, engine.comm)
+    engine.shutdown()
+    return {"grads": grads, "held": found, "routed": routed, "moments": moments, "experts": experts}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_expert_gradients_are_the_same_for_ep1_and_ep2_and_zero_for_an_unused_expert(distributed, zero):
+    ep1 = distributed.run(2, expert_gradients, tuple(SCALING + [f"parallel.zero={zero}"]))
+    ep2 = distributed.run(2, expert_gradients, tuple(SCALING + [f"parallel.zero={zero}", "parallel.ep=2"]))
+    assert ep1[0]["routed"]["min"] == 0 and ep2[0]["routed"]["min"] == 0  # expert 3 got no tokens
+    for name, want in ep1[0]["grads"].items():
+        assert want.norm() > 0
+        for r in ep2:  # the same on every rank; ep times too large would be off by 100 %
+            got = r["grads"][name]
+            assert (got - want).norm() <= 1e-5 * want.norm(), name
+            assert got[3].abs().max() == 0 and got[:3].abs().sum() > 0, name  # zero, and there
+    for r in ep2:  # rank 1 holds experts 2 and 3: expert 3's gradient is a tensor (of zeros), not None
+        assert any(f"grad/{k}" in r["held"] for k in r["experts"])
+        for name, moment in r["moments"].items():  # its Adam state exists and saw a zero gradient
+            assert moment[3].abs().max() == 0 and moment[:3].abs().sum() > 0, name
+            assert torch.equal(moment, ep2[0]["moments"][name])

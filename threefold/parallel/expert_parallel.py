@@ -24,11 +24,13 @@ fits between them:
 
 Both exchanges are ``comm.all_to_all`` through autograd (distributed/comm.py): the backward of
 the dispatch is the reverse all_to_all of the rows' gradients, and of the combine the forward
-one, so per MoE layer and micro-batch a rank sends its rows for other ranks four times, plus
-the counts once; with a full recompute the forward's two are repeated. Counted under "ep"
-(evaluation's under "ep.eval"). With N rows of h elements of b bytes this rank sends the
-other ranks' share of them: 4·(1 − own share)·N·h·b, which is 4·(ep−1)/ep·T·k·h·b when the
-experts are equally loaded (``plan/costs.ep_bytes_per_step``).
+one. So per MoE layer and micro-batch a rank sends, in rows of h elements of b bytes, its rows
+for other ranks' experts twice (dispatch; the combine's gradient) and the rows other ranks sent
+it twice (combine; the dispatch's gradient), plus its counts for other ranks' experts once
+((ep−1)·E/ep int64); a full recompute repeats the forward's share. Counted under "ep"
+(evaluation's under "ep.eval"). When every rank's experts get the same share of the T·k
+assignments (round-robin routing; balanced on average) that is 4·(ep−1)/ep·T·k·h·b plus the
+counts, ``plan/costs.ep_bytes_per_step``.
 
 Gradients. An expert's weight gradient on its rank sums the contributions of the tokens of
 every rank of the ep group. Expert weights are replicated over the expert-data-parallel group
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from threefold.distributed.comm import Comm, all_to_all_autograd
 from threefold.models.moe import MoE
@@ -87,13 +90,28 @@ class Exchange:
         return [sum(column) for column in zip(*self.received)]
 
 
-def exchange_counts(counts: torch.Tensor, comm: Comm) -> list[list[int]]:
+def has_values(tensor: torch.Tensor) -> bool:
+    """False for a fake or meta tensor (the dry run): shapes without values."""
+    return not (is_fake(tensor) or tensor.is_meta)
+
+
+def round_robin_counts(rows: int, num_experts: int) -> list[int]:
+    """Rows per expert under round-robin routing (models/moe.py): row a of ``rows`` to a mod E."""
+    return [rows // num_experts + (e < rows % num_experts) for e in range(num_experts)]
+
+
+def exchange_counts(counts: torch.Tensor, mine: list[int], comm: Comm) -> list[list[int]]:
     """(ep, E/ep): what every rank of the group sends to each of this rank's experts. An
     all_to_all of the (E,) counts in equal shares: rank j's share of mine is my counts for its
-    experts."""
+    experts. Without values (the dry run routes round-robin, and every rank the same number of
+    tokens) every rank sends what this one does: ``mine``, this rank's counts."""
+    ep, rank = comm.mesh.size("ep"), comm.mesh.coord("ep")
     received = torch.empty_like(counts)
     comm.all_to_all(received, counts.contiguous(), "ep", tag=traffic_tag())
-    return received.view(comm.mesh.size("ep"), -1).tolist()
+    if not has_values(received):
+        experts = local_experts(len(mine), ep, rank)
+        return [mine[experts.start:experts.stop]] * ep
+    return received.view(ep, -1).tolist()
 
 
 def expert_major(received: list[list[int]], device) -> torch.Tensor:
@@ -112,8 +130,10 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, comm: Comm) -> tuple[to
     """This rank's rows sorted by (global) expert → the rows of every rank for this rank's
     experts, sorted by local expert; and the exchange's split sizes."""
     ep = comm.mesh.size("ep")
-    send = counts.view(ep, -1).sum(1).tolist()
-    received = exchange_counts(counts, comm)
+    mine = counts.tolist() if has_values(counts) else round_robin_counts(x_perm.shape[0], counts.numel())
+    per_rank = len(mine) // ep
+    send = [sum(mine[j * per_rank:(j + 1) * per_rank]) for j in range(ep)]
+    received = exchange_counts(counts, mine, comm)
     exchange = Exchange(send, received, expert_major(received, x_perm.device))
     rows = all_to_all_autograd(comm, x_perm, "ep", output_split_sizes=exchange.receive, input_split_sizes=send,
                                tag=traffic_tag())
