@@ -129,3 +129,57 @@ def test_expert_gradients_are_the_same_for_ep1_and_ep2_and_zero_for_an_unused_ex
         for name, moment in r["moments"].items():  # its Adam state exists and saw a zero gradient
             assert moment[3].abs().max() == 0 and moment[:3].abs().sum() > 0, name
             assert torch.equal(moment, ep2[0]["moments"][name])
+
+
+# --- bytes: the formula, exactly -------------------------------------------------------------------
+BYTES = TINY + MOE + ["parallel.dp=2", "parallel.ep=2"]
+
+
+def ep_step_bytes(overrides: tuple[str, ...], round_robin: bool) -> dict:
+    """One step's "ep" bytes of this rank, and the per-expert counts of every MoE call it made
+    (recorded before the dispatch, recomputed forwards included)."""
+    from threefold.configure import load_config
+
+    from equivalence import global_batches, my_micro_batches, new_engine
+
+    cfg = load_config(None, list(overrides))
+    engine = new_engine(cfg)
+    calls = []
+    for layer in engine.moe_layers():
+        layer.routing = "round_robin" if round_robin else "learned"
+        layer.experts.register_forward_pre_hook(lambda m, args: calls.append(args[1].tolist()), prepend=True)
+    engine.comm_bytes()
+    engine.forward_backward(my_micro_batches(global_batches(cfg, 1)[0], cfg, engine.dp_rank, engine.dp_size))
+    out = {"bytes": engine.comm_bytes(), "calls": calls, "ep_rank": engine.mesh.coord("ep"),
+           "microbatches": cfg.microbatches}
+    engine.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_round_robin_bytes_equal_the_planner_formula(distributed, recompute):
+    from threefold.plan.costs import ep_bytes_per_step
+
+    results = distributed.run(2, ep_step_bytes, tuple(BYTES + [f"train.recompute={recompute}"]), True)
+    predicted = ep_bytes_per_step(tokens=2 * 32, top_k=2, hidden=64, ep=2, moe_layers=4,
+                                  microbatches=results[0]["microbatches"], num_experts=4, recompute=recompute)
+    assert predicted > 0
+    for r in results:
+        assert r["bytes"]["ep"] == predicted
+
+
+def test_learned_routing_bytes_equal_the_formula_on_the_recorded_splits(distributed):
+    results = distributed.run(2, ep_step_bytes, tuple(BYTES), False)
+    assert len(results[0]["calls"]) == len(results[1]["calls"]) == 4 * results[0]["microbatches"]
+    row_bytes, counts_bytes = 64 * 4, (2 - 1) * 4 // 2 * 8
+    uneven = False
+    for r in results:
+        me, other = r["ep_rank"], results[1 - r["ep_rank"]]
+        mine = range(2 * me, 2 * me + 2)
+        sent = sum(c for call in r["calls"] for e, c in enumerate(call) if e not in mine)
+        received = sum(c for call in other["calls"] for e, c in enumerate(call) if e in mine)
+        uneven |= sent != received
+        # dispatch and the combine's gradient send my rows for the other rank's experts; combine
+        # and the dispatch's gradient send back the rows it sent me; the counts once per call
+        assert r["bytes"]["ep"] == 2 * (sent + received) * row_bytes + len(r["calls"]) * counts_bytes
+    assert uneven  # learned routing is not round-robin: the formula is applied to real splits
