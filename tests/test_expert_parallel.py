@@ -183,3 +183,61 @@ def test_learned_routing_bytes_equal_the_formula_on_the_recorded_splits(distribu
         # and the dispatch's gradient send back the rows it sent me; the counts once per call
         assert r["bytes"]["ep"] == 2 * (sent + received) * row_bytes + len(r["calls"]) * counts_bytes
     assert uneven  # learned routing is not round-robin: the formula is applied to real splits
+
+
+# --- bad input: one line, before any process starts --------------------------------------------
+@pytest.mark.parametrize("sets, message", [
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep: 2 needs a Mixture-of-Experts model (model.moe_experts is 0)"),
+    (MOE + ["parallel.dp=4", "parallel.ep=4", "model.moe_experts=6"],
+     "parallel.ep: 4 does not divide model.moe_experts=6 (each rank holds whole experts)"),
+    (MOE + ["parallel.dp=3", "parallel.ep=2", "train.global_batch=12"],
+     "parallel.ep: 2 does not divide parallel.dp=3 (expert parallelism splits the experts over data-parallel "
+     "ranks)"),
+])
+def test_bad_expert_parallel_layouts_are_refused_in_one_line(sets, message):
+    from threefold.config import ConfigError
+    from threefold.configure import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + sets)
+    assert str(err.value) == message
+
+
+# --- checkpoints: full tensors, resharded to another ep ----------------------------------------
+CHECKPOINT = TINY + MOE + BIAS
+
+
+def checkpoint_segment(layout: tuple[str, ...], folder: str, start: int, steps: int) -> dict:
+    """Resume from ``folder``'s checkpoint of step ``start`` (if any), train ``steps`` steps, save."""
+    from threefold.configure import load_config
+    from threefold.train import checkpoint
+
+    from equivalence import global_batches, new_engine, train_steps
+
+    cfg = load_config(None, CHECKPOINT + list(layout))
+    engine = new_engine(cfg)
+    if start:
+        checkpoint.load(checkpoint.step_dir(folder, start), engine, cfg)
+    out = train_steps(engine, cfg, global_batches(cfg, start + steps)[start:])
+    checkpoint.save(folder, start + steps, engine, cfg, sampler_state={})
+    out["state"] = engine.model_state_dict()
+    engine.shutdown()
+    return out
+
+
+def test_a_checkpoint_of_dp2_ep2_resumes_on_dp4_ep4(distributed, tmp_path):
+    from threefold.configure import load_config
+    from threefold.train import checkpoint
+
+    from equivalence import train_reference
+
+    _, uninterrupted = train_reference(load_config(None, CHECKPOINT), 4)
+    distributed.run(2, checkpoint_segment, ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"), str(tmp_path), 0, 2)
+    saved = checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 2))
+    assert saved["model/blocks.0.mlp.experts.w_up"].shape == (4, 32, 64)  # full tensors, whatever the ep
+    resumed = distributed.run(4, checkpoint_segment, ("parallel.dp=4", "parallel.ep=4"), str(tmp_path), 2, 2)
+    for r in resumed:
+        assert r["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-6)
+    for key, want in uninterrupted["state"].items():
+        assert (resumed[0]["state"][key] - want).norm() <= 1e-4 * want.norm().clamp_min(1e-12), key
+    assert any(v.abs().sum() > 0 for k, v in uninterrupted["state"].items() if k.endswith("expert_bias"))
