@@ -30,7 +30,8 @@ it twice (combine; the dispatch's gradient), plus its counts for other ranks' ex
 ((ep−1)·E/ep int64); a full recompute repeats the forward's share. Counted under "ep"
 (evaluation's under "ep.eval"). When every rank's experts get the same share of the T·k
 assignments (round-robin routing; balanced on average) that is 4·(ep−1)/ep·T·k·h·b plus the
-counts, ``plan/costs.ep_bytes_per_step``.
+counts, ``plan/costs.ep_bytes_per_step``. Under bf16 autocast the rows travel in bf16 (b = 2):
+the experts would cast them on arrival anyway, so the values are the same.
 
 Gradients. An expert's weight gradient on its rank sums the contributions of the tokens of
 every rank of the ep group. Expert weights are replicated over the expert-data-parallel group
@@ -159,6 +160,9 @@ class ExpertParallel:
 
     def before(self, module: nn.Module, args: tuple) -> tuple:
         x_perm, counts = args
+        device = x_perm.device.type
+        if torch.is_autocast_enabled(device):  # the experts compute in it anyway: send half the bytes
+            x_perm = x_perm.to(torch.get_autocast_dtype(device))
         rows, exchange = dispatch(x_perm, counts, self.comm)
         self.exchanges.append(exchange)
         return rows, torch.tensor(exchange.local_counts, dtype=counts.dtype, device=counts.device)
