@@ -151,8 +151,8 @@ def combine(y_local: torch.Tensor, exchange: Exchange, comm: Comm) -> torch.Tens
 
 class ExpertParallel:
     """The hooks around one layer's ``GroupedExperts``: before its forward, dispatch (its input
-    becomes the rows for the local experts and their counts); after it, combine. Exchanges of
-    calls in flight are kept in order (a recomputed forward runs inside the backward)."""
+    becomes the rows for the local experts and their counts); after it, combine, with the split
+    sizes its dispatch kept."""
 
     def __init__(self, comm: Comm):
         self.comm = comm

@@ -6,13 +6,17 @@ transforms the plain model, which every rank built from the same seed, in one do
   1. tensor (and sequence) parallelism   parallel/tensor_parallel.apply_tp, from the plan table;
   2. context parallelism                 parallel/context_parallel.apply_cp: every attention core
                                          attends over the sequence split across the cp ranks;
-  3. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
-  4. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
+  3. expert parallelism                  parallel/expert_parallel.apply_ep: this rank's E/ep experts
+                                         of each MoE layer, tokens dispatched to them and combined back;
+  4. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
+  5. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
                                          fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
                                          over dp, or dp × cp together under context parallelism;
+                                         the experts of an ep layout over edp = dp/ep by a sync of
+                                         their own (the two driven as one, ``GradSyncs``);
 
 A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
-step 3: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
+step 4: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
 per parameter, seeded by the run's seed and its name), cuts its piece by the placement, and
 holds it on its own device; so peak memory while building is this rank's share plus the largest
 single tensor, and every layout starts from the single-process weights bit for bit.
@@ -60,6 +64,7 @@ from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
 from threefold.parallel.data_parallel import BucketGradSync, GradSyncs, LocalGradSync
+from threefold.parallel.expert_parallel import expert_keys
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from threefold.train.metrics import storage_key
 from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
@@ -151,8 +156,8 @@ class CutModel:
 
 
 def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
-    """Transformations 1 to 3 of the plain ``model``, in place: tensor (and sequence)
-    parallelism, context parallelism, then this rank's pipeline stages; a model on the meta
+    """Transformations 1 to 4 of the plain ``model``, in place: tensor (and sequence)
+    parallelism, context parallelism, expert parallelism, then this rank's pipeline stages; a model on the meta
     device is then materialised, this rank's tensors only."""
     p = cfg.parallel
     on_meta = any(q.is_meta for q in model.parameters())
@@ -252,7 +257,7 @@ class Engine:
         self.cp = mesh.size("cp")
         # the group whose ranks hold the same weights and different tokens: gradients are reduced over it
         self.grad_axes = ("dp", "cp") if self.cp > 1 else ("dp",)
-        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 3, and materialisation
+        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 4, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
         self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
@@ -263,7 +268,7 @@ class Engine:
         reduced_over = mesh.size(*self.grad_axes)
         zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
         isolated = (self.tied_param,) if self.tied_param is not None else ()
-        experts = {k for k, pl in self.placements.items() if "ep" in pl.sharded}
+        experts = expert_keys(self.placements)
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
