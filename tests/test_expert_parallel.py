@@ -24,6 +24,7 @@ LAYOUTS = {
     "dp2-ep2-zero2-full": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"],
     "dp2-ep2-zero3-selective": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "train.recompute=selective"],
     "dp2-tp2-ep2-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    "dp2-tp2-ep2-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.zero=1"],  # without SP
     "pp2-dp2-ep2": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"] + BIAS,
     "pp2-dp2-ep2-zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
     "pp2-dp2-ep2-zb-h1-zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
