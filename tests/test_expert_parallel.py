@@ -21,6 +21,8 @@ LAYOUTS = {
     "dp2-ep2-capacity": ["parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=0.5"],
     "dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
     "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
+    "dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],  # experts sharded over edp = 2
+    "dp4-ep2-zero2-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"] + BIAS,
     "dp2-ep2-zero2-full": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"],
     "dp2-ep2-zero3-selective": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "train.recompute=selective"],
     "dp2-tp2-ep2-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
@@ -92,7 +94,7 @@ def test_dispatch_then_combine_is_the_identity_values_and_gradient(distributed):
 
 
 # --- the gradients: ep=1 and ep=2 at the same dp; an expert without tokens ----------------------
-SCALING = TINY + MOE + ["model.moe_bias_rate=0.01", "parallel.dp=2"]
+SCALING = TINY + MOE + ["model.moe_bias_rate=0.01"]
 
 
 def expert_gradients(overrides: tuple[str, ...]) -> dict:
@@ -120,10 +122,11 @@ def expert_gradients(overrides: tuple[str, ...]) -> dict:
     return {"grads": grads, "held": found, "routed": routed, "moments": moments, "experts": experts}
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_expert_gradients_are_the_same_for_ep1_and_ep2_and_zero_for_an_unused_expert(distributed, zero):
-    ep1 = distributed.run(2, expert_gradients, tuple(SCALING + [f"parallel.zero={zero}"]))
-    ep2 = distributed.run(2, expert_gradients, tuple(SCALING + [f"parallel.zero={zero}", "parallel.ep=2"]))
+@pytest.mark.parametrize("dp, zero", [(2, 0), (2, 1), (4, 1)])  # dp4: the experts reduced over edp = 2
+def test_expert_gradients_are_the_same_for_ep1_and_ep2_and_zero_for_an_unused_expert(distributed, dp, zero):
+    layout = SCALING + [f"parallel.dp={dp}", f"parallel.zero={zero}"]
+    ep1 = distributed.run(dp, expert_gradients, tuple(layout))
+    ep2 = distributed.run(dp, expert_gradients, tuple(layout + ["parallel.ep=2"]))
     assert ep1[0]["routed"]["min"] == 0 and ep2[0]["routed"]["min"] == 0  # expert 3 got no tokens
     for name, want in ep1[0]["grads"].items():
         assert want.norm() > 0
@@ -131,7 +134,7 @@ def test_expert_gradients_are_the_same_for_ep1_and_ep2_and_zero_for_an_unused_ex
             got = r["grads"][name]
             assert (got - want).norm() <= 1e-5 * want.norm(), name
             assert got[3].abs().max() == 0 and got[:3].abs().sum() > 0, name  # zero, and there
-    for r in ep2:  # rank 1 holds experts 2 and 3: expert 3's gradient is a tensor (of zeros), not None
+    for r in ep2:  # ep rank 1 holds experts 2 and 3: expert 3's gradient is a tensor (of zeros), not None
         assert any(f"grad/{k}" in r["held"] for k in r["experts"])
         for name, moment in r["moments"].items():  # its Adam state exists and saw a zero gradient
             assert moment[3].abs().max() == 0 and moment[:3].abs().sum() > 0, name
