@@ -345,10 +345,16 @@ def step_statistics(layers: list[MoE], counts: torch.Tensor) -> dict:
     counters: tokens per expert (min, mean, max over every layer's experts), the worst layer's
     max/mean, dropped assignments, and the aux loss (coefficient included, summed over layers,
     mean over micro-batches)."""
-    counts = counts.double()
     micro_batches = max(layer.step_micro_batches for layer in layers) or 1
+    return routing_statistics(counts, sum(layer.step_dropped.item() for layer in layers),
+                              sum(layer.step_aux_loss.item() for layer in layers), micro_batches)
+
+
+def routing_statistics(counts: torch.Tensor, dropped: float, aux_loss_sum: float, micro_batches: int) -> dict:
+    """``step_statistics`` from the numbers themselves: ``counts`` (MoE layers, E), the dropped
+    assignments, the aux loss summed over layers and micro-batches, and the micro-batches."""
+    counts = counts.double()
     return {"tokens_per_expert": {"min": counts.min().item(), "mean": counts.mean().item(),
                                   "max": counts.max().item()},
             "max_over_mean": (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item(),
-            "dropped": int(sum(layer.step_dropped.item() for layer in layers)),
-            "aux_loss": sum(layer.step_aux_loss.item() for layer in layers) / micro_batches}
+            "dropped": int(round(dropped)), "aux_loss": aux_loss_sum / micro_batches}

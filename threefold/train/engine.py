@@ -506,39 +506,52 @@ class Engine:
             sync.zero_grad()
 
     # --- Mixture-of-Experts: the step's routing counters, the same on every rank ---------------
-    def moe_layers(self) -> list:
-        """This rank's MoE blocks (its stages'), in layer order."""
+    def _moe_layers_by_index(self) -> list[tuple[int, nn.Module]]:
+        """(layer index, MoE block) of this rank's stages, in layer order."""
         from threefold.models.moe import MoE
 
-        return [m for part in self.parts.values() for m in part.modules() if isinstance(m, MoE)]
+        found = []
+        for part in self.parts.values():
+            blocks = part.blocks.items() if isinstance(part.blocks, nn.ModuleDict) else enumerate(part.blocks)
+            found += [(int(i), block.mlp) for i, block in blocks if isinstance(block.mlp, MoE)]
+        return sorted(found, key=lambda found: found[0])
+
+    def moe_layers(self) -> list:
+        """This rank's MoE blocks (its stages'), in layer order."""
+        return [layer for _, layer in self._moe_layers_by_index()]
 
     @torch.no_grad()
     def end_moe_step(self, update_bias: bool = True) -> dict | None:
-        """After the optimizer step: this step's routed tokens per expert, dropped assignments and
-        aux loss of this rank's MoE layers, summed over the ranks that routed different tokens of
-        the same layers (dp, × cp), so that every rank takes the same bias step (DeepSeek-V3's
-        update from the whole step's counts) and the metrics describe the global batch; then the
-        layers' counters restart. One all-reduce, tagged "moe". Returns the step's statistics
-        (``models/moe.step_statistics``; under a pipeline, of this rank's stages' layers)."""
-        from threefold.models.moe import step_statistics
+        """After the optimizer step (every rank calls it): this step's routed tokens per expert,
+        dropped assignments and aux loss of every MoE layer, summed over the ranks that routed
+        different tokens of the same layer (dp, × cp), so that every rank takes the same bias
+        step (DeepSeek-V3's update from the whole step's counts) and the metrics describe the
+        global batch; under a pipeline the stages' rows are summed too, so they describe every
+        layer. One all-reduce per axis, tagged "moe". Then the layers' counters restart. Returns
+        the step's statistics (``models/moe.routing_statistics``); None for a dense model."""
+        from threefold.models.moe import routing_statistics
+        from threefold.models.sizes import is_moe_layer
 
-        layers = self.moe_layers()
-        if not layers:
+        m = self.cfg.model
+        everywhere = [i for i in range(m.layers) if is_moe_layer(m, i)]
+        if not m.moe_experts or not everywhere:
             return None
-        experts = layers[0].num_experts
-        flat = torch.stack([torch.cat([layer.step_tokens.double(), layer.step_dropped.double().view(1),
-                                       layer.step_aux_loss.double().view(1)]) for layer in layers])
+        experts, row_of = m.moe_experts, {layer: row for row, layer in enumerate(everywhere)}
+        table = torch.zeros(len(everywhere), experts + 2, dtype=torch.float64, device=self.device)
+        mine = self._moe_layers_by_index()
+        for index, layer in mine:  # counts, dropped, aux loss (summed over micro-batches)
+            table[row_of[index]] = torch.cat([layer.step_tokens.double(), layer.step_dropped.double().view(1),
+                                              layer.step_aux_loss.double().view(1)])
         ranks = self.mesh.size(*self.grad_axes)
         if ranks > 1:
-            self.comm.all_reduce(flat, self.grad_axes, tag="moe")
-        counts = flat[:, :experts].round().long()
-        for layer, row in zip(layers, flat):
-            layer.step_dropped.fill_(int(row[experts].round().item()))
-            layer.step_aux_loss.fill_(row[experts + 1].item() / ranks)  # the mean over the ranks' losses
-        stats = step_statistics(layers, counts)
-        for layer, layer_counts in zip(layers, counts):
-            layer.end_step(layer_counts, update_bias)
-        return stats
+            self.comm.all_reduce(table, self.grad_axes, tag="moe")
+        if self.pp > 1:
+            self.comm.all_reduce(table, "pp", tag="moe")  # each row is one stage's; the others add zeros
+        counts = table[:, :experts].round().long()
+        for index, layer in mine:
+            layer.end_step(counts[row_of[index]], update_bias)
+        return routing_statistics(counts, table[:, experts].sum().item(), table[:, experts + 1].sum().item() / ranks,
+                                  self.cfg.microbatches)
 
     # --- the measured timeline ----------------------------------------------------------------
     def _gather_timeline(self, timeline) -> dict:
