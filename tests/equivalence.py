@@ -64,6 +64,8 @@ def train_steps(engine, cfg, batches) -> dict:
         out["losses"].append(engine.forward_backward(my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size)))
         out["norms"].append(engine.clip_grad_norm(cfg.train.grad_clip))
         engine.optimizer_step(cfg.train.lr)
+        if cfg.model.moe_experts:  # the routing bias steps from the step's counts, summed over the ranks
+            out.setdefault("moe", []).append(engine.end_moe_step())
         out["memory"] = engine.memory_bytes()
         # Gradient elements this rank sums over an axis (SP's norm gains over tp), as it holds them.
         out["partial_numel"] = sum(s.tensor.numel() for s in engine.grad_shards() if s.partial)

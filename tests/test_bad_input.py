@@ -84,6 +84,9 @@ def assert_refused(root: Path, sets: list[str], needle: str, *, command=("train"
     (["model.preset=llama3-8b"], "memory: each rank needs about"),
     (["model.hidden=65536", "model.heads=64", "model.kv_heads=8"], "memory: each rank needs about"),
     (["train.global_batch=800000000"], "memory: each rank needs about"),
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep: 2 needs a Mixture-of-Experts model (model.moe_experts is 0)"),
+    (["model.moe_experts=4", "model.moe_top_k=1", "parallel.dp=2", "parallel.ep=4"],
+     "parallel.ep: 4 does not divide parallel.dp=2"),
 ])
 def test_cli_refuses_in_one_line(workspace, sets, needle):
     assert_refused(workspace, sets, needle)

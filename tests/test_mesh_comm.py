@@ -17,21 +17,22 @@ from dist_pool import RankFailure
 # --- the mesh without processes ------------------------------------------------------------------
 def test_grid_order_puts_tp_innermost_and_pp_outermost():
     mesh = ParallelMesh({"dp": 2, "tp": 2, "pp": 2}, rank=5)
-    assert mesh.coords == {"pp": 1, "dp": 0, "ep": 0, "cp": 0, "tp": 1}
+    assert mesh.coords == {"pp": 1, "dp": 0, "edp": 0, "ep": 0, "cp": 0, "tp": 1}
     assert mesh.ranks("tp") == [4, 5] and mesh.ranks("dp") == [5, 7] and mesh.ranks("pp") == [1, 5]
     assert mesh.ranks("dp", "tp") == [4, 5, 6, 7] and mesh.coord("dp", "tp") == 1
     assert (mesh.size("dp"), mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")) == (2, 0, 1, 1)
 
 
-@pytest.mark.parametrize("sizes", [{"dp": 2, "tp": 2, "pp": 2}, {"dp": 3, "cp": 2}, {"tp": 2, "ep": 2, "pp": 3}])
+@pytest.mark.parametrize("sizes", [{"dp": 2, "tp": 2, "pp": 2}, {"dp": 3, "cp": 2}, {"tp": 2, "dp": 4, "ep": 2, "pp": 3}])
 def test_every_axis_partitions_the_world(sizes):
     world = 1
-    for n in sizes.values():
-        world *= n
-    for axis in AXES:
+    for axis, n in sizes.items():
+        world *= n if axis != "ep" else 1  # ep splits dp: not a factor of the world
+    edp = sizes.get("dp", 1) // sizes.get("ep", 1)
+    for axis in AXES + ("edp",):
         groups = {tuple(ParallelMesh(sizes, rank=r).ranks(axis)) for r in range(world)}
         assert sorted(r for g in groups for r in g) == list(range(world))  # disjoint, covering
-        assert all(len(g) == sizes.get(axis, 1) for g in groups)
+        assert all(len(g) == (edp if axis == "edp" else sizes.get(axis, 1)) for g in groups)
         for r in range(world):  # coord is the position inside the group
             mesh = ParallelMesh(sizes, rank=r)
             assert mesh.ranks(axis)[mesh.coord(axis)] == r
@@ -48,12 +49,17 @@ def test_world_of_one_needs_no_process_group():
     assert type(build_engine(Llama(cfg.model), cfg)) is Engine
 
 
-@pytest.mark.parametrize("axis, name", [("ep", "expert")])
-def test_axes_not_built_yet_are_refused(axis, name):
-    """Refused when the config is read, before any process starts."""
-    with pytest.raises(ConfigError, match=rf"^parallel\.{axis}: {name} parallelism is not in the engine yet"):
-        load_config(None, ["model.layers=1", "model.hidden=32", "model.heads=2", "model.vocab_size=64",
-                           f"parallel.{axis}=2"])
+def test_expert_parallelism_is_carved_out_of_dp():
+    """ep splits the dp ranks (edp × ep, ep inner): the world is dp·tp·pp·cp."""
+    mesh = ParallelMesh({"dp": 4, "ep": 2}, rank=3)
+    assert mesh.world_size == 4 and mesh.ranks("dp") == [0, 1, 2, 3]
+    assert mesh.ranks("ep") == [2, 3] and mesh.ranks("edp") == [1, 3]
+    assert (mesh.coord("dp"), mesh.coord("ep"), mesh.coord("edp")) == (3, 1, 1)
+    assert (mesh.label("dp"), mesh.label("ep"), mesh.label("edp")) == ("dp", "ep", "dp")
+    assert ParallelMesh({"dp": 2, "ep": 2}, rank=1).label("dp") == "dp"  # edp = 1: dp is the ep group
+    assert load_config(None, ["model.layers=1", "model.hidden=32", "model.heads=2", "model.vocab_size=64",
+                              "model.moe_experts=4", "model.moe_top_k=2", "parallel.dp=4",
+                              "parallel.ep=2", "train.micro_batch=4"]).parallel.world_size == 4
 
 
 def test_ring_bytes_follow_nccl_tests():
@@ -195,7 +201,7 @@ def wrong_world() -> str:
 
 def test_world_size_must_match_the_layout(distributed):
     for message in distributed.run(2, wrong_world):
-        assert message == "parallel: the layout dp×tp×pp×cp×ep = 4×1×1×1×1 = 4 ranks, but 2 processes are running"
+        assert message == "parallel: the layout dp×tp×pp×cp = 4×1×1×1 = 4 ranks, but 2 processes are running"
 
 
 def one_rank_fails() -> None:

@@ -143,8 +143,8 @@ def test_dp_auto_is_resolved_from_the_world_size_and_checked_like_a_given_dp(cap
     assert cfg.parallel.dp == "auto"
     assert cfg.resolve_world(4).parallel.dp == 2 and cfg.resolve_world(8).parallel.dp == 4
     assert cfg.parallel.dp == "auto"  # resolving makes a new config
-    with pytest.raises(ConfigError, match=r'parallel.dp: "auto" on 5 processes: not divisible by tp×pp×cp×ep = '
-                                          r"2×1×1×1 = 2"):
+    with pytest.raises(ConfigError, match=r'parallel.dp: "auto" on 5 processes: not divisible by tp×pp×cp = '
+                                          r"2×1×1 = 2"):
         cfg.resolve_world(5)
     with pytest.raises(ConfigError, match=r"train.global_batch: 8 is not divisible by parallel.dp × "
                                           r"train.micro_batch = 8 × 2"):
@@ -158,4 +158,4 @@ def test_dp_auto_is_resolved_from_the_world_size_and_checked_like_a_given_dp(cap
                    "give --nproc N (or start the ranks with torchrun)"]
     assert main(["train", "--set", "parallel.dp=auto", "--set", "parallel.tp=2", "--nproc", "3"]) == 2
     assert capsys.readouterr().err.strip() == ('error: parallel.dp: "auto" on 3 processes: not divisible by '
-                                               "tp×pp×cp×ep = 2×1×1×1 = 2")
+                                               "tp×pp×cp = 2×1×1 = 2")

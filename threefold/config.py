@@ -146,12 +146,12 @@ AUTO = "auto"  # parallel.dp = "auto": the data-parallel degree the world size l
 
 @dataclass
 class ParallelConfig:
-    dp: int | str = 1  # or "auto": world size / (tp·pp·cp·ep), known once the processes run
+    dp: int | str = 1  # or "auto": world size / (tp·pp·cp), known once the processes run
     tp: int = 1
     pp: int = 1
     cp: int = 1
     cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
-    ep: int = 1
+    ep: int = 1  # expert parallelism, carved out of the dp ranks (it divides dp): not a factor of the world
     zero: int = 0
     sequence_parallel: bool = False
     tp_overlap: bool = False  # SP's gathers and reduce-scatters as rings of sends pipelined with the products
@@ -166,12 +166,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         if self.dp == AUTO:
             raise ConfigError('parallel.dp: "auto" is resolved from the number of processes (resolve_world)')
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def ranks_per_replica(self) -> int:
-        """tp·pp·cp·ep: the ranks of one data-parallel replica."""
-        return self.tp * self.pp * self.cp * self.ep
+        """tp·pp·cp: the ranks of one data-parallel replica (ep splits the experts over dp ranks)."""
+        return self.tp * self.pp * self.cp
 
     def validate(self) -> None:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
@@ -312,14 +312,14 @@ class Config:
         return dataclasses.asdict(self)
 
     def resolve_world(self, world: int) -> "Config":
-        """This config on ``world`` processes: parallel.dp = "auto" becomes world / (tp·pp·cp·ep),
+        """This config on ``world`` processes: parallel.dp = "auto" becomes world / (tp·pp·cp),
         checked like a dp given by hand; a fixed layout is returned as it is."""
         p = self.parallel
         if p.dp != AUTO:
             return self
         if world % p.ranks_per_replica:
-            raise ConfigError(f'parallel.dp: "auto" on {world} processes: not divisible by tp×pp×cp×ep = '
-                              f"{p.tp}×{p.pp}×{p.cp}×{p.ep} = {p.ranks_per_replica}")
+            raise ConfigError(f'parallel.dp: "auto" on {world} processes: not divisible by tp×pp×cp = '
+                              f"{p.tp}×{p.pp}×{p.cp} = {p.ranks_per_replica}")
         parallel = dataclasses.replace(p, dp=world // p.ranks_per_replica)
         return dataclasses.replace(self, parallel=parallel).validate()
 

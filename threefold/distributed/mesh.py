@@ -1,16 +1,26 @@
 """ParallelMesh: the ranks of a job arranged on named axes, with one process group per axis.
 
-The world is a grid of ranks, ``grid = arange(world).view(pp, dp, ep, cp, tp)``: tensor
+The world is a grid of ranks, ``grid = arange(world).view(pp, edp, ep, cp, tp)``: tensor
 parallelism is the innermost axis (neighbouring ranks, which share the fastest links, usually
 one node's NVLink), pipeline parallelism the outermost (it sends the least, so it can cross
 nodes). This is Megatron-LM's order tp-cp-ep-dp-pp; a rank's coordinates are where it sits
 in the grid, as in picotron.
 
+Expert parallelism is carved out of the data-parallel ranks, as torchtitan does: the dp ranks
+of a replica's position are ``edp × ep`` (edp = dp/ep, ep the inner one). ``"dp"`` keeps its
+meaning, all data-parallel ranks (the group spanning edp and ep, coordinate edp·ep + ep); ``"ep"``
+is the group that splits the experts (each holds E/ep of them and the tokens are exchanged
+there); ``"edp"`` the expert-data-parallel group, the ranks holding the same experts, over which
+expert gradients are reduced. With ep=1, edp is dp. The world is dp·tp·pp·cp.
+
 Example, world 8 with dp=2, tp=2, pp=2: rank 5 sits at (pp=1, dp=0, tp=1); its tp group is
-[4, 5], its dp group [5, 7], its pp group [1, 5].
+[4, 5], its dp group [5, 7], its pp group [1, 5]. With dp=4, ep=2 (world 4): rank 3 has dp
+coordinate 3, ep group [2, 3], edp group [1, 3].
 
 The mesh is an object that strategies receive; there is no global mesh. It also works with
-world size 1 and no process group at all: every axis has size 1 and no group.
+world size 1 and no process group at all: every axis has size 1 and no group. Coordinates and
+group rows are plain arithmetic, computed when first asked; process groups are made once, at
+construction (``new_group`` is collective), one per distinct set of ranks.
 """
 from __future__ import annotations
 
@@ -24,10 +34,18 @@ import torch.distributed as dist
 
 from threefold.config import ConfigError, ParallelConfig
 
-AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first; the grid's dimensions in this order
+AXES = ("pp", "dp", "ep", "cp", "tp")  # the config's axes, outermost first
+GRID = ("pp", "edp", "ep", "cp", "tp")  # the grid's dimensions in this order: dp is edp × ep
+SPANS = {"dp": ("edp", "ep")}  # an axis that spans several grid dimensions
 # Groups over several axes created by default: weight gradients of a context-parallel model
-# are reduced over dp × cp; experts are placed over dp × ep (or dp × tp when ep reuses tp's ranks).
-COMBINED = (("dp", "cp"), ("dp", "tp"), ("dp", "ep"))
+# are reduced over dp × cp; and dp × tp.
+COMBINED = (("dp", "cp"), ("dp", "tp"))
+
+
+def grid_axes(axes) -> tuple[str, ...]:
+    """The grid dimensions a set of axes spans, in the grid's order ("dp" → edp, ep)."""
+    spanned = {g for a in axes for g in SPANS.get(a, (a,))}
+    return tuple(g for g in GRID if g in spanned)
 
 
 class ParallelMesh:
@@ -40,12 +58,18 @@ class ParallelMesh:
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES}")
         self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        if self.sizes["dp"] % self.sizes["ep"]:
+            raise ValueError(f"ep={self.sizes['ep']} must divide dp={self.sizes['dp']}: the experts are split "
+                             "over data-parallel ranks")
+        self.sizes["edp"] = self.sizes["dp"] // self.sizes["ep"]
         # numpy, not torch: the grid is bookkeeping, and stays plain integers under a FakeTensorMode
-        self.grid = np.arange(self.world_size).reshape(*(self.sizes[a] for a in AXES))
+        self.grid = np.arange(self.world_size).reshape(*(self.sizes[a] for a in GRID))
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         self.rank = rank
-        self.coords = dict(zip(AXES, np.argwhere(self.grid == rank)[0].tolist()))
+        self.coords = dict(zip(GRID, np.argwhere(self.grid == rank)[0].tolist()))
+        self.coords["dp"] = self.coord("dp")
+        self.coords = {a: self.coords[a] for a in ("pp", "dp", "edp", "ep", "cp", "tp")}
         self._rows: dict[tuple[str, ...], list[list[int]]] = {}
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
@@ -54,14 +78,14 @@ class ParallelMesh:
         self._created: list[dist.ProcessGroup] = []
         if self.world_size > 1 and dist.is_initialized():  # without a process group: coordinates only
             # new_group is collective: every rank creates every group, in the same order.
-            for axes in [(axis,) for axis in AXES] + [tuple(c) for c in combined]:
+            for axes in [(axis,) for axis in AXES + ("edp",)] + [tuple(c) for c in combined]:
                 self._create(axes)
 
     # --- construction from a config, inside or outside torchrun ---------------------------
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> "ParallelMesh":
         """The mesh of this process: joins the job's process group (creating it under torchrun)
-        and checks that the number of processes equals dp·tp·pp·cp·ep."""
+        and checks that the number of processes equals dp·tp·pp·cp."""
         owns = False
         device = None
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -78,7 +102,7 @@ class ParallelMesh:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != parallel.world_size:
             p = parallel
-            raise ConfigError(f"parallel: the layout dp×tp×pp×cp×ep = {p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = "
+            raise ConfigError(f"parallel: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
                               f"{p.world_size} ranks, but {world} processes are running")
         sizes = {axis: getattr(parallel, axis) for axis in AXES}
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -87,11 +111,11 @@ class ParallelMesh:
     # --- what a strategy asks ---------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return math.prod(self.sizes.values())
+        return math.prod(self.sizes[a] for a in GRID)
 
     def size(self, *axes: str) -> int:
         """Ranks in the group spanned by ``axes`` (1 for no axes)."""
-        return math.prod(self.sizes[axis] for axis in self._check(axes))
+        return math.prod(self.sizes[a] for a in self._ordered(axes))
 
     def coord(self, *axes: str) -> int:
         """This rank's index inside the group spanned by ``axes`` (outer axes major, as in the grid)."""
@@ -114,9 +138,13 @@ class ParallelMesh:
         return self._groups[key]
 
     def label(self, *axes: str) -> str:
-        """The key the ledger counts a group's traffic under: its axes of size > 1 joined in the
-        grid's order ("dp+cp"), or the axes as given when all have size 1."""
-        return "+".join(self._key(axes) or self._ordered(axes))
+        """The key the ledger counts a group's traffic under: the axes as named, those of size 1
+        left out, joined in the grid's order ("dp+cp"), or the axes as given when all have size
+        1. The expert-data-parallel group counts as "dp": its traffic is data-parallel
+        gradient and parameter traffic, as dp's is (with ep=1 it is the dp group)."""
+        sizes = {("dp" if a == "edp" else a): self.size(a) for a in axes}
+        named = [a for a in AXES if a in sizes]
+        return "+".join([a for a in named if sizes[a] > 1] or named)
 
     def shutdown(self) -> None:
         """Destroy the groups this mesh created, and the job's group if the mesh started it."""
@@ -136,26 +164,23 @@ class ParallelMesh:
         return f"ParallelMesh({shape}; rank {self.rank}{': ' + where if where else ''})"
 
     # --- internals --------------------------------------------------------------------------
-    def _check(self, axes) -> tuple[str, ...]:
+    def _ordered(self, axes) -> tuple[str, ...]:
+        """The grid dimensions ``axes`` span, in the grid's order."""
         for axis in axes:
             if axis not in self.sizes:
-                raise KeyError(f"unknown mesh axis {axis!r}; the axes are {AXES}")
-        return tuple(axes)
-
-    def _ordered(self, axes) -> tuple[str, ...]:
-        self._check(axes)
-        return tuple(a for a in AXES if a in axes)
+                raise KeyError(f"unknown mesh axis {axis!r}; the axes are {AXES} and edp")
+        return grid_axes(axes)
 
     def _key(self, axes) -> tuple[str, ...]:
         """Axes of size 1 change nothing about a group: ("dp", "cp") with cp=1 is the dp group."""
         return tuple(a for a in self._ordered(axes) if self.sizes[a] > 1)
 
     def _group_rows(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Every group along ``axes``: move those axes last and read the grid row by row
-        (kept: every collective asks, and a world of thousands has thousands of rows)."""
+        """Every group along grid dimensions ``axes``: move those last and read the grid row by
+        row (kept: every collective asks, and a world of thousands has thousands of rows)."""
         if axes not in self._rows:
-            rest = [AXES.index(a) for a in AXES if a not in axes]
-            along = [AXES.index(a) for a in axes]
+            rest = [GRID.index(a) for a in GRID if a not in axes]
+            along = [GRID.index(a) for a in axes]
             self._rows[axes] = self.grid.transpose(*rest, *along).reshape(-1, self.size(*axes)).tolist()
         return self._rows[axes]
 

@@ -50,6 +50,12 @@ Load balance, two ways:
   over ranks by the caller where there are several). It moves only the choice, not the
   weights, and no gradient.
 
+Round-robin routing (``MoE.routing = "round_robin"``): assignment a = t·k + j goes to expert
+a mod E, weighted by the scores of those experts, nothing dropped while the capacity holds the
+⌈T·k/E⌉ it gives each expert. The load is then known without reading any value, which is what
+the dry run needs (fake tensors have shapes, not values: it routes every MoE layer this way) and
+what the tests of exact expert-parallel bytes use. The router still gets its gradient.
+
 Statistics: while training, the backward of ``AuxLossAutoScaler`` adds this micro-batch's
 routed tokens per expert (before drops), dropped assignments and aux loss to the step's
 counters — in the backward, so that a forward recomputed by activation checkpointing is not
@@ -77,7 +83,7 @@ class Routing:
     scores: torch.Tensor  # (T, E) fp32: softmax probabilities or sigmoid affinities
     experts: torch.Tensor  # (T, k) int64: the chosen experts, best first
     weights: torch.Tensor  # (T, k) fp32: the combine weights
-    kept: torch.Tensor  # (T, k) bool: False where the capacity rule dropped the assignment
+    kept: torch.Tensor | None  # (T, k) bool: False where the capacity rule dropped it; None: all kept
 
 
 def router_scores(x: torch.Tensor, weight: torch.Tensor, router: str) -> torch.Tensor:
@@ -95,6 +101,25 @@ def select_experts(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None =
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return experts, weights
+
+
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64: how often each expert occurs in ``experts`` (``bincount``, with a shape that
+    does not depend on the values, so it also runs on fake tensors)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+def round_robin_routing(scores: torch.Tensor, top_k: int, capacity: int | None, renormalize: bool = True) -> "Routing":
+    """Assignment t·k + j to expert (t·k + j) mod E, weighted by its scores (see the module
+    docstring); the capacity rule applies only where it would drop something."""
+    tokens, num_experts = scores.shape
+    experts = torch.arange(tokens * top_k, device=scores.device).view(tokens, top_k) % num_experts
+    weights = scores.gather(-1, experts)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    fits = capacity is None or capacity >= -(-tokens * top_k // num_experts)
+    return Routing(scores, experts, weights, None if fits else capacity_keep(experts, num_experts, capacity))
 
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int | None:
@@ -123,6 +148,9 @@ def permute(x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tens
     assignment (t · k + j) whose row is n."""
     num_experts, top_k = routing.scores.shape[-1], routing.experts.shape[1]
     flat = routing.experts.reshape(-1)
+    if routing.kept is None:  # every assignment kept: no value-dependent shape
+        order = torch.argsort(flat, stable=True)
+        return x[order // top_k], count_per_expert(flat, num_experts), order
     kept = routing.kept.reshape(-1).nonzero().squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
     counts = torch.bincount(flat[kept], minlength=num_experts)
@@ -213,7 +241,7 @@ def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, router: str
     tokens, top_k = experts.shape
     num_experts = scores.shape[-1]
     probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
-    routed = torch.bincount(experts.reshape(-1), minlength=num_experts).float() / (tokens * top_k)
+    routed = count_per_expert(experts, num_experts).float() / (tokens * top_k)
     return num_experts * (routed * probs.mean(0)).sum()
 
 
@@ -259,13 +287,16 @@ class MoE(nn.Module):
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("step_aux_loss", torch.zeros(()), persistent=False)
         self.step_micro_batches = 0
-        self.aux_loss_scale = 1.0  # the factor on each micro-batch's loss: 1/micro-batches (the trainer sets it)
+        self.aux_loss_scale = 1.0  # the factor on each micro-batch's loss: 1/micro-batches (the engine sets it)
+        self.routing = "learned"  # or "round_robin" (see the module docstring)
 
     def route(self, x: torch.Tensor) -> Routing:
         scores = router_scores(x, self.router.weight, self.router_kind)
+        capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        if self.routing == "round_robin":
+            return round_robin_routing(scores, self.top_k, capacity, self.renormalize)
         bias = self.expert_bias if self.bias_rate else None
         experts, weights = select_experts(scores, self.top_k, bias, self.renormalize)
-        capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         return Routing(scores, experts, weights, capacity_keep(experts, self.num_experts, capacity))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,8 +315,8 @@ class MoE(nn.Module):
     def _attach_aux_loss(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         aux = (self.aux_loss_coef * load_balancing_loss(routing.scores, routing.experts, self.router_kind)
                if self.aux_loss_coef else routing.scores.new_zeros(()))
-        routed = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
-        dropped = (~routing.kept).sum()
+        routed = count_per_expert(routing.experts, self.num_experts)
+        dropped = routing.experts.new_zeros(()) if routing.kept is None else (~routing.kept).sum()
 
         def record():
             self.step_tokens += routed
@@ -314,10 +345,16 @@ def step_statistics(layers: list[MoE], counts: torch.Tensor) -> dict:
     counters: tokens per expert (min, mean, max over every layer's experts), the worst layer's
     max/mean, dropped assignments, and the aux loss (coefficient included, summed over layers,
     mean over micro-batches)."""
-    counts = counts.double()
     micro_batches = max(layer.step_micro_batches for layer in layers) or 1
+    return routing_statistics(counts, sum(layer.step_dropped.item() for layer in layers),
+                              sum(layer.step_aux_loss.item() for layer in layers), micro_batches)
+
+
+def routing_statistics(counts: torch.Tensor, dropped: float, aux_loss_sum: float, micro_batches: int) -> dict:
+    """``step_statistics`` from the numbers themselves: ``counts`` (MoE layers, E), the dropped
+    assignments, the aux loss summed over layers and micro-batches, and the micro-batches."""
+    counts = counts.double()
     return {"tokens_per_expert": {"min": counts.min().item(), "mean": counts.mean().item(),
                                   "max": counts.max().item()},
             "max_over_mean": (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item(),
-            "dropped": int(sum(layer.step_dropped.item() for layer in layers)),
-            "aux_loss": sum(layer.step_aux_loss.item() for layer in layers) / micro_batches}
+            "dropped": int(round(dropped)), "aux_loss": aux_loss_sum / micro_batches}

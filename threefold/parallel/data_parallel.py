@@ -204,10 +204,14 @@ class BucketGradSync:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, zero: int, bucket_mb: float, overlap: bool = True,
-                 isolated: tuple[nn.Parameter, ...] = (), axes: tuple[str, ...] = ("dp",)):
+                 isolated: tuple[nn.Parameter, ...] = (), axes: tuple[str, ...] = ("dp",),
+                 mean_over: int | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"BucketGradSync handles zero 0, 1 and 2, not {zero} (see fsdp.py)")
         self.mesh, self.comm, self.zero, self.overlap, self.axes = mesh, comm, zero, overlap, tuple(axes)
+        # the sums become means over this many ranks: the group's size, or all dp ranks for experts
+        # reduced over edp (each rank of an ep group already summed the others' tokens)
+        self.mean_over = mean_over or mesh.size(*self.axes)
         self.key_of = {id(p): key for key, p in named_params}
         self.keys = [key for key, _ in named_params]  # the plain-model keys synchronised here
         self.placements = placements
@@ -274,7 +278,7 @@ class BucketGradSync:
                 self._launch(bucket)
         for bucket in self.buckets:
             self._wait(bucket)
-            bucket.reduced.div_(self.mesh.size(*self.axes))  # n is a power of two in practice: exact
+            bucket.reduced.div_(self.mean_over)  # n is a power of two in practice: exact
 
     def after_optimizer_step(self) -> None:
         """zero 1, 2: each rank updated its chunk; gather everyone's into every replica."""
@@ -334,6 +338,55 @@ class BucketGradSync:
         """The tensors this rank keeps for these parameters (for the memory meter)."""
         return {"params": [b.param_flat for b in self.buckets],
                 "grads": [b.grad_flat if self.zero < 2 else b.grad_chunk for b in self.buckets]}
+
+
+class GradSyncs:
+    """Several gradient synchronisations of one model part driven as one (the same methods as
+    ``BucketGradSync``): the dense parameters over dp and the experts over edp."""
+
+    def __init__(self, syncs: list):
+        self.syncs = syncs
+        self.keys = [key for sync in syncs for key in sync.keys]
+
+    def _each(self, method: str, *args) -> list:
+        return [getattr(sync, method)(*args) for sync in self.syncs]
+
+    def start_step(self) -> None:
+        self._each("start_step")
+
+    def last_microbatch(self) -> None:
+        self._each("last_microbatch")
+
+    def finish(self) -> None:
+        self._each("finish")
+
+    def after_optimizer_step(self) -> None:
+        self._each("after_optimizer_step")
+
+    def zero_grad(self) -> None:
+        self._each("zero_grad")
+
+    def isolated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return self.syncs[0].isolated_grad(p)  # the dense sync: the tied embedding is no expert
+
+    def optimizer_params(self) -> list:
+        return [e for found in self._each("optimizer_params") for e in found]
+
+    def grad_shards(self) -> list[Shard]:
+        return [s for found in self._each("grad_shards") for s in found]
+
+    def weight_shards(self) -> list[Shard]:
+        return [s for found in self._each("weight_shards") for s in found]
+
+    def moment_shards(self, state_of) -> list[Shard]:
+        return [s for found in self._each("moment_shards", state_of) for s in found]
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        found = self._each("held")
+        return {kind: [t for h in found for t in h[kind]] for kind in ("params", "grads")}
+
+    def gathered_storages(self) -> list[torch.Tensor]:
+        return [t for sync in self.syncs for t in getattr(sync, "gathered_storages", list)()]
 
 
 class LocalGradSync:

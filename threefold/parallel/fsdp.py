@@ -102,18 +102,24 @@ class ShardedGradSync:
 
     def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
-                 axes: tuple[str, ...] = ("dp",)):
+                 axes: tuple[str, ...] = ("dp",), mean_over: int | None = None):
+        """``key_of`` names the parameters synchronised here (others under ``part``, the experts
+        that another sync shards over edp, are left alone); ``mean_over``: the ranks the sums are
+        divided by (the group's size, or all dp ranks for experts reduced over edp)."""
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
         self.axes = tuple(axes)
+        self.mean_over = mean_over or mesh.size(*self.axes)
         self.keys = list(key_of.values())  # the plain-model keys synchronised here
         params, uses = parameter_uses(part)
+        params = [p for p in params if id(p) in key_of]
         blocks = list(part.blocks.values() if isinstance(part.blocks, nn.ModuleDict) else part.blocks)
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         alone = {id(p) for p in isolated}
         root = [p for p in params if id(p) not in in_blocks and id(p) not in alone]
         self.roots = [ShardedUnit(group, uses, mesh, self.axes)
                       for group in ([root] if root else []) + [[p] for p in isolated]]
-        self.blocks = [ShardedUnit(list(block.parameters()), uses, mesh, self.axes) for block in blocks]
+        self.blocks = [ShardedUnit([p for p in block.parameters() if id(p) in key_of], uses, mesh, self.axes)
+                       for block in blocks]
         self.units = self.roots + self.blocks
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
@@ -155,6 +161,8 @@ class ShardedGradSync:
             self._start_gather(self.blocks[0])
 
     def _block_pre_forward(self, i: int) -> None:
+        if not self.roots:  # units without a root (the experts' sync): the tag is set here
+            self.tag = None if torch.is_grad_enabled() else "eval"
         self._wait_gather(self.blocks[i])
         self.blocks[i].install()
         if i + 1 < len(self.blocks):
@@ -195,7 +203,7 @@ class ShardedGradSync:
             return
         unit, pending, out, _grad = self.reducing  # _grad: kept alive until the collective is done
         pending.wait()
-        unit.grad_chunk.add_(out, alpha=1.0 / self.mesh.size(*self.axes))  # sum → mean over the group
+        unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)  # sum → mean over the group (see __init__)
         self.reducing = None
 
     # --- the step, as the engine drives it -----------------------------------------------------

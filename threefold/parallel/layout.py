@@ -11,13 +11,27 @@ from threefold.parallel.pipeline.schedule import check_schedule
 
 def check_layout(cfg: Config) -> None:
     p = cfg.parallel
-    if p.ep > 1:
-        raise ConfigError("parallel.ep: expert parallelism is not in the engine yet (the planner models it)")
     check_tensor_parallel(cfg.model, p)
     check_context_parallel(cfg.model, p)
+    check_expert_parallel(cfg.model, p)
     if p.dp == AUTO:
         return  # what depends on dp waits for the world size (configure.resolve_world)
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp} (expert parallelism splits "
+                          "the experts over data-parallel ranks)")
     check_pipeline(cfg)
+
+
+def check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """expert_parallel.py gives each of the ep ranks E/ep whole experts."""
+    ep = parallel.ep
+    if ep == 1:
+        return
+    if not model.moe_experts:
+        raise ConfigError(f"parallel.ep: {ep} needs a Mixture-of-Experts model (model.moe_experts is 0)")
+    if model.moe_experts % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide model.moe_experts={model.moe_experts} "
+                          "(each rank holds whole experts)")
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's states of each parameter, named as torch names them
-MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # distributed/mesh.py's AXES (this file stays torch-light)
+MESH_AXES = ("pp", "edp", "ep", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
+SPANS = {"dp": ("edp", "ep")}  # mesh.py's: the dp ranks are edp × ep (expert parallelism splits dp)
+
+
+def grid_axes(axes) -> set[str]:
+    """The grid dimensions mesh ``axes`` span ("dp" is edp and ep)."""
+    return {g for a in axes for g in SPANS.get(a, (a,))}
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class Placement:
     def replicated(self, also_sharded: tuple[str, ...] = ()) -> tuple[str, ...]:
         """The axes over which other ranks hold the same values: every axis but the pipeline
         (stages hold different tensors) and those the tensor is split over."""
-        return tuple(a for a in MESH_AXES if a != "pp" and a not in self.sharded and a not in also_sharded)
+        split = grid_axes(self.sharded + tuple(also_sharded))
+        return tuple(a for a in MESH_AXES if a != "pp" and a not in split)
 
 
 @dataclass
@@ -184,7 +191,10 @@ def flat_layout_shards(layout, keys: list[str], placements: list[Placement], chu
 def _counted(shards: list[Shard], mesh) -> tuple[list[Shard], list[str]]:
     """(the pieces this rank counts, the axes to sum the per-rank results over)."""
     axes = [a for a in MESH_AXES if mesh.size(a) > 1]
-    reduce_over = [a for a in axes if a == "pp" or not all(a in s.replicated for s in shards)]
+    # Every rank must reduce over the same axes. pp always differs; so does ep, which splits the
+    # experts of some pipeline stages (a stage of dense layers holds nothing split over ep, but
+    # its ranks still meet the others' reductions).
+    reduce_over = [a for a in axes if a in ("pp", "ep") or not all(a in s.replicated for s in shards)]
     counted = [s for s in shards if not s.duplicate
                and all(mesh.coord(a) == 0 for a in s.replicated if a in reduce_over)]
     return counted, reduce_over

@@ -75,6 +75,7 @@ from torch.autograd.graph import get_gradient_edge
 from threefold.config import ConfigError
 from threefold.distributed.comm import Comm, ring_pass, ring_reduce_scatter
 from threefold.models.llama import Llama
+from threefold.models.moe import MoE
 from threefold.parallel.placements import Placement
 
 
@@ -610,6 +611,66 @@ class PrepareInput:
         return module
 
 
+class SequenceWhole(torch.autograd.Function):
+    """Into a block every tp rank runs whole (an MoE block under SP): forward, all-gather the
+    sequence; backward, this rank's part of the gradient, which is the same on every tp rank."""
+
+    @staticmethod
+    def forward(ctx, shard, tp: TensorParallelGroup, tag: str | None):
+        ctx.tp = tp
+        return all_gather_sequence(shard, tp, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        piece = grad.shape[1] // ctx.tp.size
+        return grad.narrow(1, ctx.tp.rank * piece, piece).contiguous(), None, None
+
+
+class SequencePart(torch.autograd.Function):
+    """Out of such a block: forward, this rank's part of the sequence of the whole output;
+    backward, all-gather the parts' gradients, so every tp rank back-propagates the same one."""
+
+    @staticmethod
+    def forward(ctx, full, tp: TensorParallelGroup):
+        ctx.tp = tp
+        piece = full.shape[1] // tp.size
+        return full.narrow(1, tp.rank * piece, piece).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad.contiguous(), ctx.tp, None), None
+
+
+class ReplicatedMoE:
+    """An MoE block stays whole on every tp rank: its router, experts (or this rank's ep slice of
+    them, expert_parallel.py), shared experts and routing bias are replicated over tp, and their
+    gradients are the same on every tp rank (not partial sums). Each tp rank runs the block on
+    its replica's whole sequence, so routing, capacity and the balance loss see exactly the
+    tokens one process would: without SP it holds them already; with SP the input is
+    all-gathered along the sequence and this rank keeps its part of the output (``SequenceWhole``,
+    ``SequencePart``: one all-gather forward and one backward per block). The price is compute
+    repeated tp times, the experts are not split over tp."""
+
+    def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            slicer.placements[f"{name}.{key}"] = Placement(tuple(tensor.shape))
+        if slicer.tp.sequence_parallel:
+            tp = slicer.tp
+            module.register_forward_pre_hook(lambda m, args: (SequenceWhole.apply(args[0], tp, traffic_tag()),
+                                                              *args[1:]))
+            module.register_forward_hook(lambda m, args, out: SequencePart.apply(out, tp))
+        return module
+
+
+class FeedForwardInput:
+    """``blocks.*.mlp``: a dense SwiGLU gets its input prepared for its column-parallel linears
+    (``PrepareInput``); an MoE block is replicated (``ReplicatedMoE``)."""
+
+    def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
+        style = ReplicatedMoE() if isinstance(module, MoE) else PrepareInput()
+        return style.apply(name, module, slicer)
+
+
 # Each pattern's "*" is one layer index. Styles apply in list order, and every parameter of the
 # model must be covered by one.
 TENSOR_PARALLEL_PLAN: dict[str, list] = {
@@ -624,7 +685,7 @@ TENSOR_PARALLEL_PLAN: dict[str, list] = {
     "blocks.*.mlp.w_gate": [ColumnParallel()],
     "blocks.*.mlp.w_up": [ColumnParallel()],
     "blocks.*.mlp.w_down": [RowParallel()],
-    "blocks.*.mlp": [PrepareInput()],
+    "blocks.*.mlp": [FeedForwardInput()],
     "norm": [Replicated()],
     "head": [ColumnParallel(padded=True), PrepareInput()],
 }

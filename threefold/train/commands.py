@@ -15,7 +15,7 @@ from threefold.configure import load_config, resolve_world
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override one config key (repeatable).")
 @click.option("--metrics-file", type=click.Path(dir_okay=False), help="Write one JSON object per step here.")
 @click.option("--nproc", type=int, default=None,
-              help="Processes on this machine (default: the layout's dp×tp×pp×cp×ep); runs under torchrun when > 1.")
+              help="Processes on this machine (default: the layout's dp×tp×pp×cp); runs under torchrun when > 1.")
 @click.option("--max-restarts", type=click.IntRange(0), default=0,
               help="After a rank fails, restart all ranks (torchrun) up to N times; they resume from the "
                    "last complete checkpoint (needs train.checkpoint_dir).")
@@ -34,8 +34,8 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
         resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
         p = resolved.parallel
         if nproc is not None and nproc != p.world_size:
-            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp×ep = "
-                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = {p.world_size}")
+            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp = "
+                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp} = {p.world_size}")
         from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
 
         check_run(resolved, warn=lambda line: click.echo(line, err=True))

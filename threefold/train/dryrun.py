@@ -16,6 +16,13 @@ send on each mesh axis; the memory meters are the trainer's (``engine.memory_byt
 norm): the engine's ``value_of``/``values_of`` return NaN/None for them, and nothing else in the
 engine knows it is a dry run.
 
+Routing is the one computation whose shapes depend on values: how many tokens each expert gets.
+A dry run therefore routes every MoE layer round-robin (models/moe.py: assignment t·k + j to
+expert (t·k + j) mod E), which loads every expert, and every ep rank's experts, equally: the
+balanced load the planner assumes, so its expert-parallel bytes and memory are those of the
+formulas. Learned routing's imbalance is a training-time quantity (the metrics file's tokens
+per expert), not a dry-run one.
+
 ``device="meta"`` (``--device meta``) puts the model and the batches on the meta device instead
 of this CPU: a tensor the engine creates on a fixed device then meets a meta tensor and fails
 loudly, which is how a CPU-only assumption that would break CUDA shows up here.
@@ -55,7 +62,7 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--world-size: must be a positive integer, got {world_size}")
     p = cfg.parallel
     if p.dp != AUTO and p.world_size != world_size:
-        raise ConfigError(f"--world-size: the layout dp×tp×pp×cp×ep = {p.dp}×{p.tp}×{p.pp}×{p.cp}×{p.ep} = "
+        raise ConfigError(f"--world-size: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
                           f"{p.world_size} ranks, not {world_size}")
     cfg = resolve_world(cfg, world_size)
     m = cfg.model
@@ -65,9 +72,6 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
     if m.vocab_size is None:  # the tokenizer's, as the trainer takes it, without training one
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=tokenizer_vocab_size(cfg.data)))
         m = cfg.model
-    if m.moe_experts:
-        raise ConfigError("model.moe_experts: the dry run cannot route tokens on fake tensors (how many go to "
-                          "each expert depends on their values)")
     if m.init_from:
         raise ConfigError("model.init_from: a dry run starts from the seed; it reads no weights")
     return cfg
@@ -78,6 +82,25 @@ def check_ranks(ranks: tuple[int, ...], world_size: int) -> tuple[int, ...]:
         if not 0 <= rank < world_size:
             raise ConfigError(f"--rank: {rank} is outside a world of {world_size} ranks (0 to {world_size - 1})")
     return ranks or (0,)
+
+
+_GROUPED_MM_META = None  # the Library that holds the kernel below (it is unregistered when collected)
+
+
+def fake_grouped_mm_in_fp32() -> None:
+    """Let fake tensors run ``torch._grouped_mm`` in fp32, as the CPU kernel does. The meta kernel
+    that computes its output shape for fake tensors applies the CUDA kernel's rule (bf16 only);
+    the engine's experts run it in fp32 on CPU. The replacement gives the output the CPU kernel
+    would (``torch._meta_registrations``' own shape rule, without the dtype check); nothing
+    else changes, and real tensors never reach a meta kernel."""
+    global _GROUPED_MM_META
+    if _GROUPED_MM_META is not None:
+        return
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    _GROUPED_MM_META = torch.library.Library("aten", "IMPL", "Meta")
+    _GROUPED_MM_META.impl("_grouped_mm", lambda a, b, offs=None, bias=None, out_dtype=None:
+                          _create_grouped_mm_output_tensor(a, b, offs, out_dtype))
 
 
 def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
@@ -96,6 +119,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     from threefold.train.trainer import split_micro_batches
 
     p, t = cfg.parallel, cfg.train
+    if cfg.model.moe_experts:
+        fake_grouped_mm_in_fp32()
     began = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
@@ -106,6 +131,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             with torch.device("meta"):
                 model = Llama(cfg.model)
             model.set_recompute(t.recompute)
+            for layer in model.moe_layers():  # fake tensors have no values to route by: the named rule
+                layer.routing = "round_robin"
             engine = Engine(model, cfg, mesh, Comm(mesh))
             engine.comm_bytes()  # construction's traffic (none today) is not the step's
             meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
@@ -187,7 +214,7 @@ def result_table(cfg: Config, result: dict):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The run's TOML config (without one: the defaults and --set).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config key (repeatable).")
-@click.option("--world-size", required=True, type=int, help="Ranks of the job (dp×tp×pp×cp×ep).")
+@click.option("--world-size", required=True, type=int, help="Ranks of the job (dp×tp×pp×cp; ep splits dp).")
 @click.option("--rank", "ranks", multiple=True, type=int, help="A global rank to run (repeatable; default 0).")
 @click.option("--compare", is_flag=True, help="Put the planner's figures for the same rank beside each.")
 @click.option("--device", type=click.Choice(["cpu", "meta"]), default="cpu", show_default=True,

@@ -6,13 +6,17 @@ transforms the plain model, which every rank built from the same seed, in one do
   1. tensor (and sequence) parallelism   parallel/tensor_parallel.apply_tp, from the plan table;
   2. context parallelism                 parallel/context_parallel.apply_cp: every attention core
                                          attends over the sequence split across the cp ranks;
-  3. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
-  4. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
+  3. expert parallelism                  parallel/expert_parallel.apply_ep: this rank's E/ep experts
+                                         of each MoE layer, tokens dispatched to them and combined back;
+  4. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
+  5. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
                                          fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
                                          over dp, or dp × cp together under context parallelism;
+                                         the experts of an ep layout over edp = dp/ep by a sync of
+                                         their own (the two driven as one, ``GradSyncs``);
 
 A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
-step 3: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
+step 4: each rank draws only the tensors it keeps (``models.llama.initial_value``: one generator
 per parameter, seeded by the run's seed and its name), cuts its piece by the placement, and
 holds it on its own device; so peak memory while building is this rank's share plus the largest
 single tensor, and every layout starts from the single-process weights bit for bit.
@@ -59,7 +63,8 @@ from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
-from threefold.parallel.data_parallel import BucketGradSync, LocalGradSync
+from threefold.parallel.data_parallel import BucketGradSync, GradSyncs, LocalGradSync
+from threefold.parallel.expert_parallel import expert_keys
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from threefold.train.metrics import storage_key
 from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
@@ -151,8 +156,8 @@ class CutModel:
 
 
 def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
-    """Transformations 1 to 3 of the plain ``model``, in place: tensor (and sequence)
-    parallelism, context parallelism, then this rank's pipeline stages; a model on the meta
+    """Transformations 1 to 4 of the plain ``model``, in place: tensor (and sequence)
+    parallelism, context parallelism, expert parallelism, then this rank's pipeline stages; a model on the meta
     device is then materialised, this rank's tensors only."""
     p = cfg.parallel
     on_meta = any(q.is_meta for q in model.parameters())
@@ -175,7 +180,13 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
 
         apply_cp(model, comm, p.cp_method)
 
-    # 3. pipeline: this rank's stages (one part per stage), or the whole model as one part
+    # 3. expert parallelism: this rank's experts; tokens dispatched to them and combined back
+    if mesh.size("ep") > 1:
+        from threefold.parallel.expert_parallel import apply_ep
+
+        placements.update(apply_ep(model, comm))
+
+    # 4. pipeline: this rank's stages (one part per stage), or the whole model as one part
     cut = CutModel({0: model}, placements, tp, None)
     if mesh.size("pp") > 1:
         from threefold.parallel.pipeline.partition import partition
@@ -269,31 +280,35 @@ class Engine:
         self.cp = mesh.size("cp")
         # the group whose ranks hold the same weights and different tokens: gradients are reduced over it
         self.grad_axes = ("dp", "cp") if self.cp > 1 else ("dp",)
-        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 3, and materialisation
+        cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 4, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
         self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
         self.runtime = None
 
-        # 4. gradient synchronisation over dp (× cp), per part
+        # 5. gradient synchronisation over dp (× cp), per part; experts over edp (see _expert_sync)
         reduced_over = mesh.size(*self.grad_axes)
         zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
         isolated = (self.tied_param,) if self.tied_param is not None else ()
+        experts = expert_keys(self.placements)
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
             alone = tuple(q for q in isolated if any(q is r for _, r in named))
+            dense = [(k, q) for k, q in named if k not in experts]
             if reduced_over == 1:
-                self.syncs[stage] = LocalGradSync(named, self.placements)
+                sync = LocalGradSync(dense, self.placements)
             elif zero == 3:
                 from threefold.parallel.fsdp import ShardedGradSync
 
-                self.syncs[stage] = ShardedGradSync(part, {id(q): k for k, q in named}, self.placements, mesh, comm,
-                                                    isolated=alone, axes=self.grad_axes)
+                sync = ShardedGradSync(part, {id(q): k for k, q in dense}, self.placements, mesh, comm,
+                                       isolated=alone, axes=self.grad_axes)
             else:
-                self.syncs[stage] = BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb,
-                                                   overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
+                sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
+                                      overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
+            expert_named = [(k, q) for k, q in named if k in experts]
+            self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
 
         # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks)
         entries = [e for sync in self.syncs.values() for e in sync.optimizer_params()]
@@ -305,6 +320,25 @@ class Engine:
         # the driver
         if self.schedule is not None:
             self._build_runtime()
+
+    def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
+        """The experts' gradient synchronisation: over edp = dp/ep, the ranks that hold the same
+        experts, as ZeRO 0–3 shards them there; the sums divided by dp, not edp (an expert's
+        gradient on its rank already sums the tokens of every rank of its ep group; see
+        expert_parallel.py). Over an edp of one rank it only divides."""
+        p, mesh, comm = self.cfg.parallel, self.mesh, self.comm
+        dp = mesh.size(*self.grad_axes)
+        zero = p.zero if mesh.size("edp") > 1 else 0
+        if zero == 3:
+            from threefold.models.moe import GroupedExperts
+            from threefold.parallel.fsdp import ShardedGradSync
+
+            units = nn.Module()  # one unit per layer's local experts, gathered around its forward
+            units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
+            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm, axes=("edp",),
+                                   mean_over=dp)
+        return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
+                              axes=("edp",), mean_over=dp)
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
@@ -379,6 +413,8 @@ class Engine:
         is the mean over all tokens of the batch, as one big batch would compute it.
         """
         micro_batches, positions = self.context_split(micro_batches)
+        for layer in self.moe_layers():  # the balance loss is weighted like each micro-batch's loss
+            layer.aux_loss_scale = 1 / len(micro_batches)
         for sync in self.syncs.values():
             sync.start_step()
         if self.runtime is None:
@@ -496,6 +532,54 @@ class Engine:
     def zero_grad(self) -> None:
         for sync in self.syncs.values():
             sync.zero_grad()
+
+    # --- Mixture-of-Experts: the step's routing counters, the same on every rank ---------------
+    def _moe_layers_by_index(self) -> list[tuple[int, nn.Module]]:
+        """(layer index, MoE block) of this rank's stages, in layer order."""
+        from threefold.models.moe import MoE
+
+        found = []
+        for part in self.parts.values():
+            blocks = part.blocks.items() if isinstance(part.blocks, nn.ModuleDict) else enumerate(part.blocks)
+            found += [(int(i), block.mlp) for i, block in blocks if isinstance(block.mlp, MoE)]
+        return sorted(found, key=lambda found: found[0])
+
+    def moe_layers(self) -> list:
+        """This rank's MoE blocks (its stages'), in layer order."""
+        return [layer for _, layer in self._moe_layers_by_index()]
+
+    @torch.no_grad()
+    def end_moe_step(self, update_bias: bool = True) -> dict | None:
+        """After the optimizer step (every rank calls it): this step's routed tokens per expert,
+        dropped assignments and aux loss of every MoE layer, summed over the ranks that routed
+        different tokens of the same layer (dp, × cp), so that every rank takes the same bias
+        step (DeepSeek-V3's update from the whole step's counts) and the metrics describe the
+        global batch; under a pipeline the stages' rows are summed too, so they describe every
+        layer. One all-reduce per axis, tagged "moe". Then the layers' counters restart. Returns
+        the step's statistics (``models/moe.routing_statistics``); None for a dense model."""
+        from threefold.models.moe import routing_statistics
+        from threefold.models.sizes import is_moe_layer
+
+        m = self.cfg.model
+        everywhere = [i for i in range(m.layers) if is_moe_layer(m, i)]
+        if not m.moe_experts or not everywhere:
+            return None
+        experts, row_of = m.moe_experts, {layer: row for row, layer in enumerate(everywhere)}
+        table = torch.zeros(len(everywhere), experts + 2, dtype=torch.float64, device=self.device)
+        mine = self._moe_layers_by_index()
+        for index, layer in mine:  # counts, dropped, aux loss (summed over micro-batches)
+            table[row_of[index]] = torch.cat([layer.step_tokens.double(), layer.step_dropped.double().view(1),
+                                              layer.step_aux_loss.double().view(1)])
+        ranks = self.mesh.size(*self.grad_axes)
+        if ranks > 1:
+            self.comm.all_reduce(table, self.grad_axes, tag="moe")
+        if self.pp > 1:
+            self.comm.all_reduce(table, "pp", tag="moe")  # each row is one stage's; the others add zeros
+        counts = table[:, :experts].round().long()
+        for index, layer in mine:
+            layer.end_step(counts[row_of[index]], update_bias)
+        return routing_statistics(counts, table[:, experts].sum().item(), table[:, experts + 1].sum().item() / ranks,
+                                  self.cfg.microbatches)
 
     # --- the measured timeline ----------------------------------------------------------------
     def _gather_timeline(self, timeline) -> dict:

@@ -101,9 +101,6 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     model.set_recompute(t.recompute)
     n_params = sum(p.numel() for p in model.parameters())  # before a strategy keeps its part
     moe = bool(model.moe_layers())
-    if moe and cfg.model.moe_bias_rate and cfg.parallel.world_size > 1:
-        raise ConfigError("model.moe_bias_rate: the routing bias is updated on one process only for now "
-                          "(its token counts are not summed over ranks yet)")
     engine = build_engine(model, cfg)
     if cfg.model.init_from and engine.is_main:  # pretrained weights from a Hugging Face folder or a checkpoint
         from threefold.interop.hf import describe_init_from
@@ -152,7 +149,6 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             inputs, targets = (x.to(engine.device) for x in sampler.next_batch(engine.dp_rank, engine.dp_size))
             engine.activation_meter.peak = engine.activation_meter.live  # this step's peak
             micro_batches = split_micro_batches(inputs, targets, t.micro_batch)
-            model.set_moe_loss_scale(1 / len(micro_batches))  # the aux loss is weighted like each micro-batch's loss
             loss = engine.forward_backward(micro_batches)
             grad_norm = engine.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, cfg)
@@ -164,8 +160,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                                     "such steps)")
             if not skipped:
                 engine.optimizer_step(lr)
-            if moe:  # the routing bias steps with the weights; the step's routing statistics are kept
-                model.end_moe_step(model.moe_token_counts(), update_bias=not skipped)
+            # the routing bias steps with the weights, from the step's counts summed over the dp ranks
+            moe_stats = engine.end_moe_step(update_bias=not skipped) if moe else None
             memory = dict(engine.memory_bytes(), activations=engine.activation_meter.peak)
             engine.zero_grad()
             step_time = time.perf_counter() - step_began
@@ -176,7 +172,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                       "tokens_per_s": tokens_per_step / step_time, "comm_bytes": comm_bytes,
                       "comm_exposed_s": comm_exposed, "comm_exposed_least_s": comm_exposed_least,
                       "memory": memory, **({"skipped": True} if skipped else {}),
-                      **({"moe": model.moe_last_step} if moe else {})}
+                      **({"moe": moe_stats} if moe else {})}
             timeline = engine.step_timeline()
             if timeline is not None:  # `threefold schedule --from-metrics` draws it beside its simulation
                 record["timeline"] = timeline
