@@ -252,44 +252,6 @@ def scatter_gather_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virt
 
 
 def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_experts, recompute="none",
-                      dtype_bytes: int = 4, count_bytes: int = 8, combine_bytes: int | None = None):
-    """Bytes each rank sends on the expert-parallel axis per optimizer step (ledger key ``ep``),
-    for dropless routing that sends every rank's experts the same share of the assignments
-    (round-robin routing; balanced routing on average).
-
-    ``tokens`` is T, the tokens this rank routes in one micro-batch (micro_batch · seq_len / cp);
-    each makes ``top_k`` = k assignments, one row of ``hidden`` = h elements. Of a rank's T·k
-    rows, 1/ep are for its own experts and stay; (ep−1)/ep go to the other ep − 1 ranks. Per MoE
-    layer and micro-batch:
-      dispatch (forward)      all_to_all of the rows to their experts' ranks:  (ep−1)/ep · T·k·h · bytes
-      combine (forward)       all_to_all of the experts' outputs back:         (ep−1)/ep · T·k·h · bytes
-      backward                the gradients of both, the same sizes reversed: 2 · (ep−1)/ep · T·k·h · bytes
-                              → 4 · (ep−1)/ep · T·k·h · dtype_bytes
-      count exchange          before the dispatch, an all_to_all_single of this rank's E per-expert
-      (forward)               counts (int64, E = ``num_experts``) split evenly over the ep ranks: each
-                              other rank gets the E/ep counts of its own experts, so a rank sends
-                              (ep−1) · E/ep · count_bytes. The receiver needs per-expert counts, not
-                              one total per peer, to group its rows by local expert. The backward
-                              reuses the forward's splits: no second exchange.
-    Recomputation: ``full`` reruns each block's forward, its routing, count exchange, dispatch and
-    combine included: + 2 · (ep−1)/ep · T·k·h · bytes + (ep−1) · E/ep · count_bytes per MoE layer
-    and micro-batch; ``selective`` reruns only the attention core: nothing. With ep = 1 every term
-    is 0. Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
-    ``combine_bytes``: the element size of the experts' outputs and their gradients where it
-    differs from the dispatched rows' ``dtype_bytes`` (the engine's bf16 autocast dispatches the
-    fp32 norm output and combines bf16 products: 4 and 2); the factor 4 above is then 2 + 2.
-    """
-    ep = np.asarray(ep)
-    share = (ep - 1) / ep
-    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden
-    sent = rows * (dtype_bytes + (dtype_bytes if combine_bytes is None else combine_bytes))  # one way and back
-    counts = (ep - 1) * (num_experts / ep) * count_bytes
-    full = _recompute_index(recompute) == RECOMPUTE.index("full")
-    per_layer = 2 * sent + counts + np.where(full, sent + counts, 0)
-    return _scalar_or_array(microbatches * moe_layers * per_layer)
-
-
-def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_experts, recompute="none",
                       dtype_bytes: int = 4, count_bytes: int = 8):
     """Bytes each rank sends on the expert-parallel axis per optimizer step (ledger key ``ep``),
     for dropless routing that sends every rank's experts the same share of the assignments
@@ -316,10 +278,11 @@ def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_e
     """
     ep = np.asarray(ep)
     share = (ep - 1) / ep
-    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden * dtype_bytes
+    rows = share * np.asarray(tokens, dtype=float) * top_k * hidden
+    sent = 2 * rows * dtype_bytes  # one way and back
     counts = (ep - 1) * (num_experts / ep) * count_bytes
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
-    per_layer = 4 * rows + counts + np.where(full, 2 * rows + counts, 0)
+    per_layer = 2 * sent + counts + np.where(full, sent + counts, 0)
     return _scalar_or_array(microbatches * moe_layers * per_layer)
 
 

@@ -121,10 +121,9 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     if experts and expert_replicas > 1:  # the expert-data-parallel group is part of dp: the ledger's "dp"
         comm["dp"] = comm.get("dp", 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
     if p.ep > 1 and share.moe_blocks:
-        # Under bf16 autocast the dispatched rows are the norm's fp32 output, the combined ones bf16
+        # Under bf16 autocast the engine sends the dispatched and the combined rows in bf16 alike
         comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,
-                                             share.moe_blocks, m, model.moe_experts, t.recompute, 4,
-                                             combine_bytes=act_bytes)
+                                             share.moe_blocks, m, model.moe_experts, t.recompute, act_bytes)
     if p.tp > 1:
         tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
