@@ -6,7 +6,7 @@ Each check raises ``ConfigError`` with one line that names the key and the reaso
 from __future__ import annotations
 
 from threefold.config import AUTO, Config, ConfigError, ModelConfig, ParallelConfig
-from threefold.parallel.pipeline.schedule import check_schedule
+from threefold.parallel.pipeline.schedule import check_schedule, stage_counts
 
 
 def check_layout(cfg: Config) -> None:
@@ -67,8 +67,12 @@ def check_pipeline(cfg: Config) -> None:
     schedule that does not defer weight gradients."""
     p = cfg.parallel
     if p.pp == 1:
+        if p.stage_layers is not None:
+            raise ConfigError("parallel.stage_layers: sets the blocks of each pipeline stage; it needs parallel.pp > 1")
         return
     check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
+    if p.stage_layers is not None:
+        stage_counts(p.stage_layers, cfg.model.layers, p.pp * p.virtual_stages)
     if p.zero == 3 and p.schedule == "zb-h1" and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
         raise ConfigError("parallel.zero: ZeRO-3 with zb-h1 is not supported: the deferred weight gradients (W) "
                           "would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "

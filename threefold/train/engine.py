@@ -148,6 +148,13 @@ class CutModel:
     schedule: object | None  # pipeline/schedule.Schedule, when pp > 1
     tied_param: nn.Parameter | None = None  # pipeline, tied embeddings: the copy this rank's end stage holds
     tied_stage: int | None = None
+    spans: list | None = None  # pipeline: every stage's blocks (schedule.StageSpan)
+    stage_costs: object | None = None  # pipeline: the costs its split balanced (schedule.LayerCosts; None: FLOPs)
+
+
+def loss_function(tp):
+    """The mean loss of a micro-batch: vocabulary-parallel under tensor parallelism."""
+    return cross_entropy if tp is None else functools.partial(vocab_parallel_cross_entropy, tp=tp)
 
 
 def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
@@ -179,11 +186,15 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
     if mesh.size("pp") > 1:
         from threefold.parallel.pipeline.partition import partition
         from threefold.parallel.pipeline.schedule import build_schedule
-        from threefold.parallel.pipeline.stages import stage_modules
+        from threefold.parallel.pipeline.stages import run_stage_costs, stage_modules
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
-        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), p.virtual_stages),
-                                  cut.schedule.stages_of(mesh.coord("pp")))
+        seq = cfg.model.seq_len // (tp.size if tp is not None and tp.sequence_parallel else 1)
+        cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
+                                          (cfg.train.micro_batch, seq, cfg.model.hidden),
+                                          compute=lambda: autocast(cfg.train.dtype))
+        cut.spans = partition(cfg.model, mesh.size("pp"), p.virtual_stages, p.stage_layers, cut.stage_costs)
+        cut.parts = stage_modules(model, cut.spans, cut.schedule.stages_of(mesh.coord("pp")))
         if cfg.model.tie_embeddings:
             ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
             cut.tied_param = ends[0].weight if ends else None
@@ -249,7 +260,8 @@ class Engine:
         cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 3, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
-        self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
+        self.loss_fn = loss_function(self.tp)
+        self.spans, self.stage_costs = cut.spans, cut.stage_costs
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
         self.runtime = None
 
@@ -301,6 +313,17 @@ class Engine:
             warnings.warn(f"parallel.microbatches: {self.cfg.microbatches} micro-batches for {self.pp} pipeline "
                           f"ranks; {self.schedule.name} is predicted to idle {bubble:.0%} of the time "
                           f"(use at least {self.pp})", stacklevel=3)
+
+    def stage_split(self) -> str | None:
+        """The pipeline's stages, what each runs and costs, and the slowest (printed at start)."""
+        if self.schedule is None:
+            return None
+        from threefold.parallel.pipeline.schedule import describe_split, flop_costs
+
+        by_hand = "set by parallel.stage_layers; " if self.cfg.parallel.stage_layers is not None else ""
+        if self.stage_costs is None:  # the FLOP model, in units of one block
+            return by_hand + describe_split(self.spans, flop_costs(self.cfg.model), unit="blocks", scale=1.0)
+        return by_hand + describe_split(self.spans, self.stage_costs)
 
     # --- where this rank sits -----------------------------------------------------------------
     @property
@@ -491,7 +514,8 @@ class Engine:
         ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
                   for row in rank if not math.isnan(row[0])] for rank in values]
         return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
-                "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks}
+                "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks,
+                "stage_layers": [len(span.blocks) for span in self.spans]}
 
     def step_timeline(self) -> dict | None:
         """The last step's measured pipeline timeline for the metrics file (per pp rank, every

@@ -142,6 +142,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
                       f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
                       f"unigram entropy {result.unigram_entropy:.3f} nats/token")
+        if engine.stage_split():
+            console.print(f"pipeline stages: {engine.stage_split()}", markup=False, highlight=False, soft_wrap=True)
     tokens_per_step = t.global_batch * cfg.model.seq_len
     began = time.perf_counter()
     columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
