@@ -140,7 +140,7 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
 # measured: time each block, the embedding and the head on this run's device and dtype at its
 # micro-batch; flops: the FLOP model (parallel/pipeline/schedule.py's stage_costs)
 STAGE_COSTS = ("measured", "flops")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the registry's names (parallel/pipeline/schedule.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream")  # the registry's names (parallel/pipeline/schedule.py)
 CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
 
 

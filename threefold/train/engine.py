@@ -297,11 +297,15 @@ class Engine:
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
+        from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 
         wire = None
         if self.tp is not None and not self.tp.sequence_parallel:
             wire = ScatterGather(self.comm, self.tp.size, self.tp.rank)  # each tp rank sends its 1/tp
-        self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.parts, self.comm, self.loss_fn,
+        runtime = PipelineRuntime
+        if SCHEDULE_REGISTRY[self.schedule.name].steady is not None:  # steps back to back: 2bw, pipedream
+            from threefold.parallel.pipeline.asynchronous import AsyncPipelineRuntime as runtime
+        self.runtime = runtime(self.schedule, self.pp_rank, self.parts, self.comm, self.loss_fn,
                                        self._compute_context, wire=wire,
                                        before_last_backward=lambda stage: self.syncs[stage].last_microbatch())
         self.last_timeline: dict | None = None
@@ -367,11 +371,20 @@ class Engine:
         self.mesh.shutdown()
 
     # --- the step -------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    @property
+    def lookahead(self) -> int:
+        """How many later steps' micro-batches a step starts (``forward_backward``'s ``upcoming``):
+        0, except for the pipelines that never flush (2bw, pipedream)."""
+        return getattr(self.runtime, "lookahead", 0)
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         upcoming: list[list[tuple[torch.Tensor, torch.Tensor]]] = ()) -> float:
         """Accumulate gradients of the mean loss over this step's global batch; return that mean.
 
         Every micro-batch holds the same number of tokens, so the mean of micro-batch means
         is the mean over all tokens of the batch, as one big batch would compute it.
+        ``upcoming``: this rank's micro-batches of the next steps, up to ``lookahead`` of them,
+        which a pipeline that never flushes starts during this step; fewer (none) flushes it.
         """
         micro_batches, positions = self.context_split(micro_batches)
         for sync in self.syncs.values():
@@ -379,8 +392,9 @@ class Engine:
         if self.runtime is None:
             loss_sum = self._plain_loop(micro_batches, positions)
         else:
+            ahead = {"upcoming": upcoming} if self.lookahead else {}
             loss_sum, timeline = self.runtime.run(micro_batches, self.activation_shape(micro_batches[0][0]),
-                                                  positions=positions)
+                                                  positions=positions, **ahead)
             self.last_timeline = self._gather_timeline(timeline)
         for sync in self.syncs.values():
             sync.finish()
@@ -390,6 +404,12 @@ class Engine:
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
         return self._mean_over_replicas(value_of(loss_sum) / len(micro_batches))
+
+    def discard_pipeline_carry(self) -> None:
+        """Stopping mid-run under 2bw or pipedream: settle the messages and drop the forwards of
+        the next step, which will not run. Nothing to do for the other schedules."""
+        if hasattr(self.runtime, "discard_carried"):
+            self.runtime.discard_carried()
 
     def context_split(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """(this rank's part of each micro-batch, the positions of its tokens): under context
@@ -487,6 +507,8 @@ class Engine:
         self.optimizer.step()
         for sync in self.syncs.values():
             sync.after_optimizer_step()
+        if hasattr(self.runtime, "after_optimizer_step"):  # the weight versions of 2bw and pipedream
+            self.runtime.after_optimizer_step()
 
     def zero_grad(self) -> None:
         for sync in self.syncs.values():
@@ -501,7 +523,7 @@ class Engine:
         from threefold.parallel.pipeline.schedule import Kind
 
         kinds = list(Kind)
-        longest = max(len(actions) for actions in self.schedule.actions)
+        longest = max(len(actions) for actions in getattr(self.runtime, "step_actions", self.schedule.actions))
         rows = [[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage] for a in timeline]
         mine = torch.full((longest, 5), math.nan, dtype=torch.float64, device=self.device)  # NaN rows: padding
         mine[:len(rows)] = torch.tensor(rows, dtype=torch.float64, device=self.device)
@@ -531,9 +553,12 @@ class Engine:
         """
         held = [sync.held() for sync in self.syncs.values()]
         states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        return {"params": tensor_bytes(t for h in held for t in h["params"]),
-                "grads": tensor_bytes(t for h in held for t in h["grads"]),
-                "optimizer": tensor_bytes(states)}
+        held_bytes = {"params": tensor_bytes(t for h in held for t in h["params"]),
+                      "grads": tensor_bytes(t for h in held for t in h["grads"]),
+                      "optimizer": tensor_bytes(states)}
+        if hasattr(self.runtime, "weight_version_bytes"):  # 2bw, pipedream: the stored weight versions
+            held_bytes["weight_versions"] = sum(self.runtime.weight_version_bytes().values())
+        return held_bytes
 
     # --- layout-independent checkpoints: this rank's pieces of the full states --------------
     def weight_shards(self) -> list[Shard]:

@@ -611,6 +611,31 @@ def _interleaved_constraints(flags: dict, pp: int, m: int, v: int, layers: int |
                           f"(its groups of micro-batches go round the ring of ranks), got {m}")
 
 
+def _two_bw_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    _one_chunk(flags, pp, m, v, layers, name)
+    if m < pp:
+        raise ConfigError(f"{flags['microbatches']}: 2bw needs at least pp={pp} micro-batches per step, got {m} "
+                          "(with fewer, the first stage's warm-up reaches two steps ahead and two weight versions "
+                          "no longer suffice)")
+
+
+def _pipedream_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    _one_chunk(flags, pp, m, v, layers, name)
+    if m != 1:
+        raise ConfigError(f"{flags['microbatches']}: pipedream takes one optimizer step per micro-batch "
+                          f"(train.global_batch = dp × micro_batch); it cannot accumulate gradients over {m} "
+                          "micro-batches: each would need its own weight version (use 2bw for that)")
+
+
+@dataclass(frozen=True)
+class SteadyForms:
+    """Closed forms, as in ``ScheduleSpec``, for a step in the middle of a run of a schedule that
+    never flushes; its fill and drain are paid once per run, not per step."""
+    bubble: Callable
+    in_flight_first: Callable
+    in_flight_last: Callable
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """Everything about one schedule. The closed forms take (pp, m, v) as numbers or numpy
@@ -630,6 +655,14 @@ class ScheduleSpec:
     chunked: bool = False  # takes virtual_stages > 1
     placement: Placement = LOOPING
     summary: str = ""
+    # Schedules that never flush (2bw, pipedream; see "Steps back to back" below): the closed
+    # forms of a step in the middle of a run (``SteadyForms``), and each stage's weights: the
+    # versions it holds, ``weight_versions(stage, pp)``, and the batch's ``delay(stage, pp)``:
+    # batch t computes its gradient on W(t − delay), so that W(t) = Opt(W(t−1), ∇L_t(W(t − delay)))
+    # (delay 1: plain synchronous training; the staleness is delay − 1 updates).
+    steady: "SteadyForms | None" = None
+    weight_versions: Callable | None = None
+    delay: Callable | None = None
 
 
 def _zb_h1_idle(p, m):
@@ -638,6 +671,14 @@ def _zb_h1_idle(p, m):
     missing micro-batch adds a third of a slot, as the simulator shows (pp 8, m 4: 47.8%)."""
     return (p - 1 + np.maximum(0, p - m)) / 3
 
+
+# 2bw and pipedream: one step alone (the first and last of a run) is 1F1B; in a run, steps follow
+# each other without a flush, every rank busy at uniform costs and rank r holding pp − r
+# micro-batches, as 1F1B's warm-up leaves it.
+_ONE_STEP_ALONE = dict(bubble=lambda p, m, v: (p - 1) / (m + p - 1), in_flight_first=lambda p, m, v: np.minimum(p, m),
+                       in_flight_last=lambda p, m, v: 1)
+_BACK_TO_BACK = SteadyForms(bubble=lambda p, m, v: 0 * p, in_flight_first=lambda p, m, v: p + 0 * m,
+                            in_flight_last=lambda p, m, v: 1 + 0 * p)
 
 SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
     ScheduleSpec("gpipe", _gpipe_order, _one_chunk,
@@ -662,10 +703,88 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
                  summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
+    ScheduleSpec("2bw", _one_f_one_b_order, _two_bw_constraints, **_ONE_STEP_ALONE, steady=_BACK_TO_BACK,
+                 weight_versions=lambda stage, p: 2 + 0 * stage, delay=lambda stage, p: 2 + 0 * stage,
+                 summary="1F1B across steps, no flush, two weight versions (PipeDream-2BW; Narayanan et al. 2021)"),
+    ScheduleSpec("pipedream", _one_f_one_b_order, _pipedream_constraints, **_ONE_STEP_ALONE, steady=_BACK_TO_BACK,
+                 weight_versions=lambda stage, p: p - stage, delay=lambda stage, p: p - stage,
+                 summary="1F1B across steps of one micro-batch each, weight stashing (PipeDream; Harlap et al. 2018)"),
 ]}
 
 _RUN_FLAGS = {"schedule": "parallel.schedule", "pp": "parallel.pp", "microbatches": "parallel.microbatches",
               "virtual_stages": "parallel.virtual_stages"}
+
+
+# --------------------------------------------------------------------------------------------
+# Steps back to back (2bw, pipedream). A run of such a schedule is 1F1B over all the run's
+# micro-batches, with no flush between steps: rank r's pp − r − 1 warm-up forwards of a step run
+# in the drain of the step before. ``build_run`` is that run as one schedule (what the simulator
+# plays and the pictures draw); ``run_step`` cuts one step out of it for the runtime: each rank's
+# actions from just after the backward of the previous step's last micro-batch to the backward
+# of this step's last one, so that a step's gradients are complete when it ends, and its
+# optimizer step comes before the next step's backwards. Its micro-batches are numbered from
+# this step's first; numbers ≥ m are forwards of the steps after it.
+
+def build_run(name: str, pp: int, microbatches: int, steps: int) -> Schedule:
+    """``steps`` steps of ``name`` back to back: one schedule over steps × microbatches micro-batches."""
+    spec = check_schedule(name, pp, microbatches)
+    if spec.steady is None:
+        raise ConfigError(f"parallel.schedule: {name} flushes at the end of every step; only 2bw and pipedream run "
+                          "steps back to back")
+    total = microbatches * steps
+    compute = [spec.compute_order(rank, pp, total, 1) for rank in range(pp)]
+    return Schedule(name, pp, total, 1, _with_p2p(compute, pp, 1, spec.placement.rank_of))
+
+
+def steps_ahead(pp: int, microbatches: int) -> int:
+    """How many later steps' micro-batches a step of a run forwards: the first rank's warm-up
+    (pp − 1 forwards) reaches ⌈(pp − 1)/m⌉ steps ahead."""
+    return -(-(pp - 1) // microbatches)
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One step of a run (``run_step``): each rank's actions (``actions``), micro-batches
+    numbered from this step's first; for each rank the indices of its sends that the receiver
+    takes only in the next step (``crossing``), and how many messages it receives from each
+    peer that were sent in the step before (``carried_in``)."""
+    actions: tuple[tuple[Action, ...], ...]
+    crossing: tuple[frozenset[int], ...]
+    carried_in: tuple[dict[int, int], ...]
+
+
+@lru_cache(maxsize=256)
+def run_step(name: str, pp: int, microbatches: int, behind: int, ahead: int) -> RunStep:
+    """The step of a run that has ``behind`` steps before it since the last flush and ``ahead``
+    after it before the next (each counted up to ``steps_ahead``: further ones change nothing)."""
+    m = microbatches
+    run = build_run(name, pp, m, behind + 1 + ahead)
+    offset = behind * m
+
+    def end_of_backward(actions, mb) -> int:
+        """Index just past B(mb) and its send, or 0 before the first micro-batch."""
+        if mb < 0:
+            return 0
+        index = next(i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD and a.microbatch == mb)
+        nxt = index + 1
+        return nxt + 1 if nxt < len(actions) and actions[nxt].kind is Kind.SEND_GRAD else nxt
+
+    cut = []
+    for actions in run.actions:
+        part = actions[end_of_backward(actions, offset - 1):end_of_backward(actions, offset + m - 1)]
+        cut.append(tuple(Action(a.kind, a.microbatch - offset, a.stage, a.peer) for a in part))
+    received = [{matching_send(a, rank) for a in actions if a.kind.is_recv} for rank, actions in enumerate(cut)]
+    crossing = tuple(frozenset(i for i, a in enumerate(actions) if a.kind.is_send and a not in received[a.peer])
+                     for actions in cut)
+    sent = [set(a for a in actions if a.kind.is_send) for actions in cut]
+    carried_in = []
+    for rank, actions in enumerate(cut):
+        counts: dict[int, int] = defaultdict(int)
+        for a in actions:
+            if a.kind.is_recv and matching_send(a, rank) not in sent[a.peer]:
+                counts[a.peer] += 1
+        carried_in.append(dict(counts))
+    return RunStep(tuple(cut), crossing, tuple(carried_in))
 
 
 def schedule_names() -> tuple[str, ...]:
