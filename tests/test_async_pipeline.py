@@ -227,3 +227,24 @@ def test_bad_input_exits_2_before_any_process_starts():
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "pipedream takes one optimizer step" in done.stderr
+
+
+def test_the_trainer_reads_ahead_up_to_the_next_flush():
+    """The next steps' batches (as the sampler will give them), none past an evaluation, a
+    checkpoint or the end of the run."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from threefold.data import BatchSampler
+    from threefold.train.trainer import flushes_after, upcoming_batches
+
+    cfg = load_config(None, list(layout("pipedream", 4, 1)) + ["train.steps=10", "train.eval_every=4",
+                                                               "train.checkpoint_dir=/tmp/x", "train.checkpoint_every=0"])
+    assert [n for n in range(1, 11) if flushes_after(n, cfg)] == [4, 8, 10]
+    sampler = BatchSampler(np.arange(10_000) % 64, 16, 2, 0)
+    engine = SimpleNamespace(lookahead=3, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    sampler.next_batch()  # step 1's batch
+    ahead = upcoming_batches(engine, sampler, cfg, 1)
+    assert len(ahead) == 3 and torch.equal(ahead[0][0][0], sampler.local_batch_at(1, 0, 1)[0])
+    assert len(upcoming_batches(engine, sampler, cfg, 3)) == 1  # step 4 evaluates: nothing past it
+    assert upcoming_batches(engine, sampler, cfg, 4) == []
