@@ -147,6 +147,12 @@ def test_equals_the_delayed_single_process_reference(distributed, schedule, pp, 
     assert ref["losses"][-1] != pytest.approx(plain["losses"][-1], rel=1e-5)  # the delay shows
 
 
+def test_recomputed_activations_use_their_forwards_version(distributed):
+    """Full recomputation reruns each block's forward in the backward, under the same version."""
+    overrides = layout("2bw", 2, 4, 1, 1, "train.recompute=full")
+    assert_same_training(distributed_run(distributed, overrides), delayed_reference(overrides, STEPS))
+
+
 def test_a_flush_mid_run_changes_nothing(distributed):
     """An evaluation after step 3 drains the pipeline; the update rule goes on as before."""
     overrides = layout("2bw", 2, 4)
