@@ -178,7 +178,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             engine.activation_meter.peak = engine.activation_meter.live  # this step's peak
             micro_batches = split_micro_batches(inputs, targets, t.micro_batch)
             model.set_moe_loss_scale(1 / len(micro_batches))  # the aux loss is weighted like each micro-batch's loss
-            loss = engine.forward_backward(micro_batches, upcoming_batches(engine, sampler, cfg, step + 1))
+            upcoming = upcoming_batches(engine, sampler, cfg, step + 1)  # 2bw, pipedream: the next steps
+            loss = engine.forward_backward(micro_batches, upcoming) if upcoming else engine.forward_backward(micro_batches)
             grad_norm = engine.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, cfg)
             # Loss and norm are global, so every rank takes the same decision.
