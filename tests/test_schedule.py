@@ -118,7 +118,9 @@ def test_validator_requires_every_weight_grad_of_a_split_schedule():
 @pytest.mark.parametrize("name,pp,m,v,message", [
     ("1f1b", 0, 8, 1, "parallel.pp"),
     ("1f1b", 4, 0, 1, "parallel.microbatches"),
-    ("pipedream", 4, 8, 1, "parallel.schedule"),
+    ("chimera", 4, 8, 1, "parallel.schedule"),
+    ("pipedream", 4, 8, 1, "parallel.microbatches"),
+    ("2bw", 4, 3, 1, "parallel.microbatches"),
     ("gpipe", 4, 8, 2, "parallel.virtual_stages"),
     ("zb-h1", 4, 8, 2, "parallel.virtual_stages"),
     ("interleaved", 4, 8, 1, "parallel.virtual_stages"),
@@ -356,7 +358,9 @@ def test_registered_names_are_the_configs():
     ("interleaved", 2, 8, 3, 10, "parallel.virtual_stages: interleaved splits each rank's layers into equal chunks"),
     ("interleaved", 4, 3, 2, 8, "parallel.microbatches: interleaved needs at least pp=4 micro-batches per step"),
     ("1f1b", 4, 8, 2, 8, "parallel.virtual_stages: 1f1b has one stage per rank"),
-    ("pipedream", 4, 8, 1, 8, "parallel.schedule: must be one of gpipe, 1f1b, interleaved, zb-h1"),
+    ("chimera", 4, 8, 1, 8, "parallel.schedule: must be one of gpipe, 1f1b, interleaved, zb-h1"),
+    ("2bw", 4, 3, 1, 8, "parallel.microbatches: 2bw needs at least pp=4 micro-batches per step, got 3"),
+    ("pipedream", 4, 2, 1, 8, "parallel.microbatches: pipedream takes one optimizer step per micro-batch"),
 ])
 def test_check_schedule_says_what_is_wrong_in_one_line(name, pp, m, v, layers, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:

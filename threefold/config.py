@@ -137,7 +137,11 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")  # the registry's names (parallel/pipeline/schedule.py)
+# measured: time each block, the embedding and the head on this run's device and dtype at its
+# micro-batch; flops: the FLOP model (parallel/pipeline/schedule.py's stage_costs)
+STAGE_COSTS = ("measured", "flops")
+# the registry's names (parallel/pipeline/schedule.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "2bw", "pipedream")
 CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
 
 
@@ -158,6 +162,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None  # None: global_batch / (dp · micro_batch)
     virtual_stages: int = 1
+    stage_layers: list | None = None  # blocks per pipeline stage by hand: [3, 1] or [[0, 1, 2], [3]]
+    stage_costs: str = "measured"  # what the stage split balances: measured | flops (see STAGE_COSTS)
     bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True  # reduce each gradient bucket as soon as its last gradient is in
     timeout_s: float = 300.0  # collectives that wait longer than this fail instead of hanging
@@ -188,6 +194,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp_overlap: needs tensor parallelism with sequence parallelism "
                               f"(parallel.tp > 1 and parallel.sequence_parallel = true), got tp={self.tp}, "
                               f"sequence_parallel={str(self.sequence_parallel).lower()}")
+        if self.stage_costs not in STAGE_COSTS:
+            raise ConfigError(f"parallel.stage_costs: must be one of {', '.join(STAGE_COSTS)}, got {self.stage_costs!r}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb: must be positive, got {self.bucket_mb}")
         if self.timeout_s <= 0:
@@ -375,7 +383,10 @@ def _coerce(section: str, key: str, value):
     elif base is str:
         if isinstance(value, str):
             return value
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    elif base is list:
+        if isinstance(value, list):
+            return value  # its meaning is checked where it is used (parallel.stage_layers: the partition)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}.get(base, str(base))
     if (section, key) == ("parallel", "dp"):
         expected = 'an integer or "auto"'
     raise ConfigError(f"{section}.{key}: expected {expected}, got {value!r}")

@@ -6,7 +6,7 @@ Each check raises ``ConfigError`` with one line that names the key and the reaso
 from __future__ import annotations
 
 from threefold.config import AUTO, Config, ConfigError, ModelConfig, ParallelConfig
-from threefold.parallel.pipeline.schedule import check_schedule
+from threefold.parallel.pipeline.schedule import check_schedule, stage_counts
 
 
 def check_layout(cfg: Config) -> None:
@@ -81,8 +81,14 @@ def check_pipeline(cfg: Config) -> None:
     schedule that does not defer weight gradients."""
     p = cfg.parallel
     if p.pp == 1:
+        if p.stage_layers is not None:
+            raise ConfigError("parallel.stage_layers: sets the blocks of each pipeline stage; it needs parallel.pp > 1")
         return
     check_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages, cfg.model.layers)
+    if p.stage_layers is not None:
+        stage_counts(p.stage_layers, cfg.model.layers, p.pp * p.virtual_stages)
+    if p.schedule in ("2bw", "pipedream"):
+        check_steps_back_to_back(cfg)
     if p.zero == 3 and p.schedule in ("zb-h1", "dualpipev") and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
         raise ConfigError(f"parallel.zero: ZeRO-3 with {p.schedule} is not supported: the deferred weight gradients "
                           "(W) would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
@@ -90,3 +96,21 @@ def check_pipeline(cfg: Config) -> None:
     if p.schedule == "dualpipev" and cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings: dualpipev puts the embedding and the head on pipeline rank 0 as two "
                           "stages, which do not share one tied weight here; set model.tie_embeddings=false")
+
+
+def check_steps_back_to_back(cfg: Config) -> None:
+    """What 2bw and pipedream need besides their micro-batches (the registry checks those): each
+    stage computes on whole copies of its weights (so no ZeRO-3, which shards them), and a step
+    forwards micro-batches of the next one, whose tokens and routing must not mix with this
+    step's (so no context parallelism, whose split of the next step's batch is not made yet, and
+    no Mixture of Experts, whose routing statistics are per step)."""
+    p = cfg.parallel
+    if p.zero == 3 and p.dp * p.cp > 1:
+        raise ConfigError(f"parallel.zero: {p.schedule} keeps whole copies of each stage's weights (its weight "
+                          "versions), which ZeRO-3 would shard; use zero 0, 1 or 2")
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp: {p.schedule} with context parallelism is not supported (a step forwards "
+                          "micro-batches of the next one, whose sequences are not split yet)")
+    if cfg.model.moe_experts:
+        raise ConfigError(f"model.moe_experts: {p.schedule} with a Mixture-of-Experts model is not supported (a step "
+                          "forwards micro-batches of the next one, whose routing would count in this step's statistics)")

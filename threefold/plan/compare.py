@@ -76,7 +76,7 @@ def rank_zero(cfg: Config) -> RankZero:
     if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
         return RankZero(numel, model.layers, True, model.layers, 1)
-    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers)
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(0)]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
@@ -178,6 +178,9 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
 
     cfg = resolved(cfg)
     steps = read_steps(metrics_path)
+    timeline = steps[-1].get("timeline")
+    if timeline and timeline.get("stage_layers"):  # the split the run chose (measured costs, or by hand)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=timeline["stage_layers"]))
 
     def measured(get) -> float:
         return statistics.median(get(step) for step in steps)
@@ -244,6 +247,14 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                         "not modelled by the planner: " + ", ".join(f"{key} {axis(key):,.0f}" for key in others)))
 
     rows += exposed_rows(cfg, steps, None if missing else est, missing)
+    if timeline:  # the stage the others wait for: predicted as the mean stage (balanced), measured the slowest
+        from threefold.plan.measured import stage_bottleneck
+
+        neck = stage_bottleneck(timeline)
+        rows.append(Row("pipeline: slowest stage, compute per micro-batch",
+                        sum(neck["stage_seconds"]) / len(neck["stage_seconds"]),
+                        neck["stage_seconds"][neck["slowest_stage"]],
+                        f"predicted: the mean stage (a balanced split); {neck['line']}", unit="s"))
     rows.append(Row("step time", None if missing else est["step_time_s"], measured_step_time(steps),
                     f"{missing}; for a prediction run `threefold calibrate --quick`" if missing else
                     f"estimate() with the local profile, {t.dtype}, flash-style attention (PyTorch's SDPA)",

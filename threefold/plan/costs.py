@@ -585,9 +585,23 @@ def _per_schedule(form: str, schedule, p, m, v, single: float):
     out = np.full(schedule.shape, float(single))
     for index, spec in enumerate(SCHEDULE_REGISTRY.values()):
         rows = (schedule == index) & (p > 1)
-        if rows.any():
-            out[rows] = getattr(spec, form)(p[rows], m[rows], v[rows])
+        if rows.any():  # a schedule that never flushes: a step in the middle of the run (it fills once)
+            out[rows] = getattr(spec.steady or spec, form)(p[rows], m[rows], v[rows])
     return out
+
+
+def weight_versions(schedule, pp, stage):
+    """(versions of its weights, staleness in updates) that pipeline stage ``stage`` holds: 1 and 0
+    for the schedules that flush, the registry's for 2bw and pipedream (over arrays of layouts)."""
+    schedule, p, stage = np.broadcast_arrays(np.asarray(schedule), np.asarray(pp, dtype=float),
+                                             np.asarray(stage, dtype=float))
+    versions, staleness = np.zeros(schedule.shape), np.zeros(schedule.shape)
+    for index, spec in enumerate(SCHEDULE_REGISTRY.values()):
+        rows = (schedule == index) & (p > 1)
+        if rows.any() and spec.weight_versions is not None:
+            versions[rows] = spec.weight_versions(stage[rows], p[rows])
+            staleness[rows] = spec.delay(stage[rows], p[rows]) - 1
+    return versions, staleness
 
 
 def layer_products(cfg: ModelConfig, tp) -> list[tuple]:
@@ -742,16 +756,22 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
     first_states, last_states = states(first_numel, expert_first), states(last_numel, expert_last)
+    # 2bw, pipedream: whole copies of each stage's weights, one per version its batches use
+    versions_first, staleness = weight_versions(schedule, p, 0)
+    versions_last, _ = weight_versions(schedule, p, p - 1)
+    versions_first_bytes = versions_first * (first_numel + expert_first) * work.param_bytes
+    versions_last_bytes = versions_last * (last_numel + expert_last) * work.param_bytes
     block_states = sum(model_state_bytes(block_numel, replicas, zero, work.param_bytes, work.grad_bytes,
                                          work.optimizer_bytes).values())
     if moe:
         block_states = block_states + sum(model_state_bytes(expert_first, expert_replicas, zero, work.param_bytes,
                                                             work.grad_bytes, work.optimizer_bytes).values())
-    total_first = sum(first_states) + act_first
-    total_last = sum(last_states) + act_last
+    total_first = sum(first_states) + act_first + versions_first_bytes
+    total_last = sum(last_states) + act_last + versions_last_bytes
     last_fuller = total_last > total_first
     params, grads, optimizer = (np.where(last_fuller, lst, fst) for fst, lst in zip(first_states, last_states))
     activations = np.where(last_fuller, act_last, act_first)
+    versions_bytes = np.where(last_fuller, versions_last_bytes, versions_first_bytes)
     memory_total = np.maximum(total_first, total_last) + RESERVED_BYTES
 
     # ---- compute on the busiest stage, per micro-batch ----------------------------------------
@@ -913,6 +933,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         hfu=hardware_flops / (step_s * num_gpus * gpu.peak_flops),
         bubble_fraction=bubble,
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer, activations_bytes=activations,
+        weight_versions_bytes=versions_bytes, staleness=staleness,
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,

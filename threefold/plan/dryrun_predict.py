@@ -58,7 +58,7 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
         return RankShare(numel, model.layers, True, True, model.layers, moe)
-    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages))
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers)
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]

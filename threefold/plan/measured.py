@@ -48,6 +48,22 @@ def measured_costs(timeline: dict) -> ActionCosts:
                        weight_grad=weight_grad)
 
 
+def stage_bottleneck(timeline: dict) -> dict:
+    """Which stage the others wait for: each stage's measured compute (F + B + W) per
+    micro-batch, the slowest, and how far above the mean stage it is (0: balanced); with the
+    split that produced it (blocks per stage), and a line saying so."""
+    measured = measured_costs(timeline)
+    per_stage = [f + b for f, b in zip(measured.forward, measured.backward)]
+    mean = sum(per_stage) / len(per_stage)
+    slowest = max(range(len(per_stage)), key=per_stage.__getitem__)
+    excess = per_stage[slowest] / mean - 1 if mean > 0 else 0.0
+    split = timeline.get("stage_layers")
+    line = (f"stage {slowest} is the bottleneck: {per_stage[slowest] * 1e3:.3g} ms of compute per micro-batch, "
+            f"{excess:.0%} above the mean stage's {mean * 1e3:.3g} ms" + (f" (blocks per stage {split})" if split else ""))
+    return {"stage_seconds": per_stage, "slowest_stage": slowest, "excess": excess, "stage_layers": split,
+            "line": line}
+
+
 def simulate_measured(timeline: dict) -> SimResult:
     """The simulator's play of the same schedule, on the stage costs this step measured."""
     schedule = build_schedule(timeline["schedule"], timeline["pp"], timeline["microbatches"],
@@ -80,11 +96,14 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
     measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
     name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
     name += f" v={timeline['virtual_stages']}" if timeline["virtual_stages"] > 1 else ""
+    neck = stage_bottleneck(timeline)
     if out:
         from threefold.plan.timeline import draw_timelines  # matplotlib only when drawing
 
-        draw_timelines([(f"measured: {name}", measured_segs),
+        title = f"measured: {name}; stage {neck['slowest_stage']} is the bottleneck, {neck['excess']:.0%} above the mean"
+        draw_timelines([(title, measured_segs),
                         ("simulated on the measured stage costs", simulated_segs)], out, unit="seconds")
     return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
             "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
-            "simulated_idle": idle_fractions(simulated_segs), "out": str(out) if out else None}
+            "simulated_idle": idle_fractions(simulated_segs), "bottleneck": neck,
+            "out": str(out) if out else None}

@@ -24,6 +24,8 @@ def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
         return (value if i is None else np.asarray(value)[i]).item() if hasattr(value, "item") else value
 
     memory = {part: get(f"{part}_bytes") / GiB for part in ("params", "grads", "optimizer", "activations")}
+    if get("weight_versions_bytes"):  # 2bw, pipedream: the stored weight versions
+        memory["weight_versions"] = get("weight_versions_bytes") / GiB
     memory["reserved"] = get("reserved_bytes") / GiB
     memory["total"] = get("memory_bytes") / GiB
     return {
@@ -36,7 +38,7 @@ def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
         "num_gpus": int(get("num_gpus")), "microbatches": int(get("microbatches")),
         "step_time_s": get("step_time_s"), "tokens_per_s": get("tokens_per_s"), "tflops_per_gpu": get("tflops_per_gpu"),
         "mfu": get("mfu"), "hfu": get("hfu"), "bubble_fraction": get("bubble_fraction"), "fits": bool(get("fits")),
-        "memory_gib": memory,
+        "memory_gib": memory, "staleness": get("staleness"),
         "comm": {key: get(key) for key in ("dp_bytes", "tp_bytes", "pp_bytes", "cp_bytes", "ep_bytes", "dp_s", "tp_s",
                                            "pp_s", "cp_s", "ep_s", "exposed_s")},
         "time_s": {part: get(f"{part}_s") for part in TIME_PARTS},

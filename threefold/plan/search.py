@@ -30,11 +30,12 @@ def _divisors(n: int) -> list[int]:
 def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None = None) -> list[tuple[int, int]]:
     """(schedule index, virtual stages) of every registered schedule for ``pp`` ranks (or only
     ``schedule``, ``v`` when fixed): chunked schedules with 2-8 chunks per rank; without a
-    pipeline, 1F1B alone (they are all the same)."""
+    pipeline, 1F1B alone (they are all the same). Schedules that train on stale weights (2bw,
+    pipedream: ``steady``) change the optimisation, not only its speed: only when asked for."""
     if pp == 1:
         return [(SCHEDULES.index(schedule or "1f1b"), v or 1)]
     return [(index, chunks) for index, (name, spec) in enumerate(SCHEDULE_REGISTRY.items())
-            if schedule in (None, name)
+            if schedule == name or (schedule is None and spec.steady is None)
             for chunks in ((v,) if v else VIRTUAL_STAGES if spec.chunked else (1,)) if pp * chunks <= layers]
 
 

@@ -153,6 +153,13 @@ class CutModel:
     schedule: object | None  # pipeline/schedule.Schedule, when pp > 1
     tied_param: nn.Parameter | None = None  # pipeline, tied embeddings: the copy this rank's end stage holds
     tied_stage: int | None = None
+    spans: list | None = None  # pipeline: every stage's blocks (schedule.StageSpan)
+    stage_costs: object | None = None  # pipeline: the costs its split balanced (schedule.LayerCosts; None: FLOPs)
+
+
+def loss_function(tp):
+    """The mean loss of a micro-batch: vocabulary-parallel under tensor parallelism."""
+    return cross_entropy if tp is None else functools.partial(vocab_parallel_cross_entropy, tp=tp)
 
 
 def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutModel:
@@ -191,11 +198,16 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
     if mesh.size("pp") > 1:
         from threefold.parallel.pipeline.partition import partition
         from threefold.parallel.pipeline.schedule import build_schedule
-        from threefold.parallel.pipeline.stages import stage_modules
+        from threefold.parallel.pipeline.stages import run_stage_costs, stage_modules
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
-        cut.parts = stage_modules(model, partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages),
-                                  cut.schedule.stages_of(mesh.coord("pp")))
+        seq = cfg.model.seq_len // (tp.size if tp is not None and tp.sequence_parallel else 1)
+        cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
+                                          (cfg.train.micro_batch, seq, cfg.model.hidden),
+                                          compute=lambda: autocast(cfg.train.dtype))
+        cut.spans = partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages, p.stage_layers,
+                              cut.stage_costs)
+        cut.parts = stage_modules(model, cut.spans, cut.schedule.stages_of(mesh.coord("pp")))
         if cfg.model.tie_embeddings:
             ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
             cut.tied_param = ends[0].weight if ends else None
@@ -283,7 +295,8 @@ class Engine:
         cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 4, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
-        self.loss_fn = cross_entropy if self.tp is None else functools.partial(vocab_parallel_cross_entropy, tp=self.tp)
+        self.loss_fn = loss_function(self.tp)
+        self.spans, self.stage_costs = cut.spans, cut.stage_costs
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
         self.runtime = None
 
@@ -342,11 +355,15 @@ class Engine:
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
+        from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 
         wire = None
         if self.tp is not None and not self.tp.sequence_parallel:
             wire = ScatterGather(self.comm, self.tp.size, self.tp.rank)  # each tp rank sends its 1/tp
-        self.runtime = PipelineRuntime(self.schedule, self.pp_rank, self.parts, self.comm, self.loss_fn,
+        runtime = PipelineRuntime
+        if SCHEDULE_REGISTRY[self.schedule.name].steady is not None:  # steps back to back: 2bw, pipedream
+            from threefold.parallel.pipeline.asynchronous import AsyncPipelineRuntime as runtime
+        self.runtime = runtime(self.schedule, self.pp_rank, self.parts, self.comm, self.loss_fn,
                                        self._compute_context, wire=wire,
                                        before_last_backward=lambda stage: self.syncs[stage].last_microbatch())
         self.last_timeline: dict | None = None
@@ -358,6 +375,17 @@ class Engine:
             warnings.warn(f"parallel.microbatches: {self.cfg.microbatches} micro-batches for {self.pp} pipeline "
                           f"ranks; {self.schedule.name} is predicted to idle {bubble:.0%} of the time "
                           f"(use at least {self.pp})", stacklevel=3)
+
+    def stage_split(self) -> str | None:
+        """The pipeline's stages, what each runs and costs, and the slowest (printed at start)."""
+        if self.schedule is None:
+            return None
+        from threefold.parallel.pipeline.schedule import describe_split, flop_costs
+
+        by_hand = "set by parallel.stage_layers; " if self.cfg.parallel.stage_layers is not None else ""
+        if self.stage_costs is None:  # the FLOP model, in units of one block
+            return by_hand + describe_split(self.spans, flop_costs(self.cfg.model), unit="blocks", scale=1.0)
+        return by_hand + describe_split(self.spans, self.stage_costs)
 
     # --- where this rank sits -----------------------------------------------------------------
     @property
@@ -406,11 +434,20 @@ class Engine:
         self.mesh.shutdown()
 
     # --- the step -------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    @property
+    def lookahead(self) -> int:
+        """How many later steps' micro-batches a step starts (``forward_backward``'s ``upcoming``):
+        0, except for the pipelines that never flush (2bw, pipedream)."""
+        return getattr(self.runtime, "lookahead", 0)
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         upcoming: list[list[tuple[torch.Tensor, torch.Tensor]]] = ()) -> float:
         """Accumulate gradients of the mean loss over this step's global batch; return that mean.
 
         Every micro-batch holds the same number of tokens, so the mean of micro-batch means
         is the mean over all tokens of the batch, as one big batch would compute it.
+        ``upcoming``: this rank's micro-batches of the next steps, up to ``lookahead`` of them,
+        which a pipeline that never flushes starts during this step; fewer (none) flushes it.
         """
         micro_batches, positions = self.context_split(micro_batches)
         for layer in self.moe_layers():  # the balance loss is weighted like each micro-batch's loss
@@ -420,8 +457,9 @@ class Engine:
         if self.runtime is None:
             loss_sum = self._plain_loop(micro_batches, positions)
         else:
+            ahead = {"upcoming": upcoming} if self.lookahead else {}
             loss_sum, timeline = self.runtime.run(micro_batches, self.activation_shape(micro_batches[0][0]),
-                                                  positions=positions)
+                                                  positions=positions, **ahead)
             self.last_timeline = self._gather_timeline(timeline)
         for sync in self.syncs.values():
             sync.finish()
@@ -431,6 +469,12 @@ class Engine:
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage
         return self._mean_over_replicas(value_of(loss_sum) / len(micro_batches))
+
+    def discard_pipeline_carry(self) -> None:
+        """Stopping mid-run under 2bw or pipedream: settle the messages and drop the forwards of
+        the next step, which will not run. Nothing to do for the other schedules."""
+        if hasattr(self.runtime, "discard_carried"):
+            self.runtime.discard_carried()
 
     def context_split(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """(this rank's part of each micro-batch, the positions of its tokens): under context
@@ -528,6 +572,8 @@ class Engine:
         self.optimizer.step()
         for sync in self.syncs.values():
             sync.after_optimizer_step()
+        if hasattr(self.runtime, "after_optimizer_step"):  # the weight versions of 2bw and pipedream
+            self.runtime.after_optimizer_step()
 
     def zero_grad(self) -> None:
         for sync in self.syncs.values():
@@ -590,7 +636,7 @@ class Engine:
         from threefold.parallel.pipeline.schedule import Kind
 
         kinds = list(Kind)
-        longest = max(len(actions) for actions in self.schedule.actions)
+        longest = max(len(actions) for actions in getattr(self.runtime, "step_actions", self.schedule.actions))
         rows = [[a.start, a.end, kinds.index(a.kind), a.microbatch, a.stage] for a in timeline]
         mine = torch.full((longest, 5), math.nan, dtype=torch.float64, device=self.device)  # NaN rows: padding
         mine[:len(rows)] = torch.tensor(rows, dtype=torch.float64, device=self.device)
@@ -603,7 +649,8 @@ class Engine:
         ranks = [[[row[0] - origin, row[1] - origin, kinds[int(row[2])].value, int(row[3]), int(row[4])]
                   for row in rank if not math.isnan(row[0])] for rank in values]
         return {"schedule": self.schedule.name, "pp": self.pp, "microbatches": self.schedule.microbatches,
-                "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks}
+                "virtual_stages": self.schedule.virtual_stages, "origin_s": origin, "ranks": ranks,
+                "stage_layers": [len(span.blocks) for span in self.spans]}
 
     def step_timeline(self) -> dict | None:
         """The last step's measured pipeline timeline for the metrics file (per pp rank, every
@@ -619,9 +666,12 @@ class Engine:
         """
         held = [sync.held() for sync in self.syncs.values()]
         states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        return {"params": tensor_bytes(t for h in held for t in h["params"]),
-                "grads": tensor_bytes(t for h in held for t in h["grads"]),
-                "optimizer": tensor_bytes(states)}
+        held_bytes = {"params": tensor_bytes(t for h in held for t in h["params"]),
+                      "grads": tensor_bytes(t for h in held for t in h["grads"]),
+                      "optimizer": tensor_bytes(states)}
+        if hasattr(self.runtime, "weight_version_bytes"):  # 2bw, pipedream: the stored weight versions
+            held_bytes["weight_versions"] = sum(self.runtime.weight_version_bytes().values())
+        return held_bytes
 
     # --- layout-independent checkpoints: this rank's pieces of the full states --------------
     def weight_shards(self) -> list[Shard]:

@@ -59,6 +59,27 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, micro_batch
     return list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
 
 
+def flushes_after(step: int, cfg: Config) -> bool:
+    """Whether a pipeline that never flushes must drain after ``step`` (from 1): the run ends, or
+    it evaluates or saves there (both want the step's weights, and nothing in flight)."""
+    t = cfg.train
+    return (step >= t.steps or bool(t.eval_every and step % t.eval_every == 0)
+            or bool(t.checkpoint_dir and t.checkpoint_every and step % t.checkpoint_every == 0))
+
+
+def upcoming_batches(engine, sampler: BatchSampler, cfg: Config, step: int) -> list:
+    """This rank's micro-batches of the steps after ``step`` (from 1) that a pipeline that never
+    flushes starts during it: up to ``engine.lookahead`` of them, none past a flush."""
+    upcoming = []
+    for k in range(1, engine.lookahead + 1):
+        if flushes_after(step + k - 1, cfg):
+            break
+        inputs, targets = (x.to(engine.device) for x in
+                           sampler.local_batch_at(sampler.step + k - 1, engine.dp_rank, engine.dp_size))
+        upcoming.append(split_micro_batches(inputs, targets, cfg.train.micro_batch))
+    return upcoming
+
+
 def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
           console: Console | None = None) -> TrainResult:
     stop = StopRequest(restart_count())  # from here on, SIGTERM means: finish the step, save, exit 0
@@ -137,6 +158,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
                       f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
                       f"unigram entropy {result.unigram_entropy:.3f} nats/token")
+        if engine.stage_split():
+            console.print(f"pipeline stages: {engine.stage_split()}", markup=False, highlight=False, soft_wrap=True)
     tokens_per_step = t.global_batch * cfg.model.seq_len
     began = time.perf_counter()
     columns = [TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
@@ -149,7 +172,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             inputs, targets = (x.to(engine.device) for x in sampler.next_batch(engine.dp_rank, engine.dp_size))
             engine.activation_meter.peak = engine.activation_meter.live  # this step's peak
             micro_batches = split_micro_batches(inputs, targets, t.micro_batch)
-            loss = engine.forward_backward(micro_batches)
+            upcoming = upcoming_batches(engine, sampler, cfg, step + 1)  # 2bw, pipedream: the next steps
+            loss = engine.forward_backward(micro_batches, upcoming) if upcoming else engine.forward_backward(micro_batches)
             grad_norm = engine.clip_grad_norm(t.grad_clip)
             lr = lr_at(step, cfg)
             # Loss and norm are global, so every rank takes the same decision.
@@ -186,6 +210,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             writer.write(record)
             bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
             stopping = step + 1 < t.steps and stop.stop_after(step + 1)  # every rank decides the same
+            if stopping:
+                engine.discard_pipeline_carry()  # 2bw, pipedream: the next step's forwards will not run
             if t.checkpoint_dir and (stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0)
                                      or step + 1 == t.steps):
                 saved = checkpointer.save(t.checkpoint_dir, step + 1, cfg, sampler.state_dict(), dataset.tokenizer,

@@ -291,13 +291,7 @@ class PipelineRuntime:
         for peer in self.receives_from:
             self.step.posted[peer] = deque()
             self._post_receive(peer)
-        timeline = []
-        for index, action in enumerate(self.actions):
-            if self.last_backward.get(action.stage) == index:
-                self.before_last_backward(action.stage)
-            start = time.perf_counter()
-            self._execute(index, action)
-            timeline.append(MeasuredAction(start, time.perf_counter(), action.kind, action.microbatch, action.stage))
+        timeline = self._play()
         for pending in self.step.sends.values():
             pending.wait()
         self.step.sends.clear()
@@ -305,6 +299,17 @@ class PipelineRuntime:
         if step.unfinished():
             raise RuntimeError(f"pipeline rank {self.rank}: the schedule left {', '.join(step.unfinished())} unused")
         return step.loss_sum, timeline
+
+    def _play(self) -> list[MeasuredAction]:
+        """Execute this rank's actions of the step in order, timing each."""
+        timeline = []
+        for index, action in enumerate(self.actions):
+            if self.last_backward.get(action.stage) == index:
+                self.before_last_backward(action.stage)
+            start = time.perf_counter()
+            self._execute(index, action)
+            timeline.append(MeasuredAction(start, time.perf_counter(), action.kind, action.microbatch, action.stage))
+        return timeline
 
     def _execute(self, index: int, action: Action) -> None:
         step, key, kind = self.step, (action.microbatch, action.stage), action.kind

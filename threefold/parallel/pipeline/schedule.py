@@ -488,49 +488,156 @@ def stage_costs(cfg: ModelConfig) -> tuple[float, float]:
     return 2.0 * block_param_count(cfg) + 4.0 * cfg.seq_len * q, 2.0 * cfg.vocab_size * cfg.hidden
 
 
-def partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> list[StageSpan]:
+@dataclass(frozen=True)
+class LayerCosts:
+    """What one micro-batch costs in each part of the model, forward and backward together: the
+    embedding, each block, and the final norm with the head and the loss (any unit: seconds
+    when measured, FLOPs when modelled). ``*_bytes`` (optional): what each part holds, its
+    states (``*_state_bytes``) and one micro-batch's activations (``block_activation_bytes``),
+    for the memory constraint. ``source`` says where the numbers come from, for the printout."""
+    embed: float
+    blocks: tuple[float, ...]
+    head: float
+    source: str = "flops"
+    block_state_bytes: tuple[float, ...] | None = None
+    block_activation_bytes: tuple[float, ...] | None = None
+    embed_state_bytes: float = 0.0
+    head_state_bytes: float = 0.0
+
+    def stage_cost(self, blocks: range, first: bool, last: bool) -> float:
+        return sum(self.blocks[i] for i in blocks) + (self.embed if first else 0.0) + (self.head if last else 0.0)
+
+    def stage_bytes(self, blocks: range, first: bool, last: bool, in_flight: float) -> float:
+        """States of the stage's parts plus ``in_flight`` micro-batches of its blocks' activations."""
+        if self.block_state_bytes is None:
+            return 0.0
+        acts = self.block_activation_bytes or (0.0,) * len(self.blocks)
+        return (sum(self.block_state_bytes[i] + in_flight * acts[i] for i in blocks)
+                + (self.embed_state_bytes if first else 0.0) + (self.head_state_bytes if last else 0.0))
+
+
+def flop_costs(cfg: ModelConfig) -> LayerCosts:
+    """The FLOP model of ``stage_costs``, in units of one block (so ties break as before)."""
+    block, head = stage_costs(cfg)
+    return LayerCosts(0.0, (1.0,) * cfg.layers, head / block, source="flops")
+
+
+def partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1, stage_layers: list | None = None,
+              costs: LayerCosts | None = None, memory_limit: float | None = None,
+              in_flight: list[float] | None = None) -> list[StageSpan]:
     """The stages of a ``pp``-rank pipeline with ``virtual_stages`` chunks per rank: contiguous
-    ranges of blocks. With one stage per rank the costliest stage is made as cheap as possible
-    (the last also pays the head), the most even split winning among equals; interleaved
-    schedules take equal chunks, as Megatron does, since their order assumes equal chunk costs."""
+    ranges of blocks. ``stage_layers`` (``parallel.stage_layers``) gives the split by hand.
+    Otherwise, with one stage per rank, the slowest stage is made as fast as possible
+    (``balanced_split``) on ``costs``, measured or modelled (default: the FLOP model, where the
+    last stage also pays the head), the most even split winning among equals, each stage's
+    memory (with ``in_flight[s]`` micro-batches of activations) under ``memory_limit``;
+    interleaved schedules take equal chunks, as Megatron does, since their order assumes equal
+    chunk costs."""
     num_stages = pp * virtual_stages
     if num_stages > cfg.layers:
         raise ConfigError(f"parallel.pp: {num_stages} stages, more than the model's {cfg.layers} layers")
-    if virtual_stages > 1:
+    if stage_layers is not None:
+        counts = stage_counts(stage_layers, cfg.layers, num_stages)
+    elif virtual_stages > 1:
         if cfg.layers % num_stages:
             raise ConfigError(f"parallel.virtual_stages: {cfg.layers} layers do not split into "
                               f"{num_stages} equal chunks")
         counts = [cfg.layers // num_stages] * num_stages
     else:
-        block, head = stage_costs(cfg)
-        counts = list(_balanced_counts(cfg.layers, num_stages, head / block))
+        counts = balanced_split(costs or flop_costs(cfg), num_stages, memory_limit, in_flight)
+    return spans_of(counts)
+
+
+def spans_of(counts) -> list[StageSpan]:
+    """Consecutive stages holding ``counts[s]`` blocks each."""
     spans, start = [], 0
     for stage, count in enumerate(counts):
-        spans.append(StageSpan(stage, range(start, start + count), stage == 0, stage == num_stages - 1))
+        spans.append(StageSpan(stage, range(start, start + count), stage == 0, stage == len(counts) - 1))
         start += count
     return spans
 
 
+def stage_counts(stage_layers: list, layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage from ``parallel.stage_layers``: either a count per stage ([3, 1]) or each
+    stage's block indices ([[0, 1, 2], [3]]), which must cover every block once, in order.
+    ConfigError (one line) otherwise."""
+    key = "parallel.stage_layers"
+    if not isinstance(stage_layers, list) or len(stage_layers) != num_stages:
+        got = len(stage_layers) if isinstance(stage_layers, list) else repr(stage_layers)
+        raise ConfigError(f"{key}: needs one entry per stage, {num_stages} (pp × virtual_stages), got {got}")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in stage_layers):
+        if min(stage_layers) < 1 or sum(stage_layers) != layers:
+            raise ConfigError(f"{key}: {stage_layers} must give every stage at least one block and add up to the "
+                              f"model's {layers} layers (sum {sum(stage_layers)})")
+        return list(stage_layers)
+    if not all(isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+               for x in stage_layers):
+        raise ConfigError(f"{key}: expected a block count per stage ([2, 2]) or each stage's non-empty list of "
+                          f"block indices ([[0, 1], [2, 3]]), got {stage_layers!r}")
+    flat = [i for stage in stage_layers for i in stage]
+    if flat != list(range(layers)):
+        raise ConfigError(f"{key}: {stage_layers} must cover every block 0..{layers - 1} once, in order, "
+                          "consecutive blocks per stage")
+    return [len(stage) for stage in stage_layers]
+
+
+def balanced_split(costs: LayerCosts, stages: int, memory_limit: float | None = None,
+                   in_flight: list[float] | None = None) -> tuple[int, ...]:
+    """Blocks per stage, each ≥ 1, minimising (the slowest stage's cost, the sum of squared stage
+    costs) among the splits whose stages all fit ``memory_limit`` (PipeDream's partitioner, by
+    dynamic programming over (stages placed, blocks placed)); the first stage also pays the
+    embedding, the last the head. ConfigError when no split fits."""
+    return _balanced_split(costs, stages, memory_limit, tuple(in_flight) if in_flight else None)
+
+
 @lru_cache(maxsize=64)
-def _balanced_counts(layers: int, stages: int, head: float) -> tuple[int, ...]:
-    """Blocks per stage, each ≥ 1, minimising (largest stage cost, sum of squared costs), in
-    units of one block's cost; the last stage also pays ``head``. Dynamic programming over
-    (stages placed, blocks placed)."""
+def _balanced_split(costs: LayerCosts, stages: int, memory_limit, in_flight) -> tuple[int, ...]:
+    layers = len(costs.blocks)
     # best[k][n]: the best (max, sum of squares, counts) for the first k stages holding n blocks
     best: list[dict[int, tuple[float, float, tuple[int, ...]]]] = [{0: (0.0, 0.0, ())}]
     for k in range(stages):
-        extra = head if k == stages - 1 else 0.0
+        first, last = k == 0, k == stages - 1
         layer = {}
         for placed, (worst, squares, counts) in best[k].items():
             room = layers - placed - (stages - k - 1)  # leave a block for each later stage
             for count in range(1, room + 1):
-                cost = count + extra
+                blocks = range(placed, placed + count)
+                if memory_limit is not None and costs.stage_bytes(
+                        blocks, first, last, in_flight[k] if in_flight else 1.0) > memory_limit:
+                    break  # more blocks only hold more
+                cost = costs.stage_cost(blocks, first, last)
                 candidate = (max(worst, cost), squares + cost * cost, counts + (count,))
                 n = placed + count
                 if n not in layer or candidate[:2] < layer[n][:2]:
                     layer[n] = candidate
         best.append(layer)
+    if layers not in best[stages]:
+        raise ConfigError(f"parallel.pp: no split of the {layers} blocks over {stages} stages fits each stage "
+                          f"in {memory_limit / 2**30:.2f} GiB")
     return best[stages][layers][2]
+
+
+def describe_split(spans: list[StageSpan], costs: LayerCosts | None = None, unit: str = "ms",
+                   scale: float = 1e3) -> str:
+    """One line: each stage's blocks (and ends), with its cost when known, and by how much the
+    slowest stage exceeds the mean: the bottleneck every other stage waits for."""
+    parts = []
+    for span in spans:
+        what = (["embedding"] if span.first else []) + [f"blocks {span.blocks.start}-{span.blocks.stop - 1}"
+                                                        if len(span.blocks) > 1 else f"block {span.blocks.start}"]
+        what += ["head"] if span.last else []
+        text = f"stage {span.stage}: {' + '.join(what)}"
+        if costs is not None:
+            text += f" {costs.stage_cost(span.blocks, span.first, span.last) * scale:.3g}{' ' if unit else ''}{unit}"
+        parts.append(text)
+    line = "; ".join(parts)
+    if costs is not None:
+        stage_costs_ = [costs.stage_cost(s.blocks, s.first, s.last) for s in spans]
+        mean = sum(stage_costs_) / len(stage_costs_)
+        slowest = max(range(len(spans)), key=stage_costs_.__getitem__)
+        line += (f" ({costs.source}; stage {slowest} is the slowest, {stage_costs_[slowest] / mean - 1:.0%} "
+                 "above the mean)") if mean > 0 else f" ({costs.source})"
+    return line
 
 
 @dataclass(frozen=True)
@@ -636,6 +743,29 @@ def _dualpipev_constraints(flags: dict, pp: int, m: int, v: int, layers: int | N
     if layers is not None and layers % (2 * pp):
         raise ConfigError(f"{flags['pp']}: dualpipev cuts the model into 2·pp = {2 * pp} equal stages; "
                           f"{layers} layers do not split so")
+def _two_bw_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    _one_chunk(flags, pp, m, v, layers, name)
+    if m < pp:
+        raise ConfigError(f"{flags['microbatches']}: 2bw needs at least pp={pp} micro-batches per step, got {m} "
+                          "(with fewer, the first stage's warm-up reaches two steps ahead and two weight versions "
+                          "no longer suffice)")
+
+
+def _pipedream_constraints(flags: dict, pp: int, m: int, v: int, layers: int | None, name: str) -> None:
+    _one_chunk(flags, pp, m, v, layers, name)
+    if m != 1:
+        raise ConfigError(f"{flags['microbatches']}: pipedream takes one optimizer step per micro-batch "
+                          f"(train.global_batch = dp × micro_batch); it cannot accumulate gradients over {m} "
+                          "micro-batches: each would need its own weight version (use 2bw for that)")
+
+
+@dataclass(frozen=True)
+class SteadyForms:
+    """Closed forms, as in ``ScheduleSpec``, for a step in the middle of a run of a schedule that
+    never flushes; its fill and drain are paid once per run, not per step."""
+    bubble: Callable
+    in_flight_first: Callable
+    in_flight_last: Callable
 
 
 @dataclass(frozen=True)
@@ -658,6 +788,14 @@ class ScheduleSpec:
     placement: Placement = LOOPING
     summary: str = ""
     stages_per_rank: int | None = None  # fixed by the placement (DualPipeV: 2); None: virtual_stages
+    # Schedules that never flush (2bw, pipedream; see "Steps back to back" below): the closed
+    # forms of a step in the middle of a run (``SteadyForms``), and each stage's weights: the
+    # versions it holds, ``weight_versions(stage, pp)``, and the batch's ``delay(stage, pp)``:
+    # batch t computes its gradient on W(t − delay), so that W(t) = Opt(W(t−1), ∇L_t(W(t − delay)))
+    # (delay 1: plain synchronous training; the staleness is delay − 1 updates).
+    steady: "SteadyForms | None" = None
+    weight_versions: Callable | None = None
+    delay: Callable | None = None
 
 
 def _zb_h1_idle(p, m):
@@ -666,6 +804,14 @@ def _zb_h1_idle(p, m):
     missing micro-batch adds a third of a slot, as the simulator shows (pp 8, m 4: 47.8%)."""
     return (p - 1 + np.maximum(0, p - m)) / 3
 
+
+# 2bw and pipedream: one step alone (the first and last of a run) is 1F1B; in a run, steps follow
+# each other without a flush, every rank busy at uniform costs and rank r holding pp − r
+# micro-batches, as 1F1B's warm-up leaves it.
+_ONE_STEP_ALONE = dict(bubble=lambda p, m, v: (p - 1) / (m + p - 1), in_flight_first=lambda p, m, v: np.minimum(p, m),
+                       in_flight_last=lambda p, m, v: 1)
+_BACK_TO_BACK = SteadyForms(bubble=lambda p, m, v: 0 * p, in_flight_first=lambda p, m, v: p + 0 * m,
+                            in_flight_last=lambda p, m, v: 1 + 0 * p)
 
 SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
     ScheduleSpec("gpipe", _gpipe_order, _one_chunk,
@@ -699,6 +845,12 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_last=lambda p, m, v: p + 0.5,
                  summary="two stages per rank in a V, both directions at once (DeepSeek-V3's DualPipe, "
                          "cut in half)"),
+    ScheduleSpec("2bw", _one_f_one_b_order, _two_bw_constraints, **_ONE_STEP_ALONE, steady=_BACK_TO_BACK,
+                 weight_versions=lambda stage, p: 2 + 0 * stage, delay=lambda stage, p: 2 + 0 * stage,
+                 summary="1F1B across steps, no flush, two weight versions (PipeDream-2BW; Narayanan et al. 2021)"),
+    ScheduleSpec("pipedream", _one_f_one_b_order, _pipedream_constraints, **_ONE_STEP_ALONE, steady=_BACK_TO_BACK,
+                 weight_versions=lambda stage, p: p - stage, delay=lambda stage, p: p - stage,
+                 summary="1F1B across steps of one micro-batch each, weight stashing (PipeDream; Harlap et al. 2018)"),
 ]}
 
 _RUN_FLAGS = {"schedule": "parallel.schedule", "pp": "parallel.pp", "microbatches": "parallel.microbatches",
@@ -709,6 +861,76 @@ def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
     """How many stages each rank of schedule ``name`` holds: fixed by its placement (DualPipeV:
     2, whatever ``virtual_stages`` says), else ``virtual_stages``."""
     return SCHEDULE_REGISTRY[name].stages_per_rank or virtual_stages
+# --------------------------------------------------------------------------------------------
+# Steps back to back (2bw, pipedream). A run of such a schedule is 1F1B over all the run's
+# micro-batches, with no flush between steps: rank r's pp − r − 1 warm-up forwards of a step run
+# in the drain of the step before. ``build_run`` is that run as one schedule (what the simulator
+# plays and the pictures draw); ``run_step`` cuts one step out of it for the runtime: each rank's
+# actions from just after the backward of the previous step's last micro-batch to the backward
+# of this step's last one, so that a step's gradients are complete when it ends, and its
+# optimizer step comes before the next step's backwards. Its micro-batches are numbered from
+# this step's first; numbers ≥ m are forwards of the steps after it.
+
+def build_run(name: str, pp: int, microbatches: int, steps: int) -> Schedule:
+    """``steps`` steps of ``name`` back to back: one schedule over steps × microbatches micro-batches."""
+    spec = check_schedule(name, pp, microbatches)
+    if spec.steady is None:
+        raise ConfigError(f"parallel.schedule: {name} flushes at the end of every step; only 2bw and pipedream run "
+                          "steps back to back")
+    total = microbatches * steps
+    compute = [spec.compute_order(rank, pp, total, 1) for rank in range(pp)]
+    return Schedule(name, pp, total, 1, _with_p2p(compute, pp, 1, spec.placement.rank_of))
+
+
+def steps_ahead(pp: int, microbatches: int) -> int:
+    """How many later steps' micro-batches a step of a run forwards: the first rank's warm-up
+    (pp − 1 forwards) reaches ⌈(pp − 1)/m⌉ steps ahead."""
+    return -(-(pp - 1) // microbatches)
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One step of a run (``run_step``): each rank's actions (``actions``), micro-batches
+    numbered from this step's first; for each rank the indices of its sends that the receiver
+    takes only in the next step (``crossing``), and how many messages it receives from each
+    peer that were sent in the step before (``carried_in``)."""
+    actions: tuple[tuple[Action, ...], ...]
+    crossing: tuple[frozenset[int], ...]
+    carried_in: tuple[dict[int, int], ...]
+
+
+@lru_cache(maxsize=256)
+def run_step(name: str, pp: int, microbatches: int, behind: int, ahead: int) -> RunStep:
+    """The step of a run that has ``behind`` steps before it since the last flush and ``ahead``
+    after it before the next (each counted up to ``steps_ahead``: further ones change nothing)."""
+    m = microbatches
+    run = build_run(name, pp, m, behind + 1 + ahead)
+    offset = behind * m
+
+    def end_of_backward(actions, mb) -> int:
+        """Index just past B(mb) and its send, or 0 before the first micro-batch."""
+        if mb < 0:
+            return 0
+        index = next(i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD and a.microbatch == mb)
+        nxt = index + 1
+        return nxt + 1 if nxt < len(actions) and actions[nxt].kind is Kind.SEND_GRAD else nxt
+
+    cut = []
+    for actions in run.actions:
+        part = actions[end_of_backward(actions, offset - 1):end_of_backward(actions, offset + m - 1)]
+        cut.append(tuple(Action(a.kind, a.microbatch - offset, a.stage, a.peer) for a in part))
+    received = [{matching_send(a, rank) for a in actions if a.kind.is_recv} for rank, actions in enumerate(cut)]
+    crossing = tuple(frozenset(i for i, a in enumerate(actions) if a.kind.is_send and a not in received[a.peer])
+                     for actions in cut)
+    sent = [set(a for a in actions if a.kind.is_send) for actions in cut]
+    carried_in = []
+    for rank, actions in enumerate(cut):
+        counts: dict[int, int] = defaultdict(int)
+        for a in actions:
+            if a.kind.is_recv and matching_send(a, rank) not in sent[a.peer]:
+                counts[a.peer] += 1
+        carried_in.append(dict(counts))
+    return RunStep(tuple(cut), crossing, tuple(carried_in))
 
 
 def schedule_names() -> tuple[str, ...]:
