@@ -65,13 +65,15 @@ def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tu
     of each part (an all-reduce of the maximum, the same on every rank, so every rank cuts the
     model the same way). None where the split comes from elsewhere: ``parallel.stage_layers``,
     equal interleaved chunks, ``parallel.stage_costs = "flops"``, context parallelism (its
-    attention needs the step's position split), a model without values (the dry run's fake
+    attention needs the step's position split), a Mixture-of-Experts model (its blocks' cost
+    follows the routing, and timing them would run their dispatch and count their routing
+    outside a step), a model without values (the dry run's fake
     tensors), or ranks without a process group (a mesh of coordinates only): the FLOP model then."""
     from torch._guards import detect_fake_mode
 
     p = cfg.parallel
     if (p.stage_layers is not None or p.virtual_stages > 1 or p.stage_costs != "measured" or p.cp > 1
-            or detect_fake_mode() is not None or mesh.device.type == "meta"
+            or cfg.model.moe_experts or detect_fake_mode() is not None or mesh.device.type == "meta"
             or (mesh.world_size > 1 and not torch.distributed.is_initialized())):
         return None
     costs = measure_layer_costs(model, cfg, mesh.device, activation_shape, loss_fn, compute)
