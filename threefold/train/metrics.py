@@ -100,7 +100,8 @@ def least_exposed(comm, exposed: dict[str, float]) -> dict[str, float]:
         key = comm.mesh.label(*axes)
         if comm.mesh.size(*axes) == 1 or key in least:
             continue
-        mine = torch.tensor([sum(exposed.get(key + suffix, 0.0) for suffix in suffixes)], dtype=torch.float64)
+        mine = torch.tensor([sum(exposed.get(key + suffix, 0.0) for suffix in suffixes)], dtype=torch.float64,
+                            device=comm.mesh.device)  # NCCL reduces device tensors only
         comm.all_reduce(mine, axes, op=dist.ReduceOp.MIN, tag="metrics")
         least[key] = mine.item()
     return least
