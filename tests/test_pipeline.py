@@ -185,18 +185,26 @@ def run_timed(schedule: str, m: int, hidden: int, steps: int) -> dict:
 @pytest.mark.slow
 def test_measured_bubble_follows_the_simulator(distributed):
     """On uniform stages, each rank's measured idle share is within 5 points of the simulator's
-    for the same schedule on the measured stage costs; ZB-H1 idles less than 1F1B."""
-    from threefold.plan.measured import idle_fractions, measured_segments, simulate_measured
+    for the same schedule on the measured stage costs; and on one set of measured costs (ZB-H1's,
+    where B and W are timed apart) the simulator's ZB-H1 idles less than its 1F1B. The measured
+    shares of two separate runs are not compared with each other: at pp=2, m=8 the two schedules
+    differ by a few points, which the noise of a shared 2-core machine exceeds (CI once measured
+    1F1B 14.6%, ZB-H1 16.2%, each within 5 points of its own simulation)."""
+    from threefold.plan.measured import idle_fractions, measured_costs, measured_segments, simulate_measured
+    from threefold.plan.simulate import simulate
 
-    bubbles = {}
+    timelines = {}
     for schedule in ("1f1b", "zb-h1"):
-        timeline = distributed.run(2, run_timed, schedule, 8, 512, 3)[0]
+        timeline = timelines[schedule] = distributed.run(2, run_timed, schedule, 8, 512, 3)[0]
         measured = idle_fractions(measured_segments(timeline))
         simulated = idle_fractions(simulate_measured(timeline).segments())
         for got, want in zip(measured, simulated):
             assert abs(got - want) < 0.05, (schedule, measured, simulated)
-        bubbles[schedule] = sum(measured) / len(measured)
-    assert bubbles["zb-h1"] < bubbles["1f1b"], bubbles
+    costs = measured_costs(timelines["zb-h1"])
+    assert min(costs.weight_grad) > 0  # W was timed apart from B
+    bubble = {schedule: sum(idle_fractions(simulate(build_schedule(schedule, 2, 8), costs).segments())) / 2
+              for schedule in ("1f1b", "zb-h1")}
+    assert bubble["zb-h1"] < bubble["1f1b"], bubble
 
 
 def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path, capsys):
