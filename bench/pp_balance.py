@@ -39,6 +39,22 @@ def idle_per_rank(records: list[dict]) -> list[float]:
     return [statistics.mean(step[r] for step in shares) for r in range(len(shares[0]))]
 
 
+def uniform_ideal(records: list[dict]) -> float:
+    """The schedule's idle share with uniform stages at this run's measured ratio of forward,
+    input-gradient and weight-gradient time (each the mean over stages and the steps after the
+    first): 1F1B's does not depend on the ratio, ZB-H1's does (11.1% at pp 4, m 8 when F = B = W)."""
+    from threefold.parallel.pipeline.schedule import build_schedule
+    from threefold.plan.measured import idle_fractions, measured_costs
+    from threefold.plan.simulate import ActionCosts, simulate
+
+    costs = [measured_costs(record["timeline"]) for record in records[1:]]
+    mean = lambda name: statistics.mean(statistics.mean(getattr(c, name)) for c in costs)  # noqa: E731
+    timeline = records[-1]["timeline"]
+    schedule = build_schedule(timeline["schedule"], timeline["pp"], timeline["microbatches"], timeline["virtual_stages"])
+    uniform = ActionCosts(forward=mean("forward"), backward=mean("backward"), weight_grad=mean("weight_grad"))
+    return statistics.mean(idle_fractions(simulate(schedule, uniform).segments()))
+
+
 def run(config: str, steps: int, extra: list[str], metrics: Path) -> dict:
     args = [sys.executable, "-m", "threefold.cli", "train", "--config", config, "--no-progress",
             "--metrics-file", str(metrics)] + [f"--set={o}" for o in QUIET + [f"train.steps={steps}"] + extra]
@@ -47,7 +63,7 @@ def run(config: str, steps: int, extra: list[str], metrics: Path) -> dict:
         raise SystemExit(f"train failed: {done.stderr.strip().splitlines()[-1]}")
     split = next((line for line in (done.stderr + done.stdout).splitlines() if "pipeline stages" in line), "")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"idle": idle_per_rank(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
+    return {"idle": idle_per_rank(records), "uniform_ideal_at_measured_ratios": uniform_ideal(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
             "load_average": os.getloadavg()[0]}
 
 
@@ -66,8 +82,9 @@ def main(steps: int, repeats: int, configs, extra, label: str):
             results.setdefault(config, {})[label] = {"ideal_idle": ideal.get(config), "steps": steps,
                                                      "overrides": list(extra), "runs": runs}
             for r in runs:
-                print(config, label, [f"{x:.1%}" for x in r["idle"]], r["stage_layers"], f"load {r['load_average']:.0f}",
-                      flush=True)
+                print(config, label, [f"{x:.1%}" for x in r["idle"]], r["stage_layers"],
+                      f"uniform ideal at the measured F/B/W {r['uniform_ideal_at_measured_ratios']:.1%}",
+                      f"load {r['load_average']:.0f}", flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -6,7 +6,9 @@ import torch
 
 from threefold import cli
 from threefold.config import ConfigError
-from threefold.plan import calibrate
+from threefold.plan import calibrate, costs
+from threefold.plan.hardware import CATALOG, local_gpu
+from threefold.plan.profile import MEASURED_SINCE_KEYS
 
 # Sizes small enough for a test; the whole command then takes ~3 s, mostly spawning two processes.
 TINY = calibrate.Settings(matmul_size=256, matmul_seconds=0.05, copy_bytes=8 << 20, copy_seconds=0.05,
@@ -63,7 +65,11 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     assert cli.main(["calibrate", "--quick", "--json", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == calibrate.load_profile(out)
-    assert tuple(printed) == calibrate.PROFILE_KEYS
+    assert set(printed) == {*calibrate.PROFILE_KEYS, *MEASURED_SINCE_KEYS}
+    assert 1e7 < printed["attention_flops_fp32"] <= 10 * printed["peak_flops_fp32"]
+    assert 1e7 < printed["elementwise_bw"] < 1e13 and printed["concurrent_slowdown"] >= 1.0
+    assert set(printed["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(c["latency_s"] >= 0 and c["bus_bw"] > 0 for c in printed["collectives"].values())
     assert printed["name"] == "local" and printed["gpus_per_node"] == calibrate.cpu_cores()
     assert printed["peak_flops_bf16"] > 0 and printed["peak_flops_fp32"] > 1e8
     assert 1e6 < printed["intra_node_bw"] == printed["inter_node_bw"] < 1e12
@@ -147,3 +153,58 @@ def test_from_runs_refuses_bad_runs_in_one_line(tmp_path, capsys, runs, message)
     code = cli.main(["calibrate", "--from-runs", *runs(tmp_path), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- what the planner makes of the measurements ---------------------------------------------
+def measured_profile(**extra) -> dict:
+    collectives = {"all_reduce": {"latency_s": 1e-4, "bus_bw": 2e9}, "all_gather": {"latency_s": 5e-4, "bus_bw": 1e9},
+                   "reduce_scatter": {"latency_s": 3e-4, "bus_bw": 0.5e9}}
+    return {**example_profile(), "attention_flops_fp32": 2.5e10, "attention_flops_bf16": 5e10,
+            "elementwise_bw": 6e9, "concurrent_slowdown": 1.5, "collectives": collectives, **extra}
+
+
+def test_a_profile_from_before_the_new_measurements_still_loads_and_plans_as_before(tmp_path):
+    path = calibrate.save_profile(example_profile(), tmp_path / "local.json")
+    gpu = local_gpu("float32", workers=2, profile=calibrate.load_profile(path))
+    assert gpu.attention_efficiency == 1.0 and gpu.elementwise_rate == gpu.hbm_bw and gpu.collectives is None
+    assert gpu.peak_flops == 1.0e11  # no slowdown recorded: none applied
+
+
+def test_the_local_gpu_takes_the_measured_rates():
+    gpu = local_gpu("float32", workers=1, profile=measured_profile())
+    assert gpu.attention_efficiency == pytest.approx(0.25) and gpu.elementwise_rate == pytest.approx(6e9)
+    assert gpu.collectives["reduce_scatter"] == (3e-4, 0.5e9)
+    # Both cores busy: every rate over the measured slowdown; eight workers on two cores also share them.
+    two, eight = (local_gpu("float32", workers=w, profile=measured_profile()) for w in (2, 8))
+    assert two.peak_flops == pytest.approx(1e11 / 1.5) and two.elementwise_rate == pytest.approx(6e9 / 1.5)
+    assert eight.peak_flops == pytest.approx(1e11 / 1.5 / 4)
+    assert gpu.overlap_slowdown == 1.0 and CATALOG["a100-80gb"].overlap_slowdown == 0.5
+
+
+def test_collectives_are_timed_by_their_own_measured_line_inside_a_node():
+    gpu = local_gpu("float32", workers=2, profile=measured_profile())
+    seconds = costs._collective_time(gpu, ("all_gather", "reduce_scatter"), 3e6, 10, 1, 1e9, 1e-5, True)
+    assert seconds == pytest.approx(10 * (5e-4 + 3e-4) / 2 + 3e6 * (1 / 1e9 + 1 / 0.5e9) / 2)
+    ring = costs._ring_time(3e6, 10 * 1, 1e9, 1e-5)
+    assert costs._collective_time(gpu, ("all_gather",), 3e6, 10, 1, 1e9, 1e-5, False) == pytest.approx(ring)
+    assert costs._collective_time(CATALOG["h100-sxm"], ("all_gather",), 3e6, 10, 1, 1e9, 1e-5, True) == ring
+
+
+def test_the_memory_bound_rate_is_what_the_reference_model_leaves_after_its_products():
+    """memory_bound_bandwidth inverts the planner: a reference time built from a known rate gives it back."""
+    from threefold.config import ModelConfig
+    from threefold.plan.hardware import GPU
+
+    true_bw, matmul, attention, copy = 4e9, 1e11, 2.5e10, 1e10
+    gpu = GPU("r", matmul, 0, copy, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0, hbm_efficiency=1.0,
+              intra_link_efficiency=1.0, inter_link_efficiency=1.0, attention_efficiency=attention / matmul,
+              elementwise_bw=true_bw)
+    est = costs.estimate(costs.Workload(ModelConfig(**calibrate.REFERENCE_MODEL), 4, precision="fp32"),
+                         costs.Layout.named(micro_batch=4), gpu)
+    measured_s = float(est["compute_s"] + est["memory_bound_s"])
+    assert calibrate.memory_bound_bandwidth(measured_s, matmul, attention, copy) == pytest.approx(true_bw)
+    assert calibrate.memory_bound_bandwidth(float(est["compute_s"]) * 0.9, matmul, attention, copy) == copy
+
+
+def test_the_reference_model_is_timed():
+    assert 0 < calibrate.reference_model_seconds(threads=1, micro_batch=1, seconds=0.05) < 30

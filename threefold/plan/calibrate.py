@@ -113,6 +113,101 @@ def measure_memory_bandwidth(threads: int | None = None, size_bytes: int = 512 <
         return _best_rate(lambda: dst.copy_(src), 2.0 * size_bytes, seconds)
 
 
+def measure_attention_flops(dtype: torch.dtype, threads: int, batch: int = 4, heads: int = 8, seq: int = 512,
+                            head_dim: int = 64, seconds: float = 1.0) -> float:
+    """FLOP/s of causal ``scaled_dot_product_attention``, forward and backward, counted as the
+    planner counts the attention core: 2·b·s²·heads·head_dim executed in the forward (the causal
+    half of q·kᵀ and scores·v) and twice that in the backward."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
+
+    def forward_backward():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    with intra_op_threads(threads):
+        return _best_rate(forward_backward, 3 * 2.0 * batch * seq * seq * heads * head_dim, seconds)
+
+
+# The reference model calibrate times for the memory-bound work: threefold's own blocks, small
+# enough for a CPU, large enough that each activation (4 MB) is the size a CPU run streams.
+REFERENCE_MODEL = dict(layers=2, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab_size=4096, seq_len=256)
+
+
+def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float = 1.0) -> float:
+    """Seconds of the forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL."""
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama, cross_entropy
+
+    model_cfg = ModelConfig(**REFERENCE_MODEL)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), generator=gen)
+    with intra_op_threads(threads):
+        model = Llama(model_cfg)
+        model.init_weights(0)
+
+        def forward_backward():
+            cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            model.zero_grad(set_to_none=True)
+
+        return 1.0 / _best_rate(forward_backward, 1.0, seconds)
+
+
+def memory_bound_bandwidth(measured_s: float, matmul_flops: float, attention_flops: float, copy_bw: float,
+                           micro_batch: int = 4) -> float:
+    """Bytes/s of the memory-bound work of threefold's own model, as the planner counts its bytes.
+
+    From ``measured_s``, the reference model's forward and backward (reference_model_seconds),
+    takes off the matrix products and the attention core, timed by the planner at the rates
+    measured; divides the planner's count of the memory-bound bytes of the same model (norms,
+    rotary, SwiGLU, residuals, the loss) by the time left. Eager PyTorch runs more, and slower,
+    passes than the fused kernels the planner's byte count describes; this rate takes that in,
+    as a GPU's hbm_efficiency does for its kernels. Falls back to ``copy_bw`` if the products
+    alone took as long as the whole (a machine too busy to measure)."""
+    from threefold.config import ModelConfig
+    from threefold.plan import costs
+    from threefold.plan.hardware import GPU
+
+    reference = GPU("reference", matmul_flops, 0, copy_bw, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0,
+                    hbm_efficiency=1.0, intra_link_efficiency=1.0, inter_link_efficiency=1.0,
+                    attention_efficiency=min(1.0, attention_flops / matmul_flops), elementwise_bw=1.0)
+    predicted = costs.estimate(costs.Workload(ModelConfig(**REFERENCE_MODEL), micro_batch, precision="fp32"),
+                               costs.Layout.named(micro_batch=micro_batch), reference)
+    left_s = measured_s - float(predicted["compute_s"])  # memory_bound_s is in bytes at 1 B/s
+    return float(predicted["memory_bound_s"]) / left_s if left_s > 0 else copy_bw
+
+
+def _reference_worker(threads: int, seconds: float, start, results) -> None:
+    start.wait()  # every worker times at once: the machine full, as a run with a worker per core is
+    results.put(reference_model_seconds(threads, seconds=seconds))
+
+
+def measure_concurrent_slowdown(workers: int, threads: int, alone_s: float, seconds: float = 1.0,
+                                timeout_s: float = 120.0) -> float:
+    """How much slower the reference model runs when ``workers`` processes run it at once, one
+    per core, than alone (≥ 1): the cores share the caches and the memory bus, and clock lower
+    when all are busy. A run with a worker per core sees this; a single process does not."""
+    if workers < 2:
+        return 1.0
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_reference_worker, args=(threads, seconds, start, results), daemon=True)
+             for _ in range(workers)]
+    for proc in procs:
+        proc.start()
+    try:
+        start.set()
+        times = [results.get(timeout=timeout_s) for _ in procs]
+    except queue.Empty:
+        raise RuntimeError(f"concurrent reference model: no result within {timeout_s:.0f} s") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    return max(1.0, sum(times) / len(times) / alone_s)
+
+
 def _free_store() -> dist.TCPStore:
     """A rendezvous store on a port the OS picks, so no other process can take it in between."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -143,11 +238,52 @@ def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int
             start = time.perf_counter()
             dist.all_reduce(big)
             seconds = min(seconds, time.perf_counter() - start)
+        collectives = _measure_collective_curves(world, reps)
         if rank == 0:
             algorithm_bw = message_bytes / seconds
-            results.put({"bus_bw": algorithm_bw * 2 * (world - 1) / world, "latency_s": latency})
+            results.put({"bus_bw": algorithm_bw * 2 * (world - 1) / world, "latency_s": latency,
+                         "collectives": collectives})
     finally:
         dist.destroy_process_group()
+
+
+# Per-rank chunk sizes at which each kind of collective is timed: the tensor-parallel activations,
+# ZeRO-3's blocks and DDP's buckets of a model that trains on a CPU.
+CURVE_CHUNK_BYTES = (64 << 10, 512 << 10, 4 << 20)
+# torch 2.13 names them *_single; the *_tensor names before it.
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _measure_collective_curves(world: int, reps: int) -> dict:
+    """Per kind (all_reduce, all_gather, reduce_scatter): the least-squares line through each
+    call's best time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor for an
+    all-reduce, (n−1) chunks for the others), as ``{"latency_s": intercept, "bus_bw": 1/slope}``.
+    gloo's three differ at these sizes (its reduce-scatter runs slower than its all-reduce)."""
+    curves = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        sent, seconds = [], []
+        for chunk in CURVE_CHUNK_BYTES:
+            numel = chunk // 4
+            whole, part = torch.ones(numel * world), torch.ones(numel)
+            call = {"all_reduce": lambda: dist.all_reduce(part),
+                    "all_gather": lambda: ALL_GATHER(whole, part),
+                    "reduce_scatter": lambda: REDUCE_SCATTER(part, whole)}[kind]
+            call()
+            best = float("inf")
+            for _ in range(max(3, reps)):
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - start)
+            sent.append(chunk * (2 * (world - 1) / world if kind == "all_reduce" else world - 1))
+            seconds.append(best)
+        mean_x, mean_y = sum(sent) / len(sent), sum(seconds) / len(seconds)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sent, seconds))
+                 / sum((x - mean_x) ** 2 for x in sent))
+        slope = max(slope, 1e-15)
+        curves[kind] = {"latency_s": max(0.0, mean_y - slope * mean_x), "bus_bw": 1.0 / slope}
+    return curves
 
 
 def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0) -> dict:
@@ -201,6 +337,13 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     bf16 = measure_matmul_flops(torch.bfloat16, threads, settings.matmul_size, settings.matmul_seconds)
     on_step("memory copy")
     memory_bw = measure_memory_bandwidth(threads, settings.copy_bytes, settings.copy_seconds)
+    on_step(f"attention (fp32 and bf16), {threads} thread(s)")
+    attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
+    attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
+    on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
+    alone_s = reference_model_seconds(threads, seconds=settings.copy_seconds)
+    elementwise_bw = memory_bound_bandwidth(alone_s, fp32, attention_fp32, memory_bw)
+    slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
     return {
@@ -209,9 +352,14 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "peak_flops_bf16": bf16,
         "hbm_bytes": ram_bytes(),
         "hbm_bw": memory_bw,
+        "attention_flops_fp32": attention_fp32,
+        "attention_flops_bf16": attention_bf16,
+        "elementwise_bw": elementwise_bw,
+        "concurrent_slowdown": slowdown,
         "intra_node_bw": gloo["bus_bw"],
         "inter_node_bw": gloo["bus_bw"],
         "latency_s": gloo["latency_s"],
+        "collectives": gloo["collectives"],
         "gpus_per_node": workers,
         "threads": threads,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -229,8 +377,14 @@ def profile_table(profile: dict, path: Path) -> Table:
         ("bf16 matmul peak", f"{profile['peak_flops_bf16'] / 1e9:,.1f} GFLOP/s"),
         ("memory", f"{profile['hbm_bytes'] / 2**30:,.1f} GiB"),
         ("memory bandwidth (copy)", f"{profile['hbm_bw'] / 1e9:,.1f} GB/s"),
+        ("fp32 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_fp32', float('nan')) / 1e9:,.1f} GFLOP/s"),
+        ("bf16 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_bf16', float('nan')) / 1e9:,.1f} GFLOP/s"),
+        ("memory-bound work (reference model)", f"{profile.get('elementwise_bw', float('nan')) / 1e9:,.1f} GB/s"),
+        ("slowdown with every core busy", f"{profile.get('concurrent_slowdown', float('nan')):.2f}×"),
         ("gloo all-reduce bus bandwidth", f"{profile['intra_node_bw'] / 1e9:,.2f} GB/s"),
         ("gloo all-reduce latency", f"{profile['latency_s'] * 1e3:,.3f} ms"),
+        *((f"gloo {kind.replace('_', '-')} at 64 KB-4 MB", f"{c['latency_s'] * 1e3:,.3f} ms + bytes at {c['bus_bw'] / 1e9:,.2f} GB/s")
+          for kind, c in profile.get("collectives", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
         ("torch", profile["torch_version"]),
     ]

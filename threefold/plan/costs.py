@@ -628,7 +628,7 @@ def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
 
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
-                   drain_s, also: dict | None = None) -> dict:
+                   drain_s, gpu, intra, also: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -640,15 +640,21 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
 
     ``also``: another group's result whose traffic shares the link and the same compute (an MoE
     model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
-    the exposure is that of both groups' reductions and gathers behind the one backward and forward."""
+    the exposure is that of both groups' reductions and gathers behind the one backward and forward.
+    ``gpu``, ``intra``: the GPU and whether the group is inside a node (a GPU may time each kind of
+    collective by its own measured line: ``_collective_time``)."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
     buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel * work.grad_bytes / BUCKET_BYTES)))
     reductions = np.where(zero >= 2, m, 1) * buckets
     gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
-    grad_s = _ring_time(sent - gather_bytes, reductions * np.where(zero == 0, 2, 1) * (replicas - 1), bw, latency)
-    gather_s = _ring_time(gather_bytes, gathers * (replicas - 1), bw, latency)
+    # DDP all-reduces the gradients; ZeRO reduce-scatters them and all-gathers the parameters.
+    grad_bytes = sent - gather_bytes
+    grad_s = np.where(zero == 0,
+                      _collective_time(gpu, ("all_reduce",), grad_bytes, reductions, 2 * (replicas - 1), bw, latency, intra),
+                      _collective_time(gpu, ("reduce_scatter",), grad_bytes, reductions, replicas - 1, bw, latency, intra))
+    gather_s = _collective_time(gpu, ("all_gather",), gather_bytes, gathers, replicas - 1, bw, latency, intra)
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
     active = replicas > 1
@@ -668,6 +674,19 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
 def _ring_time(bytes_sent, steps, link_bw, latency):
     """Seconds for a ring collective: latency per step plus the bytes each rank sends over the link."""
     return steps * latency + bytes_sent / link_bw
+
+
+def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, latency, intra):
+    """Seconds of ``calls`` collectives of ``kinds`` (one kind, or two in equal shares: SP's
+    all-gathers and reduce-scatters) sending ``bytes_sent`` per rank: the ring's time, or inside
+    a node whose GPU records a measured line per kind (gloo on a CPU), its latency per call and
+    bandwidth, which differ by kind."""
+    ring = _ring_time(bytes_sent, calls * steps_per_call, link_bw, latency)
+    if gpu.collectives is None or not all(kind in gpu.collectives for kind in kinds):
+        return ring
+    per_call = sum(gpu.collectives[kind][0] for kind in kinds) / len(kinds)
+    per_byte = sum(1 / gpu.collectives[kind][1] for kind in kinds) / len(kinds)
+    return np.where(intra, calls * per_call + bytes_sent * per_byte, ring)
 
 
 def estimate(work: Workload, layout: Layout, gpu) -> dict:
@@ -784,7 +803,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
     attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
     rate = gpu.peak_flops * gpu.matmul_efficiency
-    core_s = tokens / t * attention_executed / rate  # the attention core's forward, one layer
+    core_s = tokens / t * attention_executed / (rate * gpu.attention_efficiency)  # the attention core's forward, one layer
     layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
     math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
     gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
@@ -810,7 +829,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
                                                     + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
                + moe_extra_traffic + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
-    memory_bound_s = traffic / (gpu.hbm_bw * gpu.hbm_efficiency)
+    memory_bound_s = traffic / gpu.elementwise_rate
 
     def link(group_span):
         """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks."""
@@ -827,7 +846,12 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
                                     embedding=single_stage, moe_layers=moe_last)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t)
-    tp_mb_s = np.where(t > 1, _ring_time(tp_sent_mb, (tp_collectives + 2) * 2 * (t - 1), tp_bw, tp_lat), 0)
+    # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
+    tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
+    tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
+                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node),
+                                       _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
+                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node)), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
     # products that produce and consume it). With tp_comm_overlap (Megatron-Core's
@@ -893,16 +917,17 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
+    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node)
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
-                             mb_s, drain_s)
+                             mb_s, drain_s, **dp_kinds)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
-                              forward_s, mb_s, 0)
+                              forward_s, mb_s, 0, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), on the same
         # link and behind the same backward as the rest: the two groups' exposure together
         dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, dp_bw, dp_lat, backward_s,
-                                 forward_s, mb_s, drain_s, also=dp_last)
+                                 forward_s, mb_s, drain_s, also=dp_last, **dp_kinds)
         dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, dp_bw, dp_lat, backward_s,
-                                  forward_s, mb_s, 0, also=dp_first)
+                                  forward_s, mb_s, 0, also=dp_first, **dp_kinds)
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
@@ -911,7 +936,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam's reads and
     # writes (PRECISIONS) and the gradient's; the gradient norm reads the gradients, zeroing writes them.
     optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
-    optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / (gpu.hbm_bw * gpu.hbm_efficiency)
+    optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / gpu.elementwise_rate
 
     # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
     # stream hundreds of GB/s through the HBM and run many NCCL channels on the SMs of the compute

@@ -42,6 +42,23 @@ class GPU:
     description: str = ""
     peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
     overlap_slowdown: float = 0.0  # seconds of compute lost per second of communication overlapped with it
+    # The attention core's executed FLOPs run at this fraction of the matmul rate: 1 for the flash
+    # kernels of the catalog's GPUs (FlashAttention-2 reaches GEMM-like rates); on a CPU, the rate
+    # `threefold calibrate` measured for scaled_dot_product_attention over its matmul peak.
+    attention_efficiency: float = 1.0
+    # Bytes/s the memory-bound operators reach (norms, SwiGLU, rotary, the loss, Adam) before
+    # hbm_efficiency: the HBM bandwidth on a GPU; on a CPU what calibrate measured for such
+    # operators at activation sizes, which caches serve faster than a 512 MB copy.
+    elementwise_bw: float | None = None
+    # Measured per kind of collective inside a node, {kind: (seconds per call, bytes each rank
+    # sends per second)}, where the kinds differ (gloo on a CPU); None: every kind is a ring at
+    # the link's bandwidth and latency, as NCCL's are.
+    collectives: dict | None = None
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of the memory-bound operators, efficiency included."""
+        return (self.hbm_bw if self.elementwise_bw is None else self.elementwise_bw) * self.hbm_efficiency
 
     def with_dtype(self, dtype: str | None) -> "GPU":
         """The GPU for training in ``dtype``: bfloat16 (the default, the 16-bit peak) or float32."""
@@ -125,6 +142,11 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
         profile = load_profile()
     cores = int(profile["gpus_per_node"])
     share = min(1.0, cores / workers) if workers else 1.0
+    # With more than one core busy every worker runs slower (shared caches and memory bus, lower
+    # clocks): calibrate's measured slowdown with all cores busy, in proportion between one and all.
+    busy = min(workers or 1, cores)
+    slowdown = 1.0 + (float(profile.get("concurrent_slowdown", 1.0)) - 1.0) * (busy - 1) / max(1, cores - 1)
+    share = share / slowdown
     ring_steps = 2 * (max(2, cores) - 1)
     if dtype not in (None, "bfloat16", "bf16", "float32", "fp32"):
         raise ConfigError(f"--dtype: must be bfloat16 or float32, got {dtype!r}")
@@ -132,6 +154,9 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
+    fp32 = dtype in ("float32", "fp32")
+    attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
+    elementwise = profile.get("elementwise_bw")
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
                float(profile["intra_node_bw"]), float(profile["inter_node_bw"]),
                intra_node_latency_s=float(profile["latency_s"]) / ring_steps,
@@ -140,7 +165,14 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                hbm_efficiency=float(profile.get("hbm_efficiency", 1.0)),
                intra_link_efficiency=link, inter_link_efficiency=link,
                description="this machine, measured by `threefold calibrate` (one worker per core)",
-               peak_flops_fp32=float(profile["peak_flops_fp32"]) * share)
+               # gloo reduces and copies on the cores that compute: a second of collective
+               # overlapped with compute is a second of compute lost.
+               overlap_slowdown=1.0,
+               peak_flops_fp32=float(profile["peak_flops_fp32"]) * share,
+               attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
+               elementwise_bw=None if elementwise is None else float(elementwise) * share,
+               collectives=None if "collectives" not in profile else {
+                   kind: (float(c["latency_s"]), float(c["bus_bw"]) * link) for kind, c in profile["collectives"].items()})
 
 
 def get_gpu(name: str, dtype: str | None = None) -> GPU:

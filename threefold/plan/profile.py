@@ -12,6 +12,11 @@ from threefold.config import ConfigError
 
 PROFILE_KEYS = ("name", "peak_flops_fp32", "peak_flops_bf16", "hbm_bytes", "hbm_bw", "intra_node_bw",
                 "inter_node_bw", "latency_s", "gpus_per_node", "threads", "measured_at", "torch_version")
+# Measured by `threefold calibrate` since 2026-12; a profile written before lacks them, and the
+# planner then times the attention core at the matmul rate, memory-bound work at hbm_bw and
+# every collective by the all-reduce's bandwidth and latency.
+MEASURED_SINCE_KEYS = ("attention_flops_fp32", "attention_flops_bf16", "elementwise_bw", "collectives",
+                       "concurrent_slowdown")
 # Written by `threefold calibrate --from-runs` (threefold/plan/fit.py): the achieved fractions of
 # the measured rates that the user's own runs show, and the runs they were fitted on.
 FITTED_KEYS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fitted_from")
@@ -43,6 +48,6 @@ def load_profile(path: Path | str | None = None) -> dict:
         profile = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"machine profile {path} is not valid JSON ({err}): run `threefold calibrate` again") from None
-    if not isinstance(profile, dict) or not set(PROFILE_KEYS) <= set(profile) <= {*PROFILE_KEYS, *FITTED_KEYS}:
+    if not isinstance(profile, dict) or not set(PROFILE_KEYS) <= set(profile) <= {*PROFILE_KEYS, *MEASURED_SINCE_KEYS, *FITTED_KEYS}:
         raise ConfigError(f"machine profile {path} does not have the expected keys: run `threefold calibrate` again")
     return profile
