@@ -202,9 +202,14 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
         seq = cfg.model.seq_len // (tp.size if tp is not None and tp.sequence_parallel else 1)
-        cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
-                                          (cfg.train.micro_batch, seq, cfg.model.hidden),
-                                          compute=lambda: autocast(cfg.train.dtype))
+        if p.stage_costs == "planner":  # the planner's seconds on a planned GPU: nothing to time
+            from threefold.plan.stage_costs import planner_layer_costs
+
+            cut.stage_costs = planner_layer_costs(cfg)
+        else:
+            cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
+                                              (cfg.train.micro_batch, seq, cfg.model.hidden),
+                                              compute=lambda: autocast(cfg.train.dtype))
         cut.spans = partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages, p.stage_layers,
                               cut.stage_costs)
         cut.parts = stage_modules(model, cut.spans, cut.schedule.stages_of(mesh.coord("pp")))
