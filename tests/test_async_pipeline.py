@@ -281,3 +281,104 @@ def test_a_stop_mid_run_settles_what_is_in_flight(distributed):
     (loss0, carried0, left0), (loss1, carried1, left1) = distributed.run(2, run_stopped, layout("2bw", 2, 4))
     assert carried0 == 2 and carried1 == 1  # rank 0: a send and a forward's graph; rank 1: a receive
     assert left0 == left1 == 0 and loss0 == loss1 and 0 < loss0 < 10
+
+
+# --- checkpoints: the older weight versions saved and resumed ----------------------------------------
+def train_segment(overrides: tuple[str, ...], folder: str, start: int, stop: int, save_at: tuple[int, ...] = (),
+                  forget_versions: bool = False) -> dict:
+    """One rank: resume from ``folder``'s checkpoint of step ``start`` (none at 0), train up to
+    step ``stop`` as ``run_async`` does, draining and saving after the steps in ``save_at``.
+    ``forget_versions``: after the load, drop the older versions (what a resume did before
+    checkpoints held them), to show that the comparison can tell."""
+    from threefold.train import checkpoint
+
+    cfg = load_config(None, list(overrides))
+    engine = new_engine(cfg)
+    if start:
+        checkpoint.load(checkpoint.step_dir(folder, start), engine, cfg)
+    if forget_versions:
+        for versions in engine.runtime.versions.values():
+            versions.versions, versions.updates = {}, 0
+    mine = [my_micro_batches(tokens, cfg, engine.dp_rank, engine.dp_size) for tokens in global_batches(cfg, stop)]
+    losses = []
+    for step in range(start, stop):
+        ahead = 0 if step + 1 in save_at else min(engine.lookahead, stop - 1 - step)
+        losses.append(engine.forward_backward(mine[step], mine[step + 1:step + 1 + ahead]))
+        engine.clip_grad_norm(cfg.train.grad_clip)
+        engine.optimizer_step(cfg.train.lr)
+        engine.zero_grad()
+        if step + 1 in save_at:
+            checkpoint.save(folder, step + 1, engine, cfg, sampler_state={})
+    state = engine.model_state_dict()
+    engine.shutdown()
+    return {"losses": losses, "state": state}
+
+
+@pytest.mark.parametrize("schedule,pp,m,dp,tp", [("2bw", 2, 4, 1, 1), ("pipedream", 2, 1, 1, 1), ("2bw", 2, 2, 2, 1)])
+def test_a_resumed_run_continues_exactly(distributed, tmp_path, schedule, pp, m, dp, tp):
+    """4 steps, saved; a new engine resumes from the checkpoint for 4 more: the losses of steps
+    5-8 and the weights after step 8 are those of the 8 steps run through, bit for bit (fp32, the
+    same layout). The checkpoint holds W(3) as the version one update older than the newest, on
+    every stage for 2bw, on stage 0 only for pipedream on 2 stages (stage 1 keeps only the newest);
+    resumed without it, the run goes another way."""
+    from threefold.train import checkpoint
+
+    overrides = layout(schedule, pp, m, dp, tp)
+    whole = distributed_run(distributed, overrides)
+    world = pp * dp * tp
+    distributed.run(world, train_segment, overrides, str(tmp_path), 0, 4, (3, 4))
+    resumed = distributed.run(world, train_segment, overrides, str(tmp_path), 4, STEPS)
+    for rank, got in zip(whole, resumed):
+        assert got["losses"] == rank["losses"][4:]
+        assert all(torch.equal(got["state"][key], value) for key, value in rank["state"].items())
+
+    stashed = checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 4), "version")
+    before = checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 3), "model/")
+    spans = partition(load_config(None, list(overrides)).model, pp, 1, None)
+    expected = {key for key in before if schedule == "2bw" or stage_of_key(key.removeprefix("model/"), spans) == 0}
+    assert {name.replace("version1/", "model/") for name in stashed} == expected
+    assert all(torch.equal(value, before[name.replace("version1/", "model/")]) for name, value in stashed.items())
+
+    forgotten = distributed.run(world, train_segment, overrides, str(tmp_path), 4, STEPS, (), True)
+    assert forgotten[0]["losses"][0] != whole[0]["losses"][4]  # step 5 computed on W(4), not W(3)
+    assert not torch.equal(forgotten[0]["state"]["blocks.0.attn.wq.weight"], whole[0]["state"]["blocks.0.attn.wq.weight"])
+
+
+def test_2bw_resumes_on_another_number_of_stages(distributed, tmp_path):
+    """2BW's delay is 2 on every stage, so its update rule does not depend on pp: saved on 2
+    stages after 4 steps, resumed on 4, the run is 2BW's on 4 stages (up to fp32 rounding: the
+    stages cut the blocks differently, not the arithmetic), its older versions read from the
+    pieces the 2-stage run wrote."""
+    two, four = layout("2bw", 2, 4), layout("2bw", 4, 4)
+    whole = distributed_run(distributed, four)
+    distributed.run(2, train_segment, two, str(tmp_path), 0, 4, (4,))
+    resumed = distributed.run(4, train_segment, four, str(tmp_path), 4, STEPS)
+    assert resumed[0]["losses"] == pytest.approx(whole[0]["losses"][4:], rel=1e-6, abs=0)
+    for key, value in whole[0]["state"].items():
+        torch.testing.assert_close(resumed[0]["state"][key], value, rtol=equivalence.PARAM_RTOL, atol=1e-7)
+
+
+def resume_into(overrides: tuple[str, ...], folder: str, start: int) -> str:
+    from threefold.train import checkpoint
+
+    cfg = load_config(None, list(overrides))
+    engine = new_engine(cfg)
+    try:
+        checkpoint.load(checkpoint.step_dir(folder, start), engine, cfg)
+        return "loaded"
+    except ConfigError as err:
+        return str(err)
+    finally:
+        engine.shutdown()
+
+
+def test_resuming_without_the_versions_the_run_keeps_is_refused(distributed, tmp_path):
+    """A 1F1B checkpoint holds no older versions, so 2bw cannot continue from it as its run would."""
+    from threefold.train import checkpoint
+
+    distributed.run(2, train_segment, layout("1f1b", 2, 4), str(tmp_path), 0, 1, (1,))
+    messages = distributed.run(2, resume_into, layout("2bw", 2, 4), str(tmp_path), 1)
+    assert messages[0] == messages[1] and "\n" not in messages[0]
+    assert messages[0] == (f"checkpoint: {str(checkpoint.step_dir(tmp_path, 1))!r} lacks older weight versions "
+                           "(\"version<j>/<key>\") that 2bw on pp=2 resumes with, which the run that saved it (1f1b "
+                           "on pp=2) did not keep; resume it with the schedule and pp that saved it")

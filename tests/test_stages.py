@@ -3,6 +3,7 @@ costs (schedule.balanced_split, PipeDream's partitioner), under a memory limit; 
 hand (``parallel.stage_layers``), validated; the measurement itself (stages.py)."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -94,3 +95,107 @@ def test_measured_costs_of_a_plain_model():
     hidden_bytes = 2 * 16 * 32 * 4
     assert all(hidden_bytes < a < 100 * hidden_bytes for a in measured.block_activation_bytes)
     assert all(q.is_meta for q in model.parameters()) and model.head.weight is model.embed.weight  # left as it was
+
+
+# --------------------------------------------------------------------------------------------
+# parallel.stage_costs = "planner": the planner's seconds on a catalog GPU (plan/stage_costs.py)
+
+PLANNED = ["parallel.stage_costs=planner", "parallel.stage_costs_gpu=h100-sxm", "train.dtype=bfloat16"]
+
+
+def planner_config(overrides):
+    return load_config(None, overrides + PLANNED)
+
+
+@pytest.mark.parametrize("preset, layout", [
+    ("llama3-8b", ["parallel.pp=4", "parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=selective"]),
+    ("llama3-70b", ["parallel.pp=8", "parallel.tp=8", "train.recompute=full"]),
+    # an MoE model with dense first layers: the last stage's blocks are MoE, the first's partly dense
+    ("deepseek-v3-like", ["parallel.pp=8", "parallel.dp=8", "parallel.ep=8", "parallel.tp=2"]),
+])
+def test_planner_stage_costs_are_the_planners_own_figures(preset, layout):
+    """The last stage's blocks and head cost, per micro-batch, what ``costs.estimate`` counts as
+    that stage's compute and memory-bound time (its ``compute_s + memory_bound_s`` over the
+    step's micro-batches), for the same layout on the same GPU."""
+    from threefold.plan import costs
+    from threefold.plan.compare import run_layout
+    from threefold.plan.hardware import CATALOG
+    from threefold.plan.stage_costs import planner_layer_costs
+
+    cfg = planner_config([f"model.preset={preset}", "train.micro_batch=1", "train.global_batch=64"] + layout)
+    planned = planner_layer_costs(cfg)
+    work, layout_ = run_layout(cfg)
+    layout_ = dataclasses.replace(layout_, ep=cfg.parallel.ep)
+    est = costs.estimate(work, layout_, CATALOG["h100-sxm"])
+    last_blocks = -(-cfg.model.layers // cfg.parallel.pp)  # the estimate's busiest stage: ceil(L / pp) blocks
+    per_microbatch = (est["compute_s"] + est["memory_bound_s"]) / est["microbatches"]
+    assert sum(planned.blocks[-last_blocks:]) + planned.head == pytest.approx(per_microbatch, rel=1e-12)
+    assert planned.embed == 0.0 and "planner, h100-sxm bfloat16, micro-batch 1" in planned.source
+    if cfg.model.moe_experts:  # dense and MoE blocks cost differently, each its own figure
+        assert planned.blocks[0] != planned.blocks[-1] and len(set(planned.blocks)) == 2
+
+
+def test_a_large_vocabulary_puts_fewer_blocks_on_the_last_stage():
+    """Llama-3 8B's shape on 4 H100 stages: its 128K-token head costs about two blocks, so the
+    last stage takes 7 of the 32; with a 4K vocabulary the head is cheap and the split is even."""
+    from threefold.plan.stage_costs import planner_layer_costs
+
+    def split(vocab):
+        cfg = planner_config(["model.preset=llama3-8b", f"model.vocab_size={vocab}", "model.seq_len=8192",
+                              "parallel.pp=4", "train.micro_batch=1", "train.global_batch=32"])
+        planned = planner_layer_costs(cfg)
+        return [len(s.blocks) for s in partition(cfg.model, 4, 1, None, planned)], planned.head / planned.blocks[0]
+
+    (large, head_in_blocks), (small, _) = split(128256), split(4096)
+    assert 1.5 < head_in_blocks < 2.5
+    assert large[-1] < small[-1] == 8 and sum(large) == 32
+    assert small == [8, 8, 8, 8]
+
+
+def test_the_dry_run_splits_on_the_planner_and_predicts_the_same_split():
+    """The engine (here in a dry run: fake tensors, nothing timed) cuts the model on the
+    planner's costs and says so; ``dryrun --compare``'s prediction uses the same split, so the
+    parameters match exactly. For this tiny model with a 4K vocabulary the planner puts 5 blocks
+    before the head's stage (its head is worth 2.8 blocks on an H100, 3.8 by FLOPs) where FLOPs put 6."""
+    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.train.dryrun import dry_run_config, dry_run_rank, stage_split_note
+
+    tiny = ["model.layers=8", "model.hidden=64", "model.heads=4", "model.vocab_size=4096", "model.seq_len=128",
+            "parallel.pp=2", "train.micro_batch=2", "train.global_batch=8"]
+    cfg = dry_run_config(planner_config(tiny), 2)
+    assert [len(s.blocks) for s in partition(cfg.model, 2)] == [6, 2]  # the FLOP model's split
+    for rank in (0, 1):
+        result = dry_run_rank(cfg, rank)
+        assert result["stage_split"].startswith("stage 0: embedding + blocks 0-4 ")
+        assert "stage 1: blocks 5-7 + head " in result["stage_split"] and "(planner, h100-sxm bfloat16" in result["stage_split"]
+        assert result["memory"]["params"] == predict_rank(cfg, rank)["memory"]["params"]
+    assert stage_split_note(cfg) is None
+    measured = dry_run_config(load_config(None, tiny), 2)  # the default asks for timing, which fake tensors cannot do
+    assert "(flops; " in dry_run_rank(measured, 1)["stage_split"]
+    assert stage_split_note(measured).startswith('parallel.stage_costs = "measured": a dry run\'s fake tensors cannot')
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.stage_costs=planner", "parallel.stage_costs_gpu=h100"],
+     "parallel.stage_costs_gpu: unknown GPU 'h100' (known: a100-40gb, "),
+    (["parallel.stage_costs_gpu=h100-sxm"],
+     "parallel.stage_costs_gpu: 'h100-sxm' is used only with parallel.stage_costs = \"planner\", got 'measured'"),
+    (["parallel.stage_costs=flops", "parallel.stage_costs_gpu=h100-sxm"],
+     "parallel.stage_costs_gpu: 'h100-sxm' is used only with parallel.stage_costs = \"planner\", got 'flops'"),
+    (["parallel.stage_costs=planner"], 'parallel.stage_costs: "planner" needs parallel.stage_costs_gpu'),
+    (["parallel.stage_costs=planner", "parallel.stage_costs_gpu=b200", "train.dtype=float32"],
+     "parallel.stage_costs_gpu: the catalog has no float32 peak for b200"),
+])
+def test_bad_planner_stage_costs_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + ["parallel.pp=2"] + overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_an_unknown_planned_gpu_exits_2_before_any_process_starts():
+    args = [sys.executable, "-m", "threefold.cli", "train", "--nproc", "2", "--no-progress"]
+    args += [f"--set={o}" for o in TINY + ["parallel.pp=2", "parallel.stage_costs=planner",
+                                           "parallel.stage_costs_gpu=h100"]]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "parallel.stage_costs_gpu: unknown GPU 'h100'" in done.stderr

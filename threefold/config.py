@@ -138,8 +138,9 @@ def llama_ffn(hidden: int, multiple_of: int = 64) -> int:
 
 
 # measured: time each block, the embedding and the head on this run's device and dtype at its
-# micro-batch; flops: the FLOP model (parallel/pipeline/schedule.py's stage_costs)
-STAGE_COSTS = ("measured", "flops")
+# micro-batch; flops: the FLOP model (parallel/pipeline/schedule.py's stage_costs); planner: the
+# planner's seconds on the catalog GPU parallel.stage_costs_gpu (plan/stage_costs.py)
+STAGE_COSTS = ("measured", "flops", "planner")
 # the registry's names (parallel/pipeline/schedule.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "2bw", "pipedream")
 CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
@@ -163,7 +164,8 @@ class ParallelConfig:
     microbatches: int | None = None  # None: global_batch / (dp · micro_batch)
     virtual_stages: int = 1
     stage_layers: list | None = None  # blocks per pipeline stage by hand: [3, 1] or [[0, 1, 2], [3]]
-    stage_costs: str = "measured"  # what the stage split balances: measured | flops (see STAGE_COSTS)
+    stage_costs: str = "measured"  # what the stage split balances: measured | flops | planner (see STAGE_COSTS)
+    stage_costs_gpu: str | None = None  # stage_costs = "planner": the catalog GPU whose seconds it balances
     bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True  # reduce each gradient bucket as soon as its last gradient is in
     timeout_s: float = 300.0  # collectives that wait longer than this fail instead of hanging
@@ -196,6 +198,12 @@ class ParallelConfig:
                               f"sequence_parallel={str(self.sequence_parallel).lower()}")
         if self.stage_costs not in STAGE_COSTS:
             raise ConfigError(f"parallel.stage_costs: must be one of {', '.join(STAGE_COSTS)}, got {self.stage_costs!r}")
+        if self.stage_costs == "planner" and not isinstance(self.stage_costs_gpu, str):
+            raise ConfigError('parallel.stage_costs: "planner" needs parallel.stage_costs_gpu, the name of a GPU of the '
+                              f"planner's catalog (threefold estimate --list-gpus), got {self.stage_costs_gpu!r}")
+        if self.stage_costs != "planner" and self.stage_costs_gpu is not None:
+            raise ConfigError(f"parallel.stage_costs_gpu: {self.stage_costs_gpu!r} is used only with "
+                              f'parallel.stage_costs = "planner", got {self.stage_costs!r}')
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb: must be positive, got {self.bucket_mb}")
         if self.timeout_s <= 0:

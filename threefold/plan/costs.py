@@ -627,6 +627,66 @@ def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
     return np.sqrt(math * math + memory * memory)
 
 
+def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
+    """Seconds of one micro-batch's forward and backward through each part of the model on one
+    rank of ``layout``, as ``estimate`` adds them up per stage: ``block`` (a dense block),
+    ``moe_block`` (an MoE block, for an MoE model) and ``head`` (the output products and the
+    loss), each ``{"math", "gemm", "memory"}``: its products and attention core, recomputation
+    included (math); its products alone, forward and backward (gemm: what tp overlap hides
+    behind); its memory-bound kernels (memory). ``core``: one layer's attention-core forward. The
+    embedding, a lookup, costs nothing in this model. Sizes may be numpy arrays of layouts.
+
+    Each matrix product is timed by its own shape (``matmul_seconds``): a thin tp shard or a
+    small hidden size runs below the large-GEMM rate. A product's backward is two products of
+    the same shape (input and weight gradients), so a layer costs 3× its forward products."""
+    cfg = work.model
+    h, s, V = cfg.hidden, cfg.seq_len, _require_vocab(cfg)
+    q, _ = attention_width(cfg)
+    t, c, e, b = (np.asarray(x) for x in (layout.tp, layout.cp, layout.ep, layout.micro_batch))
+    sp, recompute = np.asarray(layout.sequence_parallel, dtype=bool), _recompute_index(layout.recompute)
+    full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
+    tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
+    rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
+    a_bytes = work.activation_bytes
+    hbm = gpu.elementwise_rate  # the memory-bound kernels' bytes/s
+    coef = activation_coefficients(cfg, work.attention, a_bytes)
+    attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
+    attention_rate = gpu.peak_flops * gpu.matmul_efficiency * gpu.attention_efficiency
+    core_s = tokens / t * attention_executed / attention_rate  # one layer's forward
+    recomputed_core = np.where(selective, 0.5 * tokens * coef["core"] / t, 0)  # selective: the core's tensors again
+
+    def block(gemm_s, saved):
+        """A block whose forward products take ``gemm_s`` and which saves ``saved`` bytes without recomputation:
+        full recomputation runs its forward again (and its tensors' traffic half again)."""
+        math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s, 0))
+        memory = ELEMENTWISE_PASSES * (saved * np.where(full, 1.5, 1.0) + recomputed_core) / hbm
+        return {"math": math, "gemm": 3 * gemm_s, "memory": memory}
+
+    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in layer_products(cfg, t))
+    layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, a_bytes)
+    head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
+    parts = {"block": block(layer_gemm_s, layer_all), "core": core_s,
+             # cross-entropy: read 16-bit logits, write and re-read fp32 ones
+             "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s, "memory": tokens * 12 * V / t / hbm}}
+    if cfg.moe_experts:
+        # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
+        # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
+        # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
+        # T·k·ep/E rows each). The same 3× for backward as any product.
+        k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
+        moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
+                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
+        if shared:
+            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e, gpu, a_bytes) + matmul_seconds(
+                rows, shared * f_e, h, gpu, a_bytes)
+        expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
+        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
+                                                   + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes)
+        parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all)
+    return parts
+
+
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
                    drain_s, gpu, intra, also: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
@@ -702,7 +762,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     zero, b, v = np.asarray(layout.zero), np.asarray(layout.micro_batch), np.asarray(layout.virtual_stages)
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
-    full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
+    full = recompute == RECOMPUTE.index("full")
     single_stage = p == 1
     # The registry's placement: DualPipeV's V fixes 2 stages per rank and puts both ends on rank 0.
     fixed_chunks = np.array([spec.stages_per_rank or 0 for spec in SCHEDULE_REGISTRY.values()])[schedule]
@@ -793,43 +853,18 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     versions_bytes = np.where(last_fuller, versions_last_bytes, versions_first_bytes)
     memory_total = np.maximum(total_first, total_last) + RESERVED_BYTES
 
-    # ---- compute on the busiest stage, per micro-batch ----------------------------------------
-    # Each matrix product is timed by its own shape (``matmul_seconds``): a thin tp shard or a
-    # small hidden size runs below the large-GEMM rate. A product's backward is two products of
-    # the same shape (input and weight gradients), so a layer costs 3× its forward products.
-    rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
-    a_bytes = work.activation_bytes
-    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in layer_products(cfg, t))
-    head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
-    attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
-    rate = gpu.peak_flops * gpu.matmul_efficiency
-    core_s = tokens / t * attention_executed / (rate * gpu.attention_efficiency)  # the attention core's forward, one layer
-    layer_s = 3 * (layer_gemm_s + core_s) + np.where(full, layer_gemm_s + core_s, np.where(selective, core_s, 0))
-    math_s = stage_layers * layer_s + 3 * head_gemm_s  # the last stage computes the logits
-    gemm_mb_s = stage_layers * 3 * layer_gemm_s + 3 * head_gemm_s
-    moe_extra_traffic = 0
-    if moe:
-        # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
-        # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
-        # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
-        # T·k·ep/E rows each). The same 3× for backward as any product.
-        k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
-        moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
-                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
-        if shared:
-            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e, gpu, a_bytes) + matmul_seconds(
-                rows, shared * f_e, h, gpu, a_bytes)
-        expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
-        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
-                                                   + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
-        moe_layer_s = 3 * (moe_gemm_s + core_s) + np.where(full, moe_gemm_s + core_s, np.where(selective, core_s, 0))
-        math_s = math_s + moe_last * (moe_layer_s - layer_s)
-        gemm_mb_s = gemm_mb_s + moe_last * 3 * (moe_gemm_s - layer_gemm_s)
-        moe_extra_traffic = ELEMENTWISE_PASSES * moe_last * moe_all * np.where(full, 1.5, 1.0)
-    traffic = (ELEMENTWISE_PASSES * stage_layers * (layer_all * np.where(full, 1.5, 1.0)
-                                                    + np.where(selective, 0.5 * tokens * coef["core"] / t, 0))
-               + moe_extra_traffic + tokens * 12 * V / t)  # cross-entropy: read 16-bit logits, write and re-read fp32 ones
-    memory_bound_s = traffic / gpu.elementwise_rate
+    # ---- compute on the busiest stage, per micro-batch (each part's seconds: part_seconds) ----
+    part = part_seconds(work, layout, gpu)
+    block, head = part["block"], part["head"]
+    math_s = stage_layers * block["math"] + head["math"]  # the last stage computes the logits
+    gemm_mb_s = stage_layers * block["gemm"] + head["gemm"]
+    memory_bound_s = stage_layers * block["memory"] + head["memory"]
+    if moe:  # the MoE blocks of the last stage in place of dense ones
+        moe_block = part["moe_block"]
+        math_s = math_s + moe_last * (moe_block["math"] - block["math"])
+        gemm_mb_s = gemm_mb_s + moe_last * (moe_block["gemm"] - block["gemm"])
+        memory_bound_s = memory_bound_s + moe_last * (moe_block["memory"] - block["memory"])
+    core_s = part["core"]
 
     def link(group_span):
         """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks."""

@@ -35,6 +35,7 @@ from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_
 from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
+from threefold.plan.stage_costs import modelled_layer_costs
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
         return RankShare(numel, model.layers, True, True, model.layers, moe)
-    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers)
+    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers,
+                      modelled_layer_costs(cfg))  # the engine's split (a dry run times nothing)
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]

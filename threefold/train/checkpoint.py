@@ -4,7 +4,8 @@ A checkpoint is a folder ``<checkpoint_dir>/step_000120/`` holding
 
     .metadata, __*_*.distcp  torch.distributed.checkpoint (DCP): the full tensors of the plain
                              model, "model/<key>", and of Adam's moments, "exp_avg/<key>" and
-                             "exp_avg_sq/<key>", each stored as the pieces the ranks held,
+                             "exp_avg_sq/<key>" (2bw, pipedream: and the older weight
+                             versions, "version<j>/<key>"), each stored as the pieces the ranks held,
                              described by their place in the full tensor; and each rank's RNG
                              state, "rng/rank<r>"
     tokenizer.json           the tokenizer, so ``threefold generate`` needs nothing else
@@ -440,15 +441,28 @@ def load(path: Path, engine, cfg: Config) -> dict:
         raise ConfigError(f"checkpoint: {str(path)!r} holds weights only, no optimizer states to resume; "
                           f"start a new run from it with model.init_from = {json.dumps(str(path))}")
     check_model(meta, cfg, path)
+    engine.set_adam_step(meta["adam_step"])  # first: the weight versions kept (2bw, pipedream) follow from it
     state = _by_name(engine.checkpoint_shards())
+    check_weight_versions(path, meta, cfg, state)
     saved_world = meta["world_size"]
     rng = torch.get_rng_state()  # a rank the saving layout did not have takes rank r mod its size
     name = f"rng/rank{engine.rank % saved_world}"
     state[name] = [Shard(name, tuple(rng.shape), (0,), rng)]
     _read(path, state, no_dist=_no_dist())
-    engine.set_adam_step(meta["adam_step"])
     torch.set_rng_state(rng)
     return meta
+
+
+def check_weight_versions(path: Path, meta: dict, cfg: Config, state: dict) -> None:
+    """Refuse, in one line, to resume 2bw or pipedream from a checkpoint without the older
+    weight versions the run keeps (saved by a schedule that flushes, or by pipedream on fewer
+    stages): without them the resumed updates would not be the run's."""
+    stored = _metadata(path).state_dict_metadata
+    if any(name.startswith("version") and name not in stored for name in state):
+        saved, p = meta["config"]["parallel"], cfg.parallel
+        raise ConfigError(f"checkpoint: {str(path)!r} lacks older weight versions (\"version<j>/<key>\") that "
+                          f"{p.schedule} on pp={p.pp} resumes with, which the run that saved it ({saved['schedule']} "
+                          f"on pp={saved['pp']}) did not keep; resume it with the schedule and pp that saved it")
 
 
 def read_model(path: Path):

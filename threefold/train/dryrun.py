@@ -144,6 +144,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             memory = dict(engine.memory_bytes(), activations=meter.peak)
             comm_bytes = engine.comm_bytes()
             timeline = engine.step_timeline()
+            stage_split = engine.stage_split()
     finally:
         if mesh is not None:
             mesh.shutdown()
@@ -151,6 +152,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items() if mesh.sizes[a] > 1},
             "memory": memory, "comm_bytes": comm_bytes,
             "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
+            "stage_split": stage_split,
             "seconds": time.perf_counter() - began}
 
 
@@ -174,6 +176,17 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
                 result["predicted"] = predict_rank(cfg, rank)
             results.append(result)
     return results
+
+
+def stage_split_note(cfg: Config) -> str | None:
+    """Why a dry run's pipeline is split as it is, when the config asked for what it cannot do:
+    fake tensors cannot be timed, so ``measured`` stage costs fall back to the FLOP model."""
+    p = cfg.parallel
+    if p.pp > 1 and p.stage_costs == "measured" and p.stage_layers is None and p.virtual_stages == 1:
+        return ("parallel.stage_costs = \"measured\": a dry run's fake tensors cannot be timed, so the FLOP model "
+                "split the stages; parallel.stage_costs = \"planner\" with parallel.stage_costs_gpu = NAME splits "
+                "them on the planner's seconds for that GPU")
+    return None
 
 
 def actions_line(actions: list[list]) -> str:
@@ -232,6 +245,10 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
     from rich.console import Console
 
     console = Console()
+    for line in (f"pipeline stages: {results[0]['stage_split']}" if results[0]["stage_split"] else None,
+                 stage_split_note(cfg)):
+        if line:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     for result in results:
         console.print(result_table(cfg, result))
         if result["actions"]:

@@ -202,9 +202,14 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
 
         cut.schedule = build_schedule(p.schedule, mesh.size("pp"), cfg.microbatches, p.virtual_stages)
         seq = cfg.model.seq_len // (tp.size if tp is not None and tp.sequence_parallel else 1)
-        cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
-                                          (cfg.train.micro_batch, seq, cfg.model.hidden),
-                                          compute=lambda: autocast(cfg.train.dtype))
+        if p.stage_costs == "planner":  # the planner's seconds on a planned GPU: nothing to time
+            from threefold.plan.stage_costs import planner_layer_costs
+
+            cut.stage_costs = planner_layer_costs(cfg)
+        else:
+            cut.stage_costs = run_stage_costs(model, cfg, mesh, comm, loss_function(tp),
+                                              (cfg.train.micro_batch, seq, cfg.model.hidden),
+                                              compute=lambda: autocast(cfg.train.dtype))
         cut.spans = partition(cfg.model, mesh.size("pp"), cut.schedule.virtual_stages, p.stage_layers,
                               cut.stage_costs)
         cut.parts = stage_modules(model, cut.spans, cut.schedule.stages_of(mesh.coord("pp")))
@@ -693,17 +698,26 @@ class Engine:
 
     def checkpoint_shards(self) -> list[Shard]:
         """This rank's pieces of the weights ("model/<key>") and of Adam's moments
-        ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor; views
-        into the live states, so ``train/checkpoint.py`` saves from them and loads into them."""
-        return self.weight_shards() + self.moment_shards()
+        ("exp_avg/<key>", "exp_avg_sq/<key>"), each placed in the plain model's tensor, and
+        (2bw, pipedream) of the older weight versions ("version<j>/<key>"); views into the live
+        states, so ``train/checkpoint.py`` saves from them and loads into them."""
+        versions = []
+        if hasattr(self.runtime, "version_shards"):
+            named = {stage: named_plain_parameters(part, self.tied) for stage, part in self.parts.items()}
+            versions = self.runtime.version_shards(named, self.placements)
+        return self.weight_shards() + self.moment_shards() + versions
 
     def adam_step(self) -> float:
         """The optimizer's step count (the same for every tensor: they all step together)."""
         return max((float(s["step"]) for s in self.optimizer.state.values() if "step" in s), default=0.0)
 
     def set_adam_step(self, step: float) -> None:
+        """Resume at ``step`` updates: Adam's count and (2bw, pipedream) the weight versions kept
+        there, whose buffers ``checkpoint_shards`` then includes for the load to fill."""
         for q in (q for group in self.optimizer.param_groups for q in group["params"]):
             init_adam_state(self.optimizer, q)["step"].fill_(step)
+        if hasattr(self.runtime, "resume_at"):
+            self.runtime.resume_at(int(step))
 
     # --- full (unsharded) states, keyed like the plain model (collectives: every rank calls them)
     @torch.no_grad()

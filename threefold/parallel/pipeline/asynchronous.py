@@ -28,6 +28,13 @@ the copy (a view, no new memory: autograd saves the copy for the backward, which
 changes in place), its gradient flows to the live parameter, so ``.grad``, the gradient sync's
 hooks and buckets see nothing different. The backward runs under the same swap, so recomputed
 activations (``train.recompute``) are recomputed on the version their forward used.
+
+Checkpoints. A checkpoint is taken with the pipeline drained, so what a resumed run needs
+besides the live weights (the newest version) is each stage's older versions: the checkpoint
+holds them as "version<j>/<key>", the weights j updates older than the newest, placed in the
+plain model's tensors as "model/<key>" is (``AsyncPipelineRuntime.version_shards``). Which
+versions a stage keeps follows from the update count (Adam's step) and the stage's delay, so a
+resumed run (``resume_at``) knows which to read before it reads them.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import torch
 from torch import nn
 
 from threefold.parallel.pipeline.runtime import PipelineRuntime, StepState, token_positions
+from threefold.parallel.placements import Placement, Shard, whole_shards
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, Kind, RunStep, run_step, steps_ahead
 
 
@@ -74,18 +82,34 @@ class WeightVersions:
 
     def version_for(self, steps_later: int = 0) -> int:
         """The version the batch ``steps_later`` steps after the next one runs on."""
-        if not self.versions:  # the weights as the run starts (or resumes): W(0)
-            self.versions[0] = self._copy()
+        if self.updates not in self.versions:  # the weights as the run starts, W(0), or resumes
+            self.versions[self.updates] = self._copy()
         return max(0, self.updates + 1 + steps_later - self.delay)
+
+    def oldest_kept(self) -> int:
+        """The oldest version a batch not yet started will use."""
+        return max(0, self.updates + 1 - self.delay)
 
     def after_update(self) -> None:
         """Record the newest version and drop those no batch will use again."""
         self.version_for()
         self.updates += 1
         self.versions[self.updates] = self._copy()
-        oldest = max(0, self.updates + 1 - self.delay)
-        for k in [k for k in self.versions if k < oldest]:
+        for k in [k for k in self.versions if k < self.oldest_kept()]:
             del self.versions[k]
+
+    def older(self) -> dict[int, list[torch.Tensor]]:
+        """The stored versions older than the newest, by how many updates older (1, 2, …): what
+        a resumed run needs besides the live weights."""
+        return {self.updates - k: tensors for k, tensors in self.versions.items() if k < self.updates}
+
+    def resume_at(self, updates: int) -> None:
+        """The run goes on after ``updates`` optimizer steps: the older versions it keeps there,
+        as buffers for a checkpoint's load to fill; the newest is copied from the live weights
+        (loaded by then) at the first forward."""
+        self.updates = updates
+        self.versions = {k: [torch.empty_like(q.detach()) for q in self.params]
+                         for k in range(self.oldest_kept(), updates)}
 
     def _copy(self) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -191,6 +215,26 @@ class AsyncPipelineRuntime(PipelineRuntime):
     def after_optimizer_step(self) -> None:
         for versions in self.versions.values():
             versions.after_update()
+
+    def resume_at(self, updates: int) -> None:
+        """Before a checkpoint saved after ``updates`` optimizer steps is loaded (WeightVersions.resume_at)."""
+        for versions in self.versions.values():
+            versions.resume_at(updates)
+
+    def version_shards(self, named: dict[int, list[tuple[str, nn.Parameter]]],
+                       placements: dict[str, Placement]) -> list[Shard]:
+        """The checkpoint's pieces of each stage's older weight versions, "version<j>/<key>" (j
+        updates older than the newest), placed as the live parameter of plain-model key <key>
+        is; ``named``: stage → its (key, parameter) pairs. Views: a save reads from them, a load
+        writes into them."""
+        found = []
+        for stage, versions in self.versions.items():
+            key_of = {id(q): key for key, q in named[stage]}
+            for older, tensors in sorted(versions.older().items()):
+                for q, tensor in zip(versions.params, tensors):
+                    key = key_of[id(q)]
+                    found += whole_shards(f"version{older}/{key}", tensor, placements[key])
+        return found
 
     def weight_version_bytes(self) -> dict[int, int]:
         """Bytes of the stored weight versions, per stage of this rank."""
