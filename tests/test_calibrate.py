@@ -1,4 +1,5 @@
 """`threefold calibrate`: the measurements, the profile file and the command."""
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from threefold.plan.profile import MEASURED_SINCE_KEYS
 
 # Sizes small enough for a test; the whole command then takes ~3 s, mostly spawning two processes.
 TINY = calibrate.Settings(matmul_size=256, matmul_seconds=0.05, copy_bytes=8 << 20, copy_seconds=0.05,
-                          gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0)
+                          gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0, wait_calls=5)
 
 
 def example_profile() -> dict:
@@ -70,6 +71,9 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     assert 1e7 < printed["elementwise_bw"] < 1e13 and printed["concurrent_slowdown"] >= 1.0
     assert set(printed["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(c["latency_s"] >= 0 and c["bus_bw"] > 0 for c in printed["collectives"].values())
+    cores = calibrate.cpu_cores()
+    assert set(printed["oversubscribed_wait_s"]) == {str(2 * cores), str(4 * cores)}
+    assert all(0 <= wait < 1 for wait in printed["oversubscribed_wait_s"].values())
     assert printed["name"] == "local" and printed["gpus_per_node"] == calibrate.cpu_cores()
     assert printed["peak_flops_bf16"] > 0 and printed["peak_flops_fp32"] > 1e8
     assert 1e6 < printed["intra_node_bw"] == printed["inter_node_bw"] < 1e12
@@ -160,7 +164,8 @@ def measured_profile(**extra) -> dict:
     collectives = {"all_reduce": {"latency_s": 1e-4, "bus_bw": 2e9}, "all_gather": {"latency_s": 5e-4, "bus_bw": 1e9},
                    "reduce_scatter": {"latency_s": 3e-4, "bus_bw": 0.5e9}}
     return {**example_profile(), "attention_flops_fp32": 2.5e10, "attention_flops_bf16": 5e10,
-            "elementwise_bw": 6e9, "concurrent_slowdown": 1.5, "collectives": collectives, **extra}
+            "elementwise_bw": 6e9, "concurrent_slowdown": 1.5, "collectives": collectives,
+            "oversubscribed_wait_s": {"4": 0.004, "8": 0.012}, **extra}
 
 
 def test_a_profile_from_before_the_new_measurements_still_loads_and_plans_as_before(tmp_path):
@@ -208,3 +213,21 @@ def test_the_memory_bound_rate_is_what_the_reference_model_leaves_after_its_prod
 
 def test_the_reference_model_is_timed():
     assert 0 < calibrate.reference_model_seconds(threads=1, micro_batch=1, seconds=0.05) < 30
+
+
+def test_more_workers_than_cores_wait_on_every_call_and_run_the_bubble_faster():
+    from threefold.plan.hardware import oversubscribed_wait
+
+    waits = {4: 0.004, 8: 0.012}
+    assert [oversubscribed_wait(waits, 2, w) for w in (1, 2, 3, 4, 6, 8, 16)] == pytest.approx(
+        [0, 0, 0.002, 0.004, 0.008, 0.012, 0.028])
+    assert oversubscribed_wait({}, 2, 8) == 0.0  # a profile from before the measurement
+    two, four, eight = (local_gpu("float32", workers=w, profile=measured_profile()) for w in (2, 4, 8))
+    assert (two.call_wait_s, four.call_wait_s, eight.call_wait_s) == pytest.approx((0, 0.004, 0.012))
+    assert (two.bubble_speedup, four.bubble_speedup, eight.bubble_speedup) == (1.0, 2.0, 2.0)
+    # Each tp collective of a run pays the wait once per call.
+    quiet = dataclasses.replace(eight, call_wait_s=0.0)
+    calls = 10
+    waited = costs._collective_time(eight, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True)
+    assert waited - costs._collective_time(quiet, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True) == pytest.approx(
+        calls * 0.012)

@@ -39,12 +39,13 @@ class Settings:
     gloo_bytes: int
     gloo_reps: int
     gloo_timeout_s: float
+    wait_calls: int = 50
 
 
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0)
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20)
 
 
 def cpu_cores() -> int:
@@ -286,19 +287,14 @@ def _measure_collective_curves(world: int, reps: int) -> dict:
     return curves
 
 
-def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0) -> dict:
-    """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
-
-    Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce}``.
-    Raises RuntimeError if a worker fails or the whole measurement takes longer than ``timeout_s``.
-    """
-    if world < 2:
-        raise ValueError(f"measure_gloo: world must be at least 2, got {world}")
+def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: str):
+    """Spawn ``world`` processes running ``target(rank, world, port, *args, results)`` over gloo
+    on 127.0.0.1 and return the first result one of them puts. RuntimeError if a worker fails
+    or nothing arrives within ``timeout_s``."""
     ctx = multiprocessing.get_context("spawn")  # fork hangs after the parent has run OpenMP work
     store = _free_store()
     results = ctx.Queue()
-    workers = [ctx.Process(target=_gloo_worker, daemon=True,
-                           args=(rank, world, store.port, message_bytes, reps, timeout_s, results))
+    workers = [ctx.Process(target=target, daemon=True, args=(rank, world, store.port, *args, results))
                for rank in range(world)]
     for worker in workers:
         worker.start()
@@ -311,9 +307,9 @@ def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeo
             except queue.Empty:
                 failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
                 if failed:
-                    raise RuntimeError(f"gloo measurement: a worker exited with code {failed[0]}") from None
+                    raise RuntimeError(f"{what}: a worker exited with code {failed[0]}") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"gloo measurement: no result within {timeout_s:.0f} s") from None
+                    raise RuntimeError(f"{what}: no result within {timeout_s:.0f} s") from None
         for worker in workers:
             worker.join(timeout=max(1.0, deadline - time.monotonic()))
         return result
@@ -322,6 +318,52 @@ def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeo
             if worker.is_alive():
                 worker.terminate()
                 worker.join()
+
+
+def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0) -> dict:
+    """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
+
+    Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce,
+    "collectives": each kind's line (_measure_collective_curves)}``.
+    Raises RuntimeError if a worker fails or the whole measurement takes longer than ``timeout_s``.
+    """
+    if world < 2:
+        raise ValueError(f"measure_gloo: world must be at least 2, got {world}")
+    return _run_gloo_workers(world, _gloo_worker, (message_bytes, reps, timeout_s), timeout_s, "gloo measurement")
+
+
+def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float, results) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        work, tiny, waited = torch.randn(256, 256), torch.zeros(1), 0.0
+        for _ in range(5):
+            dist.all_reduce(tiny)
+        for _ in range(calls):
+            for _ in range(10):  # a few milliseconds of compute between collectives, as a step has
+                work @ work
+            start = time.perf_counter()
+            dist.all_reduce(tiny)
+            waited += time.perf_counter() - start
+        mean = torch.tensor([waited / calls])
+        dist.all_reduce(mean)
+        if rank == 0:
+            results.put(float(mean) / world)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float = 120.0) -> dict:
+    """Seconds a small collective takes when more workers than cores compute between calls, at
+    2 and 4 workers per core: ``{"4": s, "8": s}`` on 2 cores. A collective finishes only when
+    every member has reached it, and with more workers than cores some member is usually off
+    its core, waiting for the scheduler; a GPU planner never sees this, a CPU run of 8 ranks on
+    2 cores pays it on every tp, dp and pp call."""
+    return {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
+                                          f"oversubscribed collectives ({world} processes)")
+            for world in (2 * cores, 4 * cores)}
 
 
 def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
@@ -346,6 +388,8 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
+    on_step(f"gloo collectives with {2 * workers} and {4 * workers} processes on {workers} cores")
+    waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
     return {
         "name": "local",
         "peak_flops_fp32": fp32,
@@ -360,6 +404,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "inter_node_bw": gloo["bus_bw"],
         "latency_s": gloo["latency_s"],
         "collectives": gloo["collectives"],
+        "oversubscribed_wait_s": waits,
         "gpus_per_node": workers,
         "threads": threads,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -385,6 +430,8 @@ def profile_table(profile: dict, path: Path) -> Table:
         ("gloo all-reduce latency", f"{profile['latency_s'] * 1e3:,.3f} ms"),
         *((f"gloo {kind.replace('_', '-')} at 64 KB-4 MB", f"{c['latency_s'] * 1e3:,.3f} ms + bytes at {c['bus_bw'] / 1e9:,.2f} GB/s")
           for kind, c in profile.get("collectives", {}).items()),
+        *((f"a small collective, {w} processes computing", f"{t * 1e3:,.2f} ms")
+          for w, t in profile.get("oversubscribed_wait_s", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
         ("torch", profile["torch_version"]),
     ]

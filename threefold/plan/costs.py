@@ -744,7 +744,7 @@ def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, lat
     ring = _ring_time(bytes_sent, calls * steps_per_call, link_bw, latency)
     if gpu.collectives is None or not all(kind in gpu.collectives for kind in kinds):
         return ring
-    per_call = sum(gpu.collectives[kind][0] for kind in kinds) / len(kinds)
+    per_call = sum(gpu.collectives[kind][0] for kind in kinds) / len(kinds) + gpu.call_wait_s
     per_byte = sum(1 / gpu.collectives[kind][1] for kind in kinds) / len(kinds)
     return np.where(intra, calls * per_call + bytes_sent * per_byte, ring)
 
@@ -936,14 +936,14 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
     pp_bw, pp_lat = link(num_gpus)
-    p2p_s = np.where(single_stage, 0, pp_lat + pp_message / pp_bw)
+    p2p_s = np.where(single_stage, 0, pp_lat + gpu.call_wait_s + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
     bubble = bubble_fraction(schedule, p, m, v)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
     mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
-    bubble_s = busy_s * bubble / (1 - bubble)
+    bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
