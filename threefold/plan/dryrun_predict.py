@@ -118,8 +118,14 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
-    if experts and expert_replicas > 1:  # the expert-data-parallel group is part of dp: the ledger's "dp"
-        comm["dp"] = comm.get("dp", 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+    if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
+        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+    if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
+        moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,
+                                            model.moe_experts, model.moe_aux_loss_coef > 0,
+                                            model.moe_capacity_factor > 0)
+        if moe_cp:
+            comm["cp.routing"] = moe_cp
     if p.ep > 1 and share.moe_blocks:
         # Under bf16 autocast the engine sends the dispatched and the combined rows in bf16 alike
         comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,
