@@ -25,6 +25,10 @@ LAYOUTS = {
     "cp2-ulysses-capacity": ["parallel.cp=2", "parallel.cp_method=ulysses", "model.moe_capacity_factor=0.5"],
     "dp2-cp2-ep2-capacity-full": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.cp_method=allgather",
                                   "model.moe_capacity_factor=0.5", "train.recompute=full"],
+    "dp2-cp2-ep2-zero3": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero=3"],  # experts over cp
+    "pp2-cp2-bias": ["parallel.pp=2", "parallel.cp=2"] + BIAS,  # the counts summed over cp and the stages
+    "tp2-cp2-sp-capacity": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                            "parallel.cp_method=allgather", "model.moe_capacity_factor=0.5"],
 }
 
 
@@ -51,9 +55,10 @@ def test_cp_with_experts_trains_like_one_process(distributed, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_bytes_per_key_equal_the_planner(distributed, name):
     """Per step and rank: the attention's bytes and the routing statistics' ("cp.routing",
-    plan/context.moe_bytes_per_step), and the weight gradients over dp × cp, the experts' over
-    edp × cp under the same key, exactly as the planner predicts. The "ep" bytes of learned
-    routing follow the recorded splits (tests/test_expert_parallel.py), not a closed form."""
+    plan/context.moe_bytes_per_step), the weight gradients over dp × cp, the experts' over
+    edp × cp under the same key, and tp's and pp's, exactly as the planner predicts. The "ep"
+    bytes of learned routing follow the recorded splits (tests/test_expert_parallel.py), not a
+    closed form."""
     from threefold.configure import load_config
     from threefold.plan import context
     from threefold.plan.dryrun_predict import predict_rank
@@ -68,9 +73,12 @@ def test_bytes_per_key_equal_the_planner(distributed, name):
                                          m.moe_experts, m.moe_aux_loss_coef > 0, m.moe_capacity_factor > 0)
         assert (moe > 0) == (m.moe_aux_loss_coef > 0 or m.moe_capacity_factor > 0)  # dropless bias: nothing to send
         assert want.get("cp.routing", 0) == moe
+        assert {"cp", grad_key} <= set(want)
         for step in r["comm"]:
             assert step.get("cp.routing", 0) == moe, name
-            assert step["cp"] == want["cp"] and step[grad_key] == want[grad_key], name
+            for key, value in want.items():  # cp, the gradients' key, and tp, pp where they are
+                if key != "ep":
+                    assert step[key] == value, (name, key)
             assert (step.get("ep", 0) > 0) == (p.ep > 1)
 
 
