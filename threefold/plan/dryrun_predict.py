@@ -12,7 +12,7 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
                the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
   experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
-               ranks of the expert-data-parallel group; their reduction under "dp", the
+               ranks of the expert-data-parallel group (× cp); their reduction under "dp" ("dp+cp"), the
                dispatch and combine under "ep" (costs.ep_bytes_per_step, round-robin routing as
                the dry run routes fake tokens); the activations an MoE block adds are estimated;
   comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
@@ -22,7 +22,7 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
 Under context parallelism a rank holds seq_len / cp tokens of each sequence: its activations,
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
-when dp = 1).
+when dp = 1); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
 """

@@ -12,7 +12,7 @@ transforms the plain model, which every rank built from the same seed, in one do
   5. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
                                          fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
                                          over dp, or dp × cp together under context parallelism;
-                                         the experts of an ep layout over edp = dp/ep by a sync of
+                                         the experts of an ep layout over edp = dp/ep (× cp) by a sync of
                                          their own (the two driven as one, ``GradSyncs``);
 
 A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
