@@ -48,15 +48,21 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     for r in results:  # the tokens did travel, on the ranks that hold MoE layers
         holds_moe = "model.moe_first_dense=2" not in overrides(name) or r["pp_rank"] == 1
         assert (r["comm"][0].get("ep", 0) > 0) == holds_moe
-    for r in results:  # the step's routing, summed over the ranks (and stages), is one process's
-        assert [m["dropped"] for m in r["moe"]] == [m["dropped"] for m in ref["moe"]]
-        assert [m["tokens_per_expert"] for m in r["moe"]] == [m["tokens_per_expert"] for m in ref["moe"]]
-        assert [m["aux_loss"] for m in r["moe"]] == pytest.approx([m["aux_loss"] for m in ref["moe"]], rel=1e-5)
+    assert_same_routing(results, ref)
     if "capacity" in name:  # the capacity rule dropped tokens, the same ones as on one process
         assert all(m["dropped"] > 0 for m in ref["moe"])
     if "model.moe_bias_rate=0.01" in overrides(name):  # the biases moved, and as on one process
         biases = [k for k in ref["state"] if k.endswith("expert_bias")]
         assert biases and all(ref["state"][k].abs().sum() > 0 for k in biases)
+
+
+def assert_same_routing(results: list[dict], ref: dict) -> None:
+    """Every rank's step statistics (summed over the ranks and stages by ``Engine.end_moe_step``)
+    are one process's: dropped assignments and tokens per expert exactly, the aux loss to 1e-5."""
+    for r in results:
+        assert [m["dropped"] for m in r["moe"]] == [m["dropped"] for m in ref["moe"]]
+        assert [m["tokens_per_expert"] for m in r["moe"]] == [m["tokens_per_expert"] for m in ref["moe"]]
+        assert [m["aux_loss"] for m in r["moe"]] == pytest.approx([m["aux_loss"] for m in ref["moe"]], rel=1e-5)
 
 
 # --- the exchange itself --------------------------------------------------------------------------

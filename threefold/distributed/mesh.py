@@ -38,8 +38,8 @@ AXES = ("pp", "dp", "ep", "cp", "tp")  # the config's axes, outermost first
 GRID = ("pp", "edp", "ep", "cp", "tp")  # the grid's dimensions in this order: dp is edp × ep
 SPANS = {"dp": ("edp", "ep")}  # an axis that spans several grid dimensions
 # Groups over several axes created by default: weight gradients of a context-parallel model
-# are reduced over dp × cp; and dp × tp.
-COMBINED = (("dp", "cp"), ("dp", "tp"))
+# are reduced over dp × cp (its experts' over edp × cp); and dp × tp.
+COMBINED = (("dp", "cp"), ("edp", "cp"), ("dp", "tp"))
 
 
 def grid_axes(axes) -> tuple[str, ...]:
@@ -140,11 +140,12 @@ class ParallelMesh:
     def label(self, *axes: str) -> str:
         """The key the ledger counts a group's traffic under: the axes as named, those of size 1
         left out, joined in the grid's order ("dp+cp"), or the axes as given when all have size
-        1. The expert-data-parallel group counts as "dp": its traffic is data-parallel
-        gradient and parameter traffic, as dp's is (with ep=1 it is the dp group)."""
+        1. The expert-data-parallel group counts as "dp", even of one rank: its traffic is
+        data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp group),
+        so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp."""
         sizes = {("dp" if a == "edp" else a): self.size(a) for a in axes}
         named = [a for a in AXES if a in sizes]
-        return "+".join([a for a in named if sizes[a] > 1] or named)
+        return "+".join([a for a in named if sizes[a] > 1 or (a == "dp" and "edp" in axes)] or named)
 
     def shutdown(self) -> None:
         """Destroy the groups this mesh created, and the job's group if the mesh started it."""

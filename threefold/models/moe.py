@@ -27,7 +27,8 @@ weights are the scores themselves (never the bias), divided by their sum when
 and the router learns only from the balance loss, so Switch does not).
 
 Capacity (``moe_capacity_factor`` c > 0): each expert takes at most C = ⌈c · T · k / E⌉
-assignments of the T tokens this call sees (one micro-batch, before any dispatch). The drop
+assignments of the T tokens of the micro-batch (before any dispatch; a call sees them all,
+unless the ``micro_batch`` seam says it sees a share: see ``MicroBatch``). The drop
 rule, deterministic so a reference can drop the same tokens: assignments are served in
 priority order — every token's first choice before any token's second choice, and within one
 choice rank tokens in order (batch, then position) — and an expert full at C drops the rest.
@@ -59,7 +60,9 @@ what the tests of exact expert-parallel bytes use. The router still gets its gra
 Statistics: while training, the backward of ``AuxLossAutoScaler`` adds this micro-batch's
 routed tokens per expert (before drops), dropped assignments and aux loss to the step's
 counters — in the backward, so that a forward recomputed by activation checkpointing is not
-counted twice and evaluation forwards not at all.
+counted twice and evaluation forwards not at all. They are this call's own tokens' (a share's,
+where the ``micro_batch`` seam says a call sees a share), so summing them over the calls and
+ranks of a step counts every token once. Round-robin routing, a rule for loads, is per call.
 """
 from __future__ import annotations
 
@@ -232,17 +235,23 @@ def unpermute(y: torch.Tensor, order: torch.Tensor, routing: Routing) -> torch.T
 # --- load balance -----------------------------------------------------------------------------
 
 
-def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, router: str = "softmax") -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, router: str = "softmax",
+                        routed: torch.Tensor | None = None) -> torch.Tensor:
     """Switch Transformer's (Fedus et al. 2021, eq. 4; GShard's with top-k): E · Σ_i f_i · P_i,
     f_i the fraction of the T·k assignments routed to expert i (before capacity drops; a count,
     no gradient), P_i the mean router probability of i over the T tokens. 1 when both are
     uniform. Sigmoid scores are first normalised per token to sum to 1 (as DeepSeek-V3's
-    balance loss does)."""
-    tokens, top_k = experts.shape
+    balance loss does).
+
+    ``routed``: the assignments per expert of the whole micro-batch, where these T tokens are
+    one of n equal shares of it (``MicroBatch.routed_counts``; default: these tokens' own). f is
+    then the micro-batch's, and P stays this share's mean: the loss is linear in P, so the mean
+    over the shares of this value is the micro-batch's loss, and the mean of their gradients its
+    gradient — which is what averaging the shares' gradients computes. Only f needs the others."""
     num_experts = scores.shape[-1]
     probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
-    routed = count_per_expert(experts, num_experts).float() / (tokens * top_k)
-    return num_experts * (routed * probs.mean(0)).sum()
+    routed = count_per_expert(experts, num_experts) if routed is None else routed
+    return num_experts * (routed.float() / routed.sum() * probs.mean(0)).sum()
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -263,6 +272,29 @@ class AuxLossAutoScaler(torch.autograd.Function):
             ctx.record()
             ctx.record = None
         return grad_output, torch.full_like(aux_loss, ctx.scale), None, None
+
+
+# --- the micro-batch a call sees ---------------------------------------------------------------
+
+
+class MicroBatch:
+    """What the block asks about the micro-batch beyond the tokens of its call: the statistics
+    that are over the micro-batch's tokens (the routed counts of the balance loss's f, and the
+    capacity rule's priority order and C). Here a call sees the whole micro-batch, so they are
+    the call's own. Context parallelism installs one whose calls see a share of each sequence
+    (parallel/context_parallel.py); the block's arithmetic does not change."""
+
+    def routed_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """(E,) int64: the micro-batch's assignments per expert, from this call's ``counts``."""
+        return counts
+
+    def capacity_keep(self, experts: torch.Tensor, batch_shape: tuple[int, ...], num_experts: int,
+                      factor: float) -> torch.Tensor:
+        """(T, k) bool: the drop rule of capacity factor ``factor`` over the micro-batch, for this
+        call's ``experts`` (T, k); ``batch_shape`` is the leading shape of the call's input
+        (batch, positions), T its product."""
+        capacity = expert_capacity(experts.shape[0], experts.shape[1], num_experts, factor)
+        return capacity_keep(experts, num_experts, capacity)
 
 
 # --- the block --------------------------------------------------------------------------------
@@ -289,19 +321,24 @@ class MoE(nn.Module):
         self.step_micro_batches = 0
         self.aux_loss_scale = 1.0  # the factor on each micro-batch's loss: 1/micro-batches (the engine sets it)
         self.routing = "learned"  # or "round_robin" (see the module docstring)
+        self.micro_batch = MicroBatch()  # the seam for statistics over the micro-batch's tokens
 
-    def route(self, x: torch.Tensor) -> Routing:
+    def route(self, x: torch.Tensor, batch_shape: tuple[int, ...] | None = None) -> Routing:
+        """The routing of the tokens ``x`` (T, h), the call's input of leading shape
+        ``batch_shape`` (default (T,))."""
         scores = router_scores(x, self.router.weight, self.router_kind)
-        capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-        if self.routing == "round_robin":
+        if self.routing == "round_robin":  # the call's own capacity: a rule for loads, not values
+            capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
             return round_robin_routing(scores, self.top_k, capacity, self.renormalize)
         bias = self.expert_bias if self.bias_rate else None
         experts, weights = select_experts(scores, self.top_k, bias, self.renormalize)
-        return Routing(scores, experts, weights, capacity_keep(experts, self.num_experts, capacity))
+        kept = self.micro_batch.capacity_keep(experts, tuple(batch_shape or x.shape[:1]), self.num_experts,
+                                              self.capacity_factor)
+        return Routing(scores, experts, weights, kept)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        routing = self.route(tokens)
+        routing = self.route(tokens, tuple(x.shape[:-1]))
         x_perm, counts, order = permute(tokens, routing)  # ← expert parallelism: dispatch here
         y = self.experts(x_perm, counts)
         out = unpermute(y, order, routing)  # ← and combine before this
@@ -313,9 +350,10 @@ class MoE(nn.Module):
         return out
 
     def _attach_aux_loss(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
-        aux = (self.aux_loss_coef * load_balancing_loss(routing.scores, routing.experts, self.router_kind)
+        routed = count_per_expert(routing.experts, self.num_experts)  # this call's: the step's counters add calls
+        aux = (self.aux_loss_coef * load_balancing_loss(routing.scores, routing.experts, self.router_kind,
+                                                        self.micro_batch.routed_counts(routed))
                if self.aux_loss_coef else routing.scores.new_zeros(()))
-        routed = count_per_expert(routing.experts, self.num_experts)
         dropped = routing.experts.new_zeros(()) if routing.kept is None else (~routing.kept).sum()
 
         def record():

@@ -45,6 +45,13 @@ Composition (the engine does it, not this file): ``apply_cp(model, comm, method)
 cores, ``context_parallel_batch`` gives this rank its tokens, targets and positions, the loss is
 this rank's mean (equal token counts, so the mean over cp ranks is the global mean), and weight
 gradients are reduced over dp × cp together (``comm.all_reduce(g, ("dp", "cp"))``).
+
+Mixture of Experts: routing is per token, so an MoE block runs on this rank's tokens unchanged;
+``apply_cp`` gives it a ``SplitMicroBatch`` (below), through which the statistics that are over
+the micro-batch's tokens — the balance loss's f, the capacity rule — are the whole
+micro-batch's, as on one process. Under expert parallelism the tokens of this rank's share are
+dispatched within its ep group (ranks of the same cp coordinate); the experts' gradients are
+reduced over edp × cp, the ranks holding the same experts.
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ from threefold.config import CP_METHODS, ConfigError
 from threefold.distributed.comm import Comm, all_to_all_autograd, ring_pass
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
+from threefold.models.moe import MoE, MicroBatch, capacity_keep, expert_capacity
 
 METHODS = CP_METHODS  # ring, allgather, ulysses
 LAYOUTS = ("zigzag", "contiguous")  # contiguous is the unbalanced split, kept to show why not
@@ -408,6 +416,59 @@ CORES = {"ring": RingAttention, "allgather": AllGatherAttention, "ulysses": Ulys
 
 
 # ---------------------------------------------------------------------------------------------
+# Mixture-of-Experts blocks: routing is per token, its statistics are over the micro-batch
+# ---------------------------------------------------------------------------------------------
+
+def routing_tag() -> str:
+    """Training's routing statistics count under "cp.routing" (apart from the step's counters,
+    "cp.moe" or "dp+cp.moe", which ``Engine.end_moe_step`` reduces), evaluation's under "cp.eval"."""
+    return "routing" if torch.is_grad_enabled() else "eval"
+
+
+class SplitMicroBatch(MicroBatch):
+    """The ``MoE.micro_batch`` seam of a block whose calls see this rank's zigzag share of every
+    sequence of the micro-batch (models/moe.py ``MicroBatch``). The experts' outputs are per token
+    and need nothing; what is over the micro-batch's tokens is reduced over the cp group:
+
+    - the balance loss's f: this call's routed counts all-reduced over cp (E int64, only when the
+      loss is on). P stays the share's mean: the loss is linear in P, and the engine averages
+      the cp ranks' gradients, so the mean of the shares' losses E·Σ f_i·P_i(share) is the
+      micro-batch's loss and the mean of their gradients its gradient (``load_balancing_loss``);
+    - the capacity rule (factor > 0): C and the priority order are the whole micro-batch's, so
+      the chosen experts of every share are all-gathered ((T/cp)·k int64 from each rank), put
+      back in sequence order (``join_sequence``), the single-process rule applied to all of
+      them, and this rank's share of the verdict kept; the same tokens drop as on one process;
+    - the step's counters (routed, dropped) stay this share's: ``Engine.end_moe_step`` sums them
+      over dp × cp, which is also what DeepSeek-V3's bias update reads.
+
+    Bytes per MoE layer and micro-batch (``plan/context.moe_bytes_per_layer``, under "cp.routing"):
+    2·(cp−1)/cp · E · 8 for the counts, (cp−1) · (T/cp) · k · 8 for the capacity's gather; a
+    forward recomputed in full repeats both."""
+
+    def __init__(self, comm: Comm, layout: str = "zigzag"):
+        self.comm, self.layout = comm, layout
+
+    def routed_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        total = counts.clone()
+        self.comm.all_reduce(total, "cp", tag=routing_tag())
+        return total
+
+    def capacity_keep(self, experts, batch_shape, num_experts, factor):
+        if not factor:  # dropless: nothing to agree on
+            return super().capacity_keep(experts, batch_shape, num_experts, factor)
+        if len(batch_shape) != 2:
+            raise ValueError(f"a context-parallel MoE block takes (batch, positions, hidden), not {batch_shape}")
+        comm, top_k = self.comm, experts.shape[1]
+        cp, rank = comm.mesh.size("cp"), comm.mesh.coord("cp")
+        gathered = experts.new_empty(cp * experts.numel())
+        comm.all_gather(gathered, experts.reshape(-1).contiguous(), "cp", tag=routing_tag())
+        whole = join_sequence(list(gathered.view(cp, *batch_shape, top_k)), dim=1, layout=self.layout)
+        capacity = expert_capacity(whole.shape[0] * whole.shape[1], top_k, num_experts, factor)
+        kept = capacity_keep(whole.reshape(-1, top_k), num_experts, capacity).view(whole.shape)
+        return split_sequence(kept, cp, rank, dim=1, layout=self.layout).reshape(-1, top_k)
+
+
+# ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
 
@@ -428,13 +489,17 @@ def check_context_parallel(model: Llama, cp: int, method: str) -> None:
 
 def apply_cp(model: Llama, comm: Comm, method: str = "ring", layout: str = "zigzag") -> Llama:
     """Replace every block's attention core, in place, with ``method``'s context-parallel core
-    over the mesh's cp axis (keeping each core's recompute setting); returns the model."""
+    over the mesh's cp axis (keeping each core's recompute setting), and give every MoE block
+    the seam that reduces its micro-batch statistics over cp (``SplitMicroBatch``); returns the
+    model."""
     cp = comm.mesh.size("cp")
     check_context_parallel(model, cp, method)
     for block in model.blocks:
         core = CORES[method](comm, layout)
         core.recompute = block.attn.core.recompute
         block.attn.core = core
+        if isinstance(block.mlp, MoE):
+            block.mlp.micro_batch = SplitMicroBatch(comm, layout)
     return model
 
 

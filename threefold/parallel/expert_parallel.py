@@ -14,6 +14,8 @@ fits between them:
      first, so the rows for rank j are one contiguous block, its size the sum of its experts'
      counts. Capacity and the balance loss are therefore per call of T tokens of this rank, as
      on one process: any layout that gives each call the same micro-batch drops the same tokens.
+     (Under context parallelism a call holds a share of each sequence; the block's
+     ``micro_batch`` seam, which apply_cp installs, makes those statistics the micro-batch's.)
   2. dispatch: the split sizes are exchanged first (an all_to_all of ``counts``: each rank learns
      how many rows every other rank sends to each of its experts), then the rows (an all_to_all
      with those uneven splits). The received rows arrive source-major (rank 0's rows for my
@@ -44,6 +46,9 @@ tensor of zeros and its Adam state steps like any other.
 Composition: after tensor parallelism (the experts are replicated over tp; tensor_parallel.py
 makes each tp rank run the block on the whole sequence), before the pipeline split (MoE layers
 in any stage: the ep group lies within one stage); ZeRO 0–3 shard expert states over edp.
+Under context parallelism the ep group is the dp ranks of one cp coordinate, which dispatch
+their shares of the sequences to each other; the cp ranks hold the same experts, so expert
+gradients are reduced (and ZeRO-sharded) over edp × cp and divided by dp·cp.
 Placements (parallel/placements.py) record the slice, so the gradient norm, the full state dict
 and checkpoints (full tensors, resharded to any ep) need nothing else.
 """

@@ -70,9 +70,6 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     if parallel.cp_method == "ulysses" and (heads % cp or kv_heads % cp):
         raise ConfigError(f"parallel.cp_method: ulysses splits each rank's {heads} heads and {kv_heads} key/value "
                           f"heads (after tp={parallel.tp}) over cp={cp}; they are not divisible by {cp}")
-    if model.moe_experts:
-        raise ConfigError("parallel.cp: context parallelism with a Mixture-of-Experts model is not supported: "
-                          "routing statistics (balance loss, capacity, bias) would be per cp rank's tokens")
 
 
 def check_pipeline(cfg: Config) -> None:

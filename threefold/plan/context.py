@@ -22,6 +22,16 @@ Recomputation repeats a layer's forward, and with it some of these bytes
 forward, sends included, (cp−1)·B_kv, but only the local attention of Ulysses, between its
 all-to-alls (0 bytes); full recomputation reruns the whole block: (cp−1)·B_kv, or all four
 forward all-to-alls of Ulysses, (cp−1)/cp·(2·B_q + B_kv).
+
+Mixture-of-Experts blocks add, per MoE layer and micro-batch, the statistics that are over the
+micro-batch's tokens (``SplitMicroBatch`` in context_parallel.py, counted under "cp.routing"), with
+E experts, top-k and T = micro_batch · seq_len / cp tokens on each rank:
+
+    balance loss on   2·(cp−1)/cp · E · 8      an all-reduce of the E int64 routed counts (its f)
+    capacity c > 0    (cp−1) · T · k · 8       an all-gather of every share's chosen experts
+
+and a forward recomputed in full (not a selective one, which reruns the attention core only)
+sends both again (``moe_bytes_per_step``).
 """
 from __future__ import annotations
 
@@ -108,3 +118,22 @@ def cp_bytes_per_step(method: str, cp: int, recompute: str, layers: int, microba
     b_q, b_kv = qkv_bytes(micro_batch, seq_len, heads, kv_heads, head_dim, cp, bytes_per_element)
     per_layer = cp_bytes_per_layer(method, cp, b_q, b_kv) + recompute_bytes_per_layer(method, recompute, cp, b_q, b_kv)
     return layers * microbatches * per_layer
+
+
+def moe_bytes_per_layer(cp, tokens, top_k, num_experts, aux_loss: bool, capacity: bool, count_bytes: int = 8):
+    """Bytes one rank sends under "cp.routing" per MoE layer and micro-batch for the routing
+    statistics (see the module docstring); ``tokens`` is this rank's T = micro_batch · seq_len / cp."""
+    cp = np.asarray(cp)
+    counts = np.where(aux_loss, 2 * (cp - 1) / cp * num_experts * count_bytes, 0.0)
+    choices = np.where(capacity, (cp - 1) * tokens * top_k * count_bytes, 0.0)
+    return _number(counts + choices)
+
+
+def moe_bytes_per_step(cp: int, recompute: str, moe_layers: int, microbatches: int, tokens: int, top_k: int,
+                       num_experts: int, aux_loss: bool, capacity: bool) -> float:
+    """``moe_bytes_per_layer`` for a step's ``moe_layers`` MoE blocks and micro-batches, twice
+    under full recomputation (its forward, collectives included, runs again)."""
+    if cp == 1:
+        return 0.0
+    again = 2 if recompute == "full" else 1
+    return again * moe_layers * microbatches * moe_bytes_per_layer(cp, tokens, top_k, num_experts, aux_loss, capacity)

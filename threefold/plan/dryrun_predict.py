@@ -12,7 +12,7 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
                the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
   experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
-               ranks of the expert-data-parallel group; their reduction under "dp", the
+               ranks of the expert-data-parallel group (× cp); their reduction under "dp" ("dp+cp"), the
                dispatch and combine under "ep" (costs.ep_bytes_per_step, round-robin routing as
                the dry run routes fake tokens); the activations an MoE block adds are estimated;
   comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
@@ -22,7 +22,7 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
 Under context parallelism a rank holds seq_len / cp tokens of each sequence: its activations,
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
-when dp = 1).
+when dp = 1); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
 """
@@ -120,8 +120,14 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
-    if experts and expert_replicas > 1:  # the expert-data-parallel group is part of dp: the ledger's "dp"
-        comm["dp"] = comm.get("dp", 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+    if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
+        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+    if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
+        moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,
+                                            model.moe_experts, model.moe_aux_loss_coef > 0,
+                                            model.moe_capacity_factor > 0)
+        if moe_cp:
+            comm["cp.routing"] = moe_cp
     if p.ep > 1 and share.moe_blocks:
         # Under bf16 autocast the engine sends the dispatched and the combined rows in bf16 alike
         comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,

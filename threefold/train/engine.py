@@ -12,7 +12,7 @@ transforms the plain model, which every rank built from the same seed, in one do
   5. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
                                          fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
                                          over dp, or dp × cp together under context parallelism;
-                                         the experts of an ep layout over edp = dp/ep by a sync of
+                                         the experts of an ep layout over edp = dp/ep (× cp) by a sync of
                                          their own (the two driven as one, ``GradSyncs``);
 
 A model built on the meta device (``build_model(cfg, device="meta")``) is materialised after
@@ -340,23 +340,24 @@ class Engine:
             self._build_runtime()
 
     def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
-        """The experts' gradient synchronisation: over edp = dp/ep, the ranks that hold the same
-        experts, as ZeRO 0–3 shards them there; the sums divided by dp, not edp (an expert's
+        """The experts' gradient synchronisation: over edp = dp/ep (× cp), the ranks that hold the same
+        experts, as ZeRO 0–3 shards them there; the sums divided by dp (× cp), not edp (an expert's
         gradient on its rank already sums the tokens of every rank of its ep group; see
         expert_parallel.py). Over an edp of one rank it only divides."""
         p, mesh, comm = self.cfg.parallel, self.mesh, self.comm
         dp = mesh.size(*self.grad_axes)
-        zero = p.zero if mesh.size("edp") > 1 else 0
+        axes = ("edp", "cp") if self.cp > 1 else ("edp",)  # the cp ranks hold the same experts too
+        zero = p.zero if mesh.size(*axes) > 1 else 0
         if zero == 3:
             from threefold.models.moe import GroupedExperts
             from threefold.parallel.fsdp import ShardedGradSync
 
             units = nn.Module()  # one unit per layer's local experts, gathered around its forward
             units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
-            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm, axes=("edp",),
+            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm, axes=axes,
                                    mean_over=dp)
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
-                              axes=("edp",), mean_over=dp)
+                              axes=axes, mean_over=dp)
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather
