@@ -2,6 +2,7 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,7 +73,8 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     assert set(printed["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(c["latency_s"] >= 0 and c["bus_bw"] > 0 for c in printed["collectives"].values())
     cores = calibrate.cpu_cores()
-    assert set(printed["oversubscribed_wait_s"]) == {str(2 * cores), str(4 * cores)}
+    assert set(printed["oversubscribed_wait_s"]) == {str(max(2, cores)), str(2 * cores), str(4 * cores)}
+    assert 0 <= printed["block_overhead_s"] < 1
     assert all(0 <= wait < 1 for wait in printed["oversubscribed_wait_s"].values())
     assert printed["name"] == "local" and printed["gpus_per_node"] == calibrate.cpu_cores()
     assert printed["peak_flops_bf16"] > 0 and printed["peak_flops_fp32"] > 1e8
@@ -165,7 +167,7 @@ def measured_profile(**extra) -> dict:
                    "reduce_scatter": {"latency_s": 3e-4, "bus_bw": 0.5e9}}
     return {**example_profile(), "attention_flops_fp32": 2.5e10, "attention_flops_bf16": 5e10,
             "elementwise_bw": 6e9, "concurrent_slowdown": 1.5, "collectives": collectives,
-            "oversubscribed_wait_s": {"4": 0.004, "8": 0.012}, **extra}
+            "oversubscribed_wait_s": {"2": 0.001, "4": 0.004, "8": 0.012}, "block_overhead_s": 0.001, **extra}
 
 
 def test_a_profile_from_before_the_new_measurements_still_loads_and_plans_as_before(tmp_path):
@@ -195,20 +197,24 @@ def test_collectives_are_timed_by_their_own_measured_line_inside_a_node():
     assert costs._collective_time(CATALOG["h100-sxm"], ("all_gather",), 3e6, 10, 1, 1e9, 1e-5, True) == ring
 
 
-def test_the_memory_bound_rate_is_what_the_reference_model_leaves_after_its_products():
-    """memory_bound_bandwidth inverts the planner: a reference time built from a known rate gives it back."""
+def test_the_memory_bound_rate_and_fixed_cost_are_what_the_reference_model_leaves_after_its_products():
+    """memory_bound_rates inverts the planner: reference times built from a known rate and a known
+    fixed cost per block give both back."""
     from threefold.config import ModelConfig
     from threefold.plan.hardware import GPU
 
-    true_bw, matmul, attention, copy = 4e9, 1e11, 2.5e10, 1e10
+    true_bw, overhead, matmul, attention, copy = 4e9, 0.003, 1e11, 2.5e10, 1e10
     gpu = GPU("r", matmul, 0, copy, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0, hbm_efficiency=1.0,
               intra_link_efficiency=1.0, inter_link_efficiency=1.0, attention_efficiency=attention / matmul,
-              elementwise_bw=true_bw)
-    est = costs.estimate(costs.Workload(ModelConfig(**calibrate.REFERENCE_MODEL), 4, precision="fp32"),
-                         costs.Layout.named(micro_batch=4), gpu)
-    measured_s = float(est["compute_s"] + est["memory_bound_s"])
-    assert calibrate.memory_bound_bandwidth(measured_s, matmul, attention, copy) == pytest.approx(true_bw)
-    assert calibrate.memory_bound_bandwidth(float(est["compute_s"]) * 0.9, matmul, attention, copy) == copy
+              elementwise_bw=true_bw, block_overhead_s=overhead)
+    measured = {}
+    for micro_batch in (1, 4):
+        est = costs.estimate(costs.Workload(ModelConfig(**calibrate.REFERENCE_MODEL), micro_batch, precision="fp32"),
+                             costs.Layout.named(micro_batch=micro_batch), gpu)
+        measured[micro_batch] = float(est["compute_s"] + est["memory_bound_s"])
+    assert calibrate.memory_bound_rates(measured, matmul, attention, copy) == pytest.approx((true_bw, overhead))
+    too_busy = {b: 0.0 for b in measured}  # products longer than the whole: the copy's bandwidth, no fixed cost
+    assert calibrate.memory_bound_rates(too_busy, matmul, attention, copy) == (copy, 0.0)
 
 
 def test_the_reference_model_is_timed():
@@ -216,18 +222,26 @@ def test_the_reference_model_is_timed():
 
 
 def test_more_workers_than_cores_wait_on_every_call_and_run_the_bubble_faster():
-    from threefold.plan.hardware import oversubscribed_wait
-
-    waits = {4: 0.004, 8: 0.012}
-    assert [oversubscribed_wait(waits, 2, w) for w in (1, 2, 3, 4, 6, 8, 16)] == pytest.approx(
-        [0, 0, 0.002, 0.004, 0.008, 0.012, 0.028])
-    assert oversubscribed_wait({}, 2, 8) == 0.0  # a profile from before the measurement
-    two, four, eight = (local_gpu("float32", workers=w, profile=measured_profile()) for w in (2, 4, 8))
-    assert (two.call_wait_s, four.call_wait_s, eight.call_wait_s) == pytest.approx((0, 0.004, 0.012))
-    assert (two.bubble_speedup, four.bubble_speedup, eight.bubble_speedup) == (1.0, 2.0, 2.0)
+    gpu = local_gpu("float32", workers=8, profile=measured_profile())
+    assert gpu.collective_waits == ((1, 0.0), (2, 0.001), (4, 0.004), (8, 0.012))
+    assert costs.call_wait(gpu, np.array([1, 2, 3, 4, 6, 8, 16])) == pytest.approx(
+        [0, 0.001, 0.0025, 0.004, 0.008, 0.012, 0.028])
+    assert costs.call_wait(CATALOG["h100-sxm"], 8) == 0.0
+    assert (local_gpu("float32", workers=2, profile=measured_profile()).bubble_speedup, gpu.bubble_speedup) == (1.0, 2.0)
     # Each tp collective of a run pays the wait once per call.
-    quiet = dataclasses.replace(eight, call_wait_s=0.0)
     calls = 10
-    waited = costs._collective_time(eight, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True)
-    assert waited - costs._collective_time(quiet, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True) == pytest.approx(
+    waited = costs._collective_time(gpu, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True, wait=0.012)
+    assert waited - costs._collective_time(gpu, ("all_gather",), 1e6, calls, 1, 1e9, 1e-5, True) == pytest.approx(
         calls * 0.012)
+
+
+def test_a_blocks_fixed_cost_is_paid_per_block_and_micro_batch():
+    from threefold.config import ModelConfig
+
+    cfg = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    plain = local_gpu("float32", workers=1, profile=measured_profile())
+    costly = dataclasses.replace(plain, block_overhead_s=0.002)
+    work, layout = costs.Workload(cfg, 16, precision="fp32"), costs.Layout.named(micro_batch=4)
+    added = costs.estimate(work, layout, costly)["step_time_s"] - costs.estimate(work, layout, plain)["step_time_s"]
+    assert plain.block_overhead_s == 0.001  # the profile's, one worker: its own core
+    assert added == pytest.approx(4 * 4 * (0.002 - 0.001))  # 4 micro-batches × 4 blocks

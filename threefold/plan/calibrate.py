@@ -154,17 +154,21 @@ def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float =
         return 1.0 / _best_rate(forward_backward, 1.0, seconds)
 
 
-def memory_bound_bandwidth(measured_s: float, matmul_flops: float, attention_flops: float, copy_bw: float,
-                           micro_batch: int = 4) -> float:
-    """Bytes/s of the memory-bound work of threefold's own model, as the planner counts its bytes.
+def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attention_flops: float,
+                       copy_bw: float) -> tuple[float, float]:
+    """(bytes/s of the memory-bound work, seconds of fixed cost per block and micro-batch) of
+    threefold's own model, as the planner counts them.
 
-    From ``measured_s``, the reference model's forward and backward (reference_model_seconds),
-    takes off the matrix products and the attention core, timed by the planner at the rates
-    measured; divides the planner's count of the memory-bound bytes of the same model (norms,
-    rotary, SwiGLU, residuals, the loss) by the time left. Eager PyTorch runs more, and slower,
-    passes than the fused kernels the planner's byte count describes; this rate takes that in,
-    as a GPU's hbm_efficiency does for its kernels. Falls back to ``copy_bw`` if the products
-    alone took as long as the whole (a machine too busy to measure)."""
+    ``measured``: the reference model's forward and backward, micro-batch size → seconds
+    (reference_model_seconds), at two sizes. From each, the matrix products and the attention
+    core, timed by the planner at the rates measured, are taken off; what is left is a line in
+    the planner's count of memory-bound bytes (norms, rotary, SwiGLU, residuals, the loss): its
+    slope is the rate those bytes stream at, its intercept the cost that does not grow with the
+    micro-batch (each operator's dispatch, autograd's bookkeeping: eager PyTorch on a CPU pays
+    several microseconds per operator), spread over the blocks. Eager PyTorch also runs more
+    passes than the fused kernels the byte count describes; the rate takes that in, as a GPU's
+    hbm_efficiency does for its kernels. Falls back to ``copy_bw`` and no fixed cost where the
+    products took as long as the whole (a machine too busy to measure)."""
     from threefold.config import ModelConfig
     from threefold.plan import costs
     from threefold.plan.hardware import GPU
@@ -172,10 +176,18 @@ def memory_bound_bandwidth(measured_s: float, matmul_flops: float, attention_flo
     reference = GPU("reference", matmul_flops, 0, copy_bw, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0,
                     hbm_efficiency=1.0, intra_link_efficiency=1.0, inter_link_efficiency=1.0,
                     attention_efficiency=min(1.0, attention_flops / matmul_flops), elementwise_bw=1.0)
-    predicted = costs.estimate(costs.Workload(ModelConfig(**REFERENCE_MODEL), micro_batch, precision="fp32"),
-                               costs.Layout.named(micro_batch=micro_batch), reference)
-    left_s = measured_s - float(predicted["compute_s"])  # memory_bound_s is in bytes at 1 B/s
-    return float(predicted["memory_bound_s"]) / left_s if left_s > 0 else copy_bw
+    points = []
+    for micro_batch, seconds in sorted(measured.items()):
+        predicted = costs.estimate(costs.Workload(ModelConfig(**REFERENCE_MODEL), micro_batch, precision="fp32"),
+                                   costs.Layout.named(micro_batch=micro_batch), reference)
+        # memory_bound_s is in bytes at 1 B/s
+        points.append((float(predicted["memory_bound_s"]), seconds - float(predicted["compute_s"])))
+    (bytes_small, left_small), (bytes_large, left_large) = points[0], points[-1]
+    if left_large <= left_small or left_small <= 0:
+        return (bytes_large / left_large if left_large > 0 else copy_bw), 0.0
+    bandwidth = (bytes_large - bytes_small) / (left_large - left_small)
+    fixed = max(0.0, left_small - bytes_small / bandwidth)
+    return bandwidth, fixed / REFERENCE_MODEL["layers"]
 
 
 def _reference_worker(threads: int, seconds: float, start, results) -> None:
@@ -356,14 +368,15 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
 
 
 def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float = 120.0) -> dict:
-    """Seconds a small collective takes when more workers than cores compute between calls, at
-    2 and 4 workers per core: ``{"4": s, "8": s}`` on 2 cores. A collective finishes only when
+    """Seconds a small collective takes when workers compute between calls, at 1, 2 and 4
+    workers per core: ``{"2": s, "4": s, "8": s}`` on 2 cores. At one per core it is the
+    collective's latency and the ranks' jitter (one arrives a little after the other). A collective finishes only when
     every member has reached it, and with more workers than cores some member is usually off
     its core, waiting for the scheduler; a GPU planner never sees this, a CPU run of 8 ranks on
     2 cores pays it on every tp, dp and pp call."""
     return {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
                                           f"oversubscribed collectives ({world} processes)")
-            for world in (2 * cores, 4 * cores)}
+            for world in sorted({max(2, cores), 2 * cores, 4 * cores})}
 
 
 def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
@@ -383,12 +396,13 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
     on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
-    alone_s = reference_model_seconds(threads, seconds=settings.copy_seconds)
-    elementwise_bw = memory_bound_bandwidth(alone_s, fp32, attention_fp32, memory_bw)
+    reference_s = {b: reference_model_seconds(threads, micro_batch=b, seconds=settings.copy_seconds) for b in (1, 4)}
+    alone_s = reference_s[4]
+    elementwise_bw, block_overhead = memory_bound_rates(reference_s, fp32, attention_fp32, memory_bw)
     slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
-    on_step(f"gloo collectives with {2 * workers} and {4 * workers} processes on {workers} cores")
+    on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
     return {
         "name": "local",
@@ -399,6 +413,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "attention_flops_fp32": attention_fp32,
         "attention_flops_bf16": attention_bf16,
         "elementwise_bw": elementwise_bw,
+        "block_overhead_s": block_overhead,
         "concurrent_slowdown": slowdown,
         "intra_node_bw": gloo["bus_bw"],
         "inter_node_bw": gloo["bus_bw"],
@@ -425,6 +440,8 @@ def profile_table(profile: dict, path: Path) -> Table:
         ("fp32 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_fp32', float('nan')) / 1e9:,.1f} GFLOP/s"),
         ("bf16 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_bf16', float('nan')) / 1e9:,.1f} GFLOP/s"),
         ("memory-bound work (reference model)", f"{profile.get('elementwise_bw', float('nan')) / 1e9:,.1f} GB/s"),
+        ("fixed cost per block and micro-batch (reference model)",
+         f"{profile.get('block_overhead_s', float('nan')) * 1e3:,.2f} ms"),
         ("slowdown with every core busy", f"{profile.get('concurrent_slowdown', float('nan')):.2f}×"),
         ("gloo all-reduce bus bandwidth", f"{profile['intra_node_bw'] / 1e9:,.2f} GB/s"),
         ("gloo all-reduce latency", f"{profile['latency_s'] * 1e3:,.3f} ms"),

@@ -660,6 +660,8 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         full recomputation runs its forward again (and its tensors' traffic half again)."""
         math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s, 0))
         memory = ELEMENTWISE_PASSES * (saved * np.where(full, 1.5, 1.0) + recomputed_core) / hbm
+        # a CPU's fixed cost per block and micro-batch (0 on a GPU); full recomputation's forward again
+        memory = memory + gpu.block_overhead_s * np.where(full, 4 / 3, 1.0)
         return {"math": math, "gemm": 3 * gemm_s, "memory": memory}
 
     layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in layer_products(cfg, t))
@@ -688,7 +690,7 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
 
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
-                   drain_s, gpu, intra, also: dict | None = None) -> dict:
+                   drain_s, gpu, intra, wait=0.0, also: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -701,8 +703,9 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     ``also``: another group's result whose traffic shares the link and the same compute (an MoE
     model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
     the exposure is that of both groups' reductions and gathers behind the one backward and forward.
-    ``gpu``, ``intra``: the GPU and whether the group is inside a node (a GPU may time each kind of
-    collective by its own measured line: ``_collective_time``)."""
+    ``gpu``, ``intra``, ``wait``: the GPU, whether the group is inside a node, and each call's
+    wait for members off their core (a GPU may time each kind of collective by its own measured
+    line: ``_collective_time``)."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -712,9 +715,11 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     # DDP all-reduces the gradients; ZeRO reduce-scatters them and all-gathers the parameters.
     grad_bytes = sent - gather_bytes
     grad_s = np.where(zero == 0,
-                      _collective_time(gpu, ("all_reduce",), grad_bytes, reductions, 2 * (replicas - 1), bw, latency, intra),
-                      _collective_time(gpu, ("reduce_scatter",), grad_bytes, reductions, replicas - 1, bw, latency, intra))
-    gather_s = _collective_time(gpu, ("all_gather",), gather_bytes, gathers, replicas - 1, bw, latency, intra)
+                      _collective_time(gpu, ("all_reduce",), grad_bytes, reductions, 2 * (replicas - 1), bw, latency, intra,
+                                       wait),
+                      _collective_time(gpu, ("reduce_scatter",), grad_bytes, reductions, replicas - 1, bw, latency, intra,
+                                       wait))
+    gather_s = _collective_time(gpu, ("all_gather",), gather_bytes, gathers, replicas - 1, bw, latency, intra, wait)
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
     active = replicas > 1
@@ -736,15 +741,28 @@ def _ring_time(bytes_sent, steps, link_bw, latency):
     return steps * latency + bytes_sent / link_bw
 
 
-def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, latency, intra):
+def call_wait(gpu, runnable):
+    """Seconds each collective call or pipeline message waits for members off their core, with
+    ``runnable`` workers computing on the node: the GPU's measured points (a CPU's: more workers
+    than cores wait for the scheduler), linear between them and beyond the last; 0 on a GPU."""
+    if not gpu.collective_waits:
+        return np.zeros(np.shape(runnable))
+    (w0, s0), (w1, s1) = gpu.collective_waits[-2:]
+    workers, seconds = zip(*gpu.collective_waits)
+    beyond = s1 + (s1 - s0) / (w1 - w0) * (np.asarray(runnable, dtype=float) - w1)
+    return np.where(runnable > w1, beyond, np.interp(runnable, workers, seconds))
+
+
+def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, latency, intra, wait=0.0):
     """Seconds of ``calls`` collectives of ``kinds`` (one kind, or two in equal shares: SP's
     all-gathers and reduce-scatters) sending ``bytes_sent`` per rank: the ring's time, or inside
     a node whose GPU records a measured line per kind (gloo on a CPU), its latency per call and
-    bandwidth, which differ by kind."""
+    bandwidth, which differ by kind, and ``wait`` per call for members off their core
+    (``call_wait``)."""
     ring = _ring_time(bytes_sent, calls * steps_per_call, link_bw, latency)
     if gpu.collectives is None or not all(kind in gpu.collectives for kind in kinds):
         return ring
-    per_call = sum(gpu.collectives[kind][0] for kind in kinds) / len(kinds) + gpu.call_wait_s
+    per_call = sum(gpu.collectives[kind][0] for kind in kinds) / len(kinds) + wait
     per_byte = sum(1 / gpu.collectives[kind][1] for kind in kinds) / len(kinds)
     return np.where(intra, calls * per_call + bytes_sent * per_byte, ring)
 
@@ -872,6 +890,11 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, gpu.inter_node_bw * gpu.inter_link_efficiency),
                 np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
 
+    # Each collective call and pipeline message also waits for members off their core where more
+    # workers than cores compute (a CPU; 0 on GPUs): the pipeline's waiting ranks do not compete.
+    bubble = bubble_fraction(schedule, p, m, v)
+    wait = call_wait(gpu, np.minimum(num_gpus, gpu.gpus_per_node) * (1 - bubble))
+
     # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
@@ -884,9 +907,9 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
-                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node),
+                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node, wait),
                                        _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
-                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node)), 0)
+                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node, wait)), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
     # products that produce and consume it). With tp_comm_overlap (Megatron-Core's
@@ -936,9 +959,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
     pp_bw, pp_lat = link(num_gpus)
-    p2p_s = np.where(single_stage, 0, pp_lat + gpu.call_wait_s + pp_message / pp_bw)
+    p2p_s = np.where(single_stage, 0, pp_lat + wait + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
-    bubble = bubble_fraction(schedule, p, m, v)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
     mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
@@ -952,7 +974,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node)
+    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait)
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
                              mb_s, drain_s, **dp_kinds)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,

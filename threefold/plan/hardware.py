@@ -54,11 +54,13 @@ class GPU:
     # sends per second)}, where the kinds differ (gloo on a CPU); None: every kind is a ring at
     # the link's bandwidth and latency, as NCCL's are.
     collectives: dict | None = None
-    # More workers than cores (a CPU): seconds each collective call and each pipeline message
-    # waits for members that are off their core; and how much faster the ranks still computing
-    # run while the pipeline's fill and drain leave about half of them waiting.
-    call_wait_s: float = 0.0
+    # A CPU's workers: ((workers computing, seconds each collective call waits for members off
+    # their core), …), measured by calibrate (costs.call_wait); how much faster the ranks still
+    # computing run while a pipeline's fill and drain leave about half of them waiting; and the
+    # fixed cost of a block's forward and backward per micro-batch (eager operators' dispatch).
+    collective_waits: tuple = ()
     bubble_speedup: float = 1.0
+    block_overhead_s: float = 0.0
 
     @property
     def elementwise_rate(self) -> float:
@@ -132,19 +134,6 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
 ]}
 
 
-def oversubscribed_wait(waits: dict[int, float], cores: int, workers: int) -> float:
-    """Seconds a collective waits with ``workers`` on ``cores``, from calibrate's measurements at
-    2 and 4 workers per core: 0 up to one worker per core, linear between the points and
-    beyond the last."""
-    if workers <= cores or not waits:
-        return 0.0
-    points = [(cores, 0.0), *sorted(waits.items())]
-    for (w0, s0), (w1, s1) in zip(points, points[1:]):
-        if workers <= w1 or (w1, s1) == points[-1]:
-            return max(0.0, s0 + (s1 - s0) * (workers - w0) / (w1 - w0))
-    return 0.0
-
-
 def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profile: dict | None = None) -> GPU:
     """The profile ``threefold calibrate`` measured (or ``profile``). Its figures are already
     achieved rates, so the efficiencies are 1 unless ``calibrate --from-runs`` fitted them to the
@@ -172,7 +161,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
-    waits = {int(w): float(s) for w, s in profile.get("oversubscribed_wait_s", {}).items()}
+    waits = {int(w): float(t) for w, t in profile.get("oversubscribed_wait_s", {}).items()}
     fp32 = dtype in ("float32", "fp32")
     attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
     elementwise = profile.get("elementwise_bw")
@@ -190,7 +179,8 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                peak_flops_fp32=float(profile["peak_flops_fp32"]) * share,
                attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
                elementwise_bw=None if elementwise is None else float(elementwise) * share,
-               call_wait_s=oversubscribed_wait(waits, cores, workers or 1),
+               collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
+               block_overhead_s=float(profile.get("block_overhead_s", 0.0)) / share,
                bubble_speedup=min(2.0, max(1.0, (workers or 1) / cores)),
                collectives=None if "collectives" not in profile else {
                    kind: (float(c["latency_s"]), float(c["bus_bw"]) * link) for kind, c in profile["collectives"].items()})
