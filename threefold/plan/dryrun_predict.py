@@ -23,11 +23,12 @@ Under context parallelism a rank holds seq_len / cp tokens of each sequence: its
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
 when dp = 1).
+Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
+gradients under SP) are left out, so a dry run shows them as measured only.
+
 A bf16 run is the engine's autocast (costs.ENGINE_BYTES): the products' outputs are bf16, the
 residual stream fp32; pp and the residual's tp collectives carry 4 bytes an element, and the
 activations add costs.autocast_activation_bytes (the fp32 stream, the weights' bf16 copies).
-Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
-gradients under SP) are left out, so a dry run shows them as measured only.
 """
 from __future__ import annotations
 
