@@ -116,6 +116,56 @@ def test_a_context_parallel_step_equals_the_planner(method):
     assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.1)
 
 
+# Ledger keys of bookkeeping the planner leaves out (scalars, the tied embedding's gradient, the
+# timeline, the norm gains' partial gradients under SP): everything else must be predicted.
+UNMODELLED = (".scalar", ".tied", ".timeline", ".norm_grads")
+CP_BF16 = ["model.preset=tiny", "model.vocab_size=512", "parallel.tp=2", "parallel.cp=2", "parallel.dp=2",
+           "parallel.sequence_parallel=true", "parallel.cp_method=ring", "train.recompute=selective",
+           "train.global_batch=4", "train.micro_batch=1"]
+MOE_BF16 = ["model.preset=tiny-moe", "model.vocab_size=512", "parallel.dp=2", "parallel.ep=2", "train.global_batch=8",
+            "train.micro_batch=2"]
+
+
+@pytest.mark.parametrize("overrides, world, ranks", [
+    (WORLD_256, 256, (0, 255)),  # pp, tp with SP
+    (WORLD_256 + ["parallel.sequence_parallel=false"], 256, (0, 255)),  # tp without SP, its scatter/gather
+    (WORLD_256 + ["parallel.tp_overlap=true"], 256, (255,)),  # SP's collectives as rings of sends
+    (WORLD_256 + ["train.recompute=full"], 256, (255,)),
+    (CP_BF16, 8, (5,)),  # cp ring, tp2 · cp2 · dp2
+    (MOE_BF16, 2, (1,)),  # ep2
+    (MOE_BF16 + ["parallel.tp=2", "parallel.sequence_parallel=true"], 4, (3,)),  # ep2 with tp2 SP
+    (["model.preset=mixtral-8x7b", "parallel.dp=8", "parallel.ep=8", "parallel.zero=1", "train.global_batch=8",
+      "train.micro_batch=1"], 8, (7,)),  # a published MoE at ep8 (about 10 s)
+], ids=["pp-tp-sp", "tp", "tp-overlap", "full-recompute", "cp-ring", "ep", "ep-tp-sp", "mixtral-ep8"])
+def test_a_bf16_step_equals_the_planner(overrides, world, ranks):
+    """The engine's bf16 is autocast over fp32 weights: bf16 products, an fp32 residual stream
+    (costs.ENGINE_BYTES). Every key of the ledger's bulk traffic is predicted to the byte with
+    those widths; activations within 2%, the fp32 stream and the weights' bf16 copies included
+    (costs.autocast_activation_bytes)."""
+    cfg = dry_run_config(load(overrides + ["train.dtype=bfloat16"]), world)
+    for rank in ranks:
+        result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert result["memory"][key] == want["memory"][key], key
+        bulk = {key for key, value in result["comm_bytes"].items() if value and not key.endswith(UNMODELLED)}
+        assert bulk and set(want["comm_bytes"]) == bulk, (rank, bulk)
+        for key, value in want["comm_bytes"].items():
+            assert result["comm_bytes"][key] == value, (rank, key)
+        assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.02), rank
+
+
+def test_bf16_widths_are_the_engines():
+    """What the widths mean at 256 ranks: the pipeline's messages are the fp32 stream (as in an
+    fp32 run), tp's collectives lie between all-bf16 and all-fp32, and the activations are above
+    a pure-bf16 count (5,242,880 tp bytes on rank 0: 3,145,728 if every activation were bf16)."""
+    bf16 = dry_run_config(load(WORLD_256 + ["train.dtype=bfloat16"]), 256)
+    fp32 = dry_run_config(load(WORLD_256), 256)
+    got, same_in_fp32 = predict_rank(bf16, 0)["comm_bytes"], predict_rank(fp32, 0)["comm_bytes"]
+    assert got["pp"] == same_in_fp32["pp"]
+    assert same_in_fp32["tp"] / 2 < got["tp"] == 5_242_880 < same_in_fp32["tp"]
+    assert dry_run_rank(bf16, 0)["comm_bytes"]["tp"] == got["tp"]
+
+
 def test_values_read_from_fake_tensors_are_nan():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

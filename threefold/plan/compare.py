@@ -9,9 +9,10 @@ dp rank 0. Each row predicts exactly that rank's figure with the planner's formu
                  engine's TP plan in numbers), ZeRO over dp;
   activations    costs.block_activation_bytes × the blocks whose activations rank 0 holds at
                  once: its schedule's micro-batches in flight (simulate.peak_in_flight), each
-                 with its stage's blocks;
+                 with its stage's blocks (a bf16 run: + costs.autocast_activation_bytes);
   bytes per axis costs.dp_bytes_per_step, costs.tp_bytes_per_step (and tp_loss_bytes_per_step
-                 where rank 0 computes the loss), estimate()'s pp_bytes;
+                 where rank 0 computes the loss), costs.pp_bytes_per_step; a bf16 run's widths
+                 are the engine's (costs.ENGINE_BYTES: bf16 products, the fp32 residual stream);
   step time      costs.estimate with the profile ``threefold calibrate`` measured.
 
 Measured figures are the median over the steps after the first (which pays for warm-up).
@@ -187,7 +188,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
     m = cfg.microbatches
-    act_bytes = 2 if t.dtype == "bfloat16" else 4  # the engine keeps fp32 weights, grads and Adam moments
+    # a product's output and the residual stream (costs.ENGINE_BYTES); fp32 weights, grads and Adam moments
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
     rank = rank_zero(cfg)
     check_same_run(cfg, rank, steps, metrics_path)
     rows = []
@@ -201,6 +203,9 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     tokens = t.micro_batch * model.seq_len
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
+    if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
+        block += costs.autocast_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute, p.tp_overlap,
+                                                 dtype_bytes=act_bytes, residual_bytes=residual_bytes)
     flight = f", up to {rank.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
     rows.append(Row("memory: activations, peak", rank.blocks_in_flight * block,
                     measured(lambda s: s["memory"]["activations"]),
@@ -222,12 +227,13 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     if p.tp > 1:
         tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
-        predicted = costs.tp_bytes_per_step(rank.blocks, *tp_args)
+        widths = dict(residual_bytes=residual_bytes, tp_overlap=p.tp_overlap)
+        predicted = costs.tp_bytes_per_step(rank.blocks, *tp_args, **widths)
         formula = f"tp_bytes_per_step, {rank.blocks} blocks, embedding and head"
         if not rank.last_stage:
             # The formula always counts the head's collectives; a first stage has none. They are
             # its zero-block, no-embedding value, so they are taken off exactly.
-            predicted -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
+            predicted -= costs.tp_bytes_per_step(0, *tp_args, embedding=False, **widths)
             formula = (f"tp_bytes_per_step, {rank.blocks} blocks and embedding, minus its head term "
                        "(no formula for a stage without the head)")
         rows.append(Row("bytes/step: tp", predicted, axis("tp"), formula))
@@ -237,7 +243,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     if p.pp > 1:
         rows.append(Row("bytes/step: pp", costs.pp_bytes_per_step(0, p.pp, m, p.virtual_stages, t.micro_batch,
                                                                   model.seq_len, model.hidden, p.tp,
-                                                                  p.sequence_parallel, act_bytes, p.schedule),
+                                                                  p.sequence_parallel, residual_bytes, p.schedule),
                         axis("pp"), "pp_bytes_per_step of pipeline rank 0"))
     predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""}
     others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)

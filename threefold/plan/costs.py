@@ -119,6 +119,15 @@ def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
 # Model states, data- and tensor-parallel traffic, exact, for the engine's own runs
 # --------------------------------------------------------------------------------------------
 
+# The widths of the engine's activations per train.dtype: (a product's output, the residual
+# stream). bfloat16 is fp32 weights under torch.autocast: the matrix products compute and return
+# bf16, while the embedding's lookup, the residual adds and the RMSNorms (which compute in fp32)
+# keep the stream fp32, so what crosses a pipeline stage, a norm's output and their gradients
+# are 4 bytes an element, a product's output and its gradient 2. The planner's "mixed" precision
+# is Megatron's instead: 16-bit weights, every activation 2 bytes.
+ENGINE_BYTES = {"float32": (4, 4), "bfloat16": (2, 4)}
+
+
 def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4):
     """Bytes each rank sends on the data-parallel axis per optimizer step (ring convention).
 
@@ -144,7 +153,8 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
 
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
-                      dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0):
+                      dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0,
+                      residual_bytes: int | None = None, tp_overlap=False):
     """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
     embedding and the head (the CommLedger's key ``tp``; ring convention).
 
@@ -153,11 +163,48 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
     ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
     ``moe_layers``: how many of the ``layers`` blocks hold experts.
+    ``residual_bytes``: the width of the residual stream where it differs from the products'
+    outputs (``dtype_bytes``): 4 in the engine's bf16 runs (``ENGINE_BYTES``); the collectives of
+    ``tp_residual_collectives_per_microbatch`` carry it (``tp_overlap`` changes which), the others
+    a product's output. None: every activation is ``dtype_bytes`` wide (fp32, and Megatron's pure
+    16-bit activations).
     Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
     """
     ring = 2 * (np.asarray(tp) - 1) / tp
     collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers)
-    return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
+    if residual_bytes is None or residual_bytes == dtype_bytes:
+        return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
+    residual = tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding,
+                                                      moe_layers, tp_overlap)
+    widths = (collectives - residual) * dtype_bytes + residual * residual_bytes
+    return _scalar_or_array(microbatches * ring * micro_batch * seq_len * hidden * widths)
+
+
+def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama",
+                                           embedding=True, moe_layers=0, tp_overlap=False):
+    """Of ``tp_collectives_per_microbatch``, those whose tensor is the residual stream or a
+    norm's output, or their gradients (autograd gives a gradient its tensor's dtype); the others
+    carry a row-parallel product's output or its gradient. They differ in width where the
+    residual stream is wider than the products (the engine's bf16 autocast: fp32 and bf16).
+
+    Per block, without SP: 2, each sublayer's f (dL/dx of the norm's output); its g sums a
+    product. With SP: 3, per sublayer the gather of the norm's output, its gradient's
+    reduce-scatter and the re-gather for the weight gradient (½ each); the reduce-scatter of the
+    product and its gradient's gather carry the product. Full recomputation: none without SP (it
+    repeats the attention's g), with SP the attention's and the MLP's gathers, 1. A replicated
+    MoE block: the attention's (1, SP 1½), and with SP the gather of the block's input (½); its
+    output, the experts' combined rows, is a product's: 1 (SP 2). The embedding's lookup and the
+    head's input are the residual stream: all of theirs, 1 (SP 1) and 1 (SP 1½). With
+    ``tp_overlap`` (SP only) the reduce-scatter of dL/dx is a ring of the addends each product's
+    gradient gives, in the products' dtype: ½ less per column-parallel sublayer (a dense block 1,
+    an MoE block's attention ½, the head ½).
+    """
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    full = _recompute_index(recompute) == RECOMPUTE.index("full")
+    per_block = np.where(sp, 3.0, 2.0) + np.where(full & sp, 1.0, 0.0)
+    residual = layers * per_block - moe_layers * 1.0 + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
+    ringed = np.asarray(tp_overlap, dtype=bool) & sp
+    return _scalar_or_array(residual - np.where(ringed, (layers - moe_layers) * 1.0 + moe_layers * 0.5 + 0.5, 0.0))
 
 
 def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True,
@@ -216,7 +263,8 @@ def pp_bytes_per_step(pp_rank: int, pp: int, microbatches: int, virtual_stages: 
     rank] − [first rank]) messages. A message is one micro-batch's hidden states; each tp rank
     sends 1/tp of it: its part of the sequence under sequence parallelism, and without SP its
     slice of the flat tensor (Megatron's scatter/gather, ``scatter_gather_bytes_per_step``).
-    DualPipeV's V sends fewer messages (``pp_messages_per_step``).
+    DualPipeV's V sends fewer messages (``pp_messages_per_step``). ``dtype_bytes``: the width of
+    the hidden states, the residual stream (the engine's bf16 runs keep it fp32, ``ENGINE_BYTES``).
     """
     messages = pp_messages_per_step(pp_rank, pp, microbatches, virtual_stages, schedule)
     return messages * micro_batch * seq_len * hidden * dtype_bytes / tp
@@ -566,6 +614,49 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
              + 40 * k + 4)
     return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), 0,
                                      tokens * (whole + gathered - 4 * d * model.ffn_hidden / np.asarray(tp))))
+
+
+def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, tp_overlap=False,
+                              moe=False, ep=1, dtype_bytes: int = 2, residual_bytes: int = 4):
+    """What one block of the engine's bf16 runs (fp32 weights under torch.autocast,
+    ``ENGINE_BYTES``) saves for backward beyond ``block_activation_bytes`` at ``dtype_bytes``
+    (and, for an MoE block (``moe``), ``moe_activation_bytes``), on one tp rank for a micro-batch
+    of ``tokens`` tokens, as the saved-tensor meter measures it. With d = dtype_bytes and
+    r = residual_bytes:
+
+      A norm's output is the fp32 stream's dtype. Under SP a column-parallel product saves its
+        input shard, fp32: (r − d)·h/t per norm. Without SP (and at tp 1) each product casts
+        it to bf16 and saves its own copy: q, k and v three, gate and up two, (2 + 1)·d·h beyond
+        one shared output. An MoE block's router reads it in fp32 (under SP the gathered
+        sequence, and nothing keeps the shard): (r − d)·h, under SP less d·h/t.
+      Autocast casts a product's weight to bf16 once per forward, and the product keeps that copy
+        until its backward: d · the block's matrices / t per micro-batch in flight without SP;
+        under SP the two row-parallel ones (wo, w_down), since a column-parallel product saves
+        the fp32 weight, a parameter; none with tp_overlap, whose products save the parameters.
+        An MoE block copies its E/ep experts' three matrices and its shared experts' (whose gate
+        and up also cast the input: 2·d·h per token).
+      An MoE block's combine weights the experts' rows in fp32: it saves their fp32 copy and the
+        weighted rows, 8 bytes an element where 16-bit rows would be 2·d: k·h·(8 − 2d) per token.
+    Full recomputation keeps only the block's input, of the fp32 stream, (r − d)·h/seq_split per
+    token, and no copies; selective changes nothing here (q, k and v are bf16 either way).
+    Works elementwise on numpy arrays of the sizes (``recompute`` a name or indices)."""
+    h, f, d, r = model.hidden, model.ffn_hidden, dtype_bytes, residual_bytes
+    q, kv = attention_width(model)
+    t = np.asarray(tp)
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    rows = np.asarray(tp_overlap, dtype=bool)  # tp_overlap: no weight copies in the tp products
+    attention_outputs = np.where(sp, (r - d) * h / t, 2 * d * h)
+    attention_copies = np.where(rows, 0, q * h + np.where(sp, 0, h * q + 2 * h * kv)) * d / t
+    if moe:
+        k, f_e, shared = model.moe_top_k_experts, model.moe_ffn_hidden, model.moe_shared_experts
+        ffn_outputs = (r - d) * h - np.where(sp, d * h / t, 0) + k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)
+        ffn_copies = (model.moe_experts / np.asarray(ep) + shared) * 3 * h * f_e * d
+    else:
+        ffn_outputs = np.where(sp, (r - d) * h / t, d * h)
+        ffn_copies = np.where(rows, 0, f * h + np.where(sp, 0, 2 * f * h)) * d / t
+    kept = tokens * (attention_outputs + ffn_outputs) + attention_copies + ffn_copies
+    checkpoint = tokens * (r - d) * h / np.where(sp, t, 1)
+    return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), checkpoint, kept))
 
 
 def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):

@@ -25,6 +25,10 @@ the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the at
 when dp = 1); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
+
+A bf16 run is the engine's autocast (costs.ENGINE_BYTES): the products' outputs are bf16, the
+residual stream fp32; pp and the residual's tp collectives carry 4 bytes an element, and the
+activations add costs.autocast_activation_bytes (the fp32 stream, the weights' bf16 copies).
 """
 from __future__ import annotations
 
@@ -72,17 +76,23 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
                      any(span.last for span in held), in_flight, sum(moe))
 
 
-def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int) -> float:
+def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:
     """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
     counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
     tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
-    = 0) on the first stage. The estimate's expression, for this rank's dtype and tokens."""
+    = 0) on the first stage. The estimate's expression, for this rank's dtype and tokens.
+    Under bf16 autocast (``residual_bytes`` > ``act_bytes``) the head is a product as a block's
+    are (costs.autocast_activation_bytes): under SP it saves the norm's fp32 shard, (r − d)·h/tp
+    more; without SP its bf16 copy of the norm's output (as counted) and of its weight, V/tp·h·d."""
     p, model = cfg.parallel, cfg.model
     tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
     seq_split = p.tp if p.sequence_parallel else 1
     embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
     logits = tokens * (coef["norm"] / seq_split + 4 * model.vocab_size / p.tp) if share.last_stage else 0
+    if share.last_stage and residual_bytes != act_bytes:
+        logits += (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if p.sequence_parallel
+                   else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
     return embedding + logits
 
 
@@ -93,7 +103,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     pp_rank = rank // (p.world_size // p.pp)  # pp is the mesh's outermost axis (distributed/mesh.py)
     share = rank_share(cfg, pp_rank)
     m = cfg.microbatches
-    act_bytes = 2 if t.dtype == "bfloat16" else 4  # as compare.py: fp32 weights, grads and moments
+    # a product's output and the residual stream (costs.ENGINE_BYTES); fp32 weights, grads, moments
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
     replicas = p.dp * p.cp  # weight gradients are reduced over dp × cp together
     memory = dict(costs.model_state_bytes(share.numel, replicas, p.zero))
     # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
@@ -107,10 +118,17 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     tokens = t.micro_batch * seq
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
+    moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
-        block += share.moe_blocks / share.blocks * costs.moe_activation_bytes(
-            model, tokens, p.tp, p.sequence_parallel, t.recompute, act_bytes)
-    memory["activations"] = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes)
+        block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+                                                        act_bytes)
+    if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
+        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+                                                    p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
+                    for moe in (False, True)]
+        block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
+    memory["activations"] = (share.blocks_in_flight * block
+                             + head_activation_bytes(cfg, share, act_bytes, residual_bytes))
 
     comm = {}
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
@@ -135,16 +153,19 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     if p.tp > 1:
         tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
+        widths = dict(residual_bytes=residual_bytes, tp_overlap=p.tp_overlap)
         comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage,
-                                             moe_layers=share.moe_blocks)
+                                             moe_layers=share.moe_blocks, **widths)
         if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
-            comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False)
+            comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False, **widths)
         if share.last_stage:
             comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
     if p.pp > 1:
+        # a stage's output and its gradient are the residual stream
         comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
-                                             model.hidden, p.tp, p.sequence_parallel, act_bytes, p.schedule)
+                                             model.hidden, p.tp, p.sequence_parallel, residual_bytes, p.schedule)
         if p.tp > 1 and not p.sequence_parallel:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
-                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, act_bytes, p.schedule)
+                pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, residual_bytes,
+                p.schedule)
     return {"memory": {k: float(v) for k, v in memory.items()}, "comm_bytes": {k: float(v) for k, v in comm.items()}}
