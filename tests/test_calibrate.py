@@ -245,3 +245,20 @@ def test_a_blocks_fixed_cost_is_paid_per_block_and_micro_batch():
     added = costs.estimate(work, layout, costly)["step_time_s"] - costs.estimate(work, layout, plain)["step_time_s"]
     assert plain.block_overhead_s == 0.001  # the profile's, one worker: its own core
     assert added == pytest.approx(4 * 4 * (0.002 - 0.001))  # 4 micro-batches × 4 blocks
+
+
+def test_with_more_workers_than_cores_a_step_takes_the_larger_of_the_cpu_work_and_one_ranks_path():
+    """Brent's bounds: the cores' work (every rank's compute at its share) or one rank's path (its
+    compute at a whole core and its waits); with a core each, the plain sum of the terms."""
+    from threefold.config import ModelConfig
+
+    cfg = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    work = costs.Workload(cfg, 16, precision="fp32")
+    layout = costs.Layout.named(tp=2, pp=2, dp=2, micro_batch=2, sequence_parallel=True)
+    eight = local_gpu("float32", workers=8, profile=measured_profile())
+    assert eight.core_share == 0.25
+    est = costs.estimate(work, layout, eight)
+    plain = costs.estimate(work, layout, dataclasses.replace(eight, core_share=1.0))
+    busy = est["compute_s"] + est["memory_bound_s"] + est["optimizer_s"] + est["contention_s"]
+    assert est["step_time_s"] == pytest.approx(max(busy, busy * 0.25 + plain["step_time_s"] - busy))
+    assert est["step_time_s"] < plain["step_time_s"]  # the waits hand their cores to the computing ranks

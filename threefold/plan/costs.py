@@ -789,7 +789,8 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     the engines run it: a reduction runs during the backward that produces it (and the pipeline
     drain after it), parameters gather during the first micro-batch's forward, except one bucket
     each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
-    micro-batch's compute, and the first gather, are exposed.
+    micro-batch's compute is exposed, and per micro-batch its first gathers of the forward and
+    of the backward and its last reduce-scatter.
 
     ``also``: another group's result whose traffic shares the link and the same compute (an MoE
     model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
@@ -822,7 +823,10 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
                          np.maximum(grad_s - backward_s - drain_s, one_collective_s))
                 + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
-    block_wise = m * np.maximum(0, seconds / m - mb_s) + one_collective_s
+    # ZeRO-3: each micro-batch's first forward gather and first backward gather have no compute
+    # before them to hide behind, nor its last reduce-scatter after it (parallel/fsdp.py, as FSDP)
+    one_gather_s = gather_s / np.maximum(gathers, 1)
+    block_wise = m * np.maximum(0, seconds / m - mb_s) + m * (2 * one_gather_s + one_collective_s)
     return {"bytes": sent, "seconds": seconds, **parts,
             "exposed": np.where(active, np.where(zero == 3, block_wise, per_step), 0)}
 
@@ -1095,6 +1099,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     contention_s = gpu.overlap_slowdown * overlapped_dp_s
 
     step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
+    if gpu.core_share < 1:
+        # More workers than cores (a CPU): a rank waiting in a collective or the bubble gives its
+        # core to a rank that computes. The step takes at least the machine's CPU work over its
+        # cores (every rank's compute, at its share: ``busy``) and at least one rank's own path,
+        # its compute at a whole core's speed and its waits (Brent's bounds); the larger holds.
+        busy = m * (math_s + memory_bound_s) + optimizer_s + contention_s
+        step_s = np.maximum(busy, busy * gpu.core_share + (step_s - busy))
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens

@@ -59,6 +59,7 @@ class GPU:
     # computing run while a pipeline's fill and drain leave about half of them waiting; and the
     # fixed cost of a block's forward and backward per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
+    core_share: float = 1.0  # a CPU worker's share of a core: cores / workers where they outnumber the cores
     bubble_speedup: float = 1.0
     block_overhead_s: float = 0.0
 
@@ -180,6 +181,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
                elementwise_bw=None if elementwise is None else float(elementwise) * share,
                collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
+               core_share=min(1.0, cores / workers) if workers else 1.0,
                block_overhead_s=float(profile.get("block_overhead_s", 0.0)) / share,
                bubble_speedup=min(2.0, max(1.0, (workers or 1) / cores)),
                collectives=None if "collectives" not in profile else {
