@@ -444,3 +444,74 @@ def test_the_demo_config_is_the_tiny_moe_with_the_tiny_models_active_size():
     cfg = dataclasses.replace(cfg, vocab_size=4096)
     assert describe(cfg).startswith("10.5M parameters: 4 layers, hidden 256, 8 heads (4 kv), ffn 704, "
                                     "8 experts of 352 (top-2, 4.0M active)")
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2, "ep": 2}, {"pp": 2, "dp": 2, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2}])
+def test_init_from_a_mixtral_folder_gives_each_expert_parallel_rank_its_experts_only(tmp_path, transformers,
+                                                                                      monkeypatch, sizes):
+    """`[model] init_from` a Mixtral folder into an ep layout: each rank holds its E/ep experts
+    (and its tp and pp pieces of the rest) exactly as they are in the folder, and reads from the
+    safetensors files only the elements it holds."""
+    import dataclasses
+
+    from test_interop import assert_holds_its_pieces, randomize, rank_cut
+
+    from threefold.interop import hf, load_hf_weights
+
+    config = transformers.MixtralConfig(vocab_size=120, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                        num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False)
+    theirs = transformers.MixtralForCausalLM(config).eval()
+    randomize(theirs, seed=3)
+    theirs.save_pretrained(tmp_path / "hf")
+    model_cfg, full = load_hf_weights(tmp_path / "hf")
+    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
+    read = []
+    real_open = hf.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.opened = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.opened.keys()
+
+        def get_tensor(self, name):
+            tensor = self.opened.get_tensor(name)
+            read.append(tensor.numel())
+            return tensor
+
+        def get_slice(self, name):
+            part = self.opened.get_slice(name)
+
+            class Slice:
+                def get_shape(self):
+                    return part.get_shape()
+
+                def __getitem__(self, index):
+                    tensor = part[index]
+                    read.append(tensor.numel())
+                    return tensor
+            return Slice()
+
+    monkeypatch.setattr(hf, "safe_open", Recording)
+    world = 1
+    for size in sizes.values():
+        world *= size
+    world //= sizes["ep"]  # ep is carved out of dp
+    experts = [key for key in full if "experts" in key]
+    assert experts
+    for rank in range(world):
+        read.clear()
+        cut = rank_cut(model_cfg, sizes, rank)
+        held = assert_holds_its_pieces(cut, full)
+        local = {key: q for part in cut.parts.values() for key, q in part.named_parameters() if "experts" in key}
+        assert local and all(q.shape[0] == 6 // sizes["ep"] for q in local.values())  # E/ep experts each
+        assert sum(read) == held, (sizes, rank, sum(read), held)
