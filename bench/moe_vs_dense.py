@@ -4,12 +4,13 @@ Trains both with configs/moe.toml, same data, seed, steps, batch and learning-ra
 (``--set model.preset=tiny`` gives the dense peer; ``--moe PRESET`` another MoE than the
 config's), one process each, one after the other. Adds their validation curves and the MoE's
 load balance per step to bench/results/moe_vs_dense.json, beside the runs already there (a run
-of the same label is replaced), and draws this pair, with the earlier runs of as many steps
-dashed, in docs/img/moe-vs-dense.png (docs/moe.md, "Does the tiny MoE beat dense?").
+of the same label is replaced), and draws this pair, with the earlier runs named by
+``--beside`` dashed, in docs/img/moe-vs-dense.png (docs/moe.md, "Does the tiny MoE beat dense?").
 ``--metrics LABEL=FILE`` takes finished runs' JSONL instead of training (the first one is the
 dense model).
 
     .venv/bin/python bench/moe_vs_dense.py --set train.steps=600   # trains both: about 25 min on an idle core
+    .venv/bin/python bench/moe_vs_dense.py --beside "tiny-moe, aux 0.01, 300 steps"   # the picture of docs/moe.md
     .venv/bin/python bench/moe_vs_dense.py --moe tiny-moe          # the first tiny MoE, 300 steps
 """
 from __future__ import annotations
@@ -61,17 +62,15 @@ def merged(runs: list[dict], path: Path) -> list[dict]:
     return [run for run in earlier if run["label"] not in labels] + runs
 
 
-def draw(runs: list[dict], earlier: list[dict], path: Path) -> None:
-    """``runs`` drawn solid; ``earlier`` runs dashed, those that end at the same step."""
+def draw(runs: list[dict], beside: list[dict], path: Path) -> None:
+    """``runs`` drawn solid, ``beside`` (earlier runs) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    last_step = runs[0]["val_loss"][-1][0]
-    alike = [run for run in earlier if run["val_loss"][-1][0] == last_step and run not in runs]
-    drawn = [(run, "-") for run in runs] + [(run, "--") for run in alike]
+    drawn = [(run, "-") for run in runs] + [(run, "--") for run in beside]
     for (run, style), color in zip(drawn, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2):
         left.plot(*zip(*run["val_loss"]), ls=style, color=color, marker="o" if style == "-" else None, ms=3,
                   label=run["label"])
@@ -93,7 +92,10 @@ def draw(runs: list[dict], earlier: list[dict], path: Path) -> None:
 @click.option("--set", "overrides", multiple=True, help="a config override for both runs, section.key=value")
 @click.option("--moe", "moe_preset", default=None, help="the MoE preset (default: configs/moe.toml's)")
 @click.option("--metrics", multiple=True, help="LABEL=FILE: a finished run's metrics JSONL (dense first); no training")
-def main(overrides: tuple[str, ...], moe_preset: str | None, metrics: tuple[str, ...]) -> None:
+@click.option("--beside", multiple=True, help="LABEL of a run in the results to draw dashed beside these")
+@click.option("--no-draw", is_flag=True, help="only add the runs to the results; leave the picture as it is")
+def main(overrides: tuple[str, ...], moe_preset: str | None, metrics: tuple[str, ...], beside: tuple[str, ...],
+         no_draw: bool) -> None:
     if metrics:
         runs = [summary(label, Path(path)) for label, path in (m.split("=", 1) for m in metrics)]
     else:
@@ -103,13 +105,18 @@ def main(overrides: tuple[str, ...], moe_preset: str | None, metrics: tuple[str,
             runs = [summary(f"tiny (dense), {steps} steps", train("dense", ["model.preset=tiny", *overrides], Path(folder))),
                     summary(f"{moe_preset or config_preset()}, {steps} steps", train("moe", moe_overrides, Path(folder)))]
     everything = merged(runs, RESULTS)
+    recorded = {run["label"]: run for run in everything}
+    unknown = [label for label in beside if label not in recorded]
+    if unknown:
+        raise click.BadParameter(f"no run labelled {unknown[0]!r} in {RESULTS.name}", param_hint="--beside")
     RESULTS.write_text(json.dumps({"runs": everything}, indent=1) + "\n")
-    draw(runs, everything, PICTURE)
+    if not no_draw:
+        draw(runs, [recorded[label] for label in beside], PICTURE)
     for run in runs:
         step, loss = run["val_loss"][-1]
         balance = f", max/mean {run['max_over_mean'][-1][1]:.2f}" if "max_over_mean" in run else ""
         print(f"{run['label']}: validation loss {loss:.4f} at step {step}{balance}")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {PICTURE.relative_to(ROOT)}")
+    print(f"wrote {RESULTS.relative_to(ROOT)}" + ("" if no_draw else f" and {PICTURE.relative_to(ROOT)}"))
 
 
 if __name__ == "__main__":
