@@ -1,14 +1,17 @@
 """The tiny MoE against the dense tiny model of the same active parameters, on Shakespeare.
 
 Trains both with configs/moe.toml, same data, seed, steps, batch and learning-rate schedule
-(``--set model.preset=tiny`` gives the dense peer), one process each, one after the other.
-Writes their validation curves and the MoE's load balance per step to
-bench/results/moe_vs_dense.json and draws docs/img/moe-vs-dense.png (docs/moe.md,
-"Does the tiny MoE beat dense?"). ``--metrics LABEL=FILE`` redraws from finished runs' JSONL
-instead of training (the first one is the dense model).
+(``--set model.preset=tiny`` gives the dense peer; ``--moe PRESET`` another MoE than the
+config's), one process each, one after the other. Adds their validation curves and the MoE's
+load balance per step to bench/results/moe_vs_dense.json, beside the runs already there (a run
+of the same label is replaced), and draws this pair, with the earlier runs named by
+``--beside`` dashed, in docs/img/moe-vs-dense.png (docs/moe.md, "Does the tiny MoE beat dense?").
+``--metrics LABEL=FILE`` takes finished runs' JSONL instead of training (the first one is the
+dense model).
 
-    .venv/bin/python bench/moe_vs_dense.py                   # trains both: about 30 min on an idle core
-    .venv/bin/python bench/moe_vs_dense.py --set train.steps=300
+    .venv/bin/python bench/moe_vs_dense.py --set train.steps=600   # trains both: about 25 min on an idle core
+    .venv/bin/python bench/moe_vs_dense.py --beside "tiny-moe, aux 0.01, 300 steps"   # the picture of docs/moe.md
+    .venv/bin/python bench/moe_vs_dense.py --moe tiny-moe          # the first tiny MoE, 300 steps
 """
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ def train(label: str, overrides: list[str], folder: Path) -> Path:
     return path
 
 
+def config_preset() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "configs" / "moe.toml").read_text())["model"]["preset"]
+
+
 def summary(label: str, path: Path) -> dict:
     """The run's validation curve, and per step the MoE's tokens per expert and worst layer's max/mean."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -46,24 +55,34 @@ def summary(label: str, path: Path) -> dict:
     return run
 
 
-def draw(runs: list[dict], path: Path) -> None:
+def merged(runs: list[dict], path: Path) -> list[dict]:
+    """The runs already recorded in ``path``, those of the same label as a new one replaced, then the new ones."""
+    earlier = json.loads(path.read_text())["runs"] if path.exists() else []
+    labels = {run["label"] for run in runs}
+    return [run for run in earlier if run["label"] not in labels] + runs
+
+
+def draw(runs: list[dict], beside: list[dict], path: Path) -> None:
+    """``runs`` drawn solid, ``beside`` (earlier runs) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        left.plot(*zip(*run["val_loss"]), marker="o", ms=3, label=run["label"])
+    drawn = [(run, "-") for run in runs] + [(run, "--") for run in beside]
+    for (run, style), color in zip(drawn, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2):
+        left.plot(*zip(*run["val_loss"]), ls=style, color=color, marker="o" if style == "-" else None, ms=3,
+                  label=run["label"])
         if "max_over_mean" in run:
-            right.plot(*zip(*run["max_over_mean"]), lw=0.8, label=run["label"])
+            right.plot(*zip(*run["max_over_mean"]), ls=style, color=color, lw=0.8, label=run["label"])
     left.set(xlabel="step", ylabel="validation loss (nats/token)", title="Validation loss")
     right.axhline(1.0, color="grey", lw=0.5)
-    right.set(xlabel="step", ylabel="worst layer: max / mean tokens per expert", ylim=(0.9, 4.1),
-              title="Load balance (1: even; 4: one expert in every top-2)")
+    right.set(xlabel="step", ylabel="worst layer: max / mean tokens per expert", ylim=(0.9, None),
+              title="Load balance (1: even; E/k: an expert in every top-k)")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -71,21 +90,33 @@ def draw(runs: list[dict], path: Path) -> None:
 
 @click.command()
 @click.option("--set", "overrides", multiple=True, help="a config override for both runs, section.key=value")
+@click.option("--moe", "moe_preset", default=None, help="the MoE preset (default: configs/moe.toml's)")
 @click.option("--metrics", multiple=True, help="LABEL=FILE: a finished run's metrics JSONL (dense first); no training")
-def main(overrides: tuple[str, ...], metrics: tuple[str, ...]) -> None:
+@click.option("--beside", multiple=True, help="LABEL of a run in the results to draw dashed beside these")
+@click.option("--no-draw", is_flag=True, help="only add the runs to the results; leave the picture as it is")
+def main(overrides: tuple[str, ...], moe_preset: str | None, metrics: tuple[str, ...], beside: tuple[str, ...],
+         no_draw: bool) -> None:
     if metrics:
         runs = [summary(label, Path(path)) for label, path in (m.split("=", 1) for m in metrics)]
     else:
+        steps = dict(o.split("=", 1) for o in overrides).get("train.steps", "300")
+        moe_overrides = [f"model.preset={moe_preset}"] * bool(moe_preset) + list(overrides)
         with tempfile.TemporaryDirectory() as folder:
-            runs = [summary("tiny (dense)", train("dense", ["model.preset=tiny", *overrides], Path(folder))),
-                    summary("tiny-moe, aux loss 0.01", train("moe", list(overrides), Path(folder)))]
-    RESULTS.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    draw(runs, PICTURE)
+            runs = [summary(f"tiny (dense), {steps} steps", train("dense", ["model.preset=tiny", *overrides], Path(folder))),
+                    summary(f"{moe_preset or config_preset()}, {steps} steps", train("moe", moe_overrides, Path(folder)))]
+    everything = merged(runs, RESULTS)
+    recorded = {run["label"]: run for run in everything}
+    unknown = [label for label in beside if label not in recorded]
+    if unknown:
+        raise click.BadParameter(f"no run labelled {unknown[0]!r} in {RESULTS.name}", param_hint="--beside")
+    RESULTS.write_text(json.dumps({"runs": everything}, indent=1) + "\n")
+    if not no_draw:
+        draw(runs, [recorded[label] for label in beside], PICTURE)
     for run in runs:
         step, loss = run["val_loss"][-1]
         balance = f", max/mean {run['max_over_mean'][-1][1]:.2f}" if "max_over_mean" in run else ""
         print(f"{run['label']}: validation loss {loss:.4f} at step {step}{balance}")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {PICTURE.relative_to(ROOT)}")
+    print(f"wrote {RESULTS.relative_to(ROOT)}" + ("" if no_draw else f" and {PICTURE.relative_to(ROOT)}"))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ PRESETS: dict[str, ModelConfig] = {
     # token computes with as many FFN parameters as in "tiny" (2 × 352 = 704), plus the router.
     "tiny-moe": ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, seq_len=256, moe_experts=8, moe_top_k=2,
                             moe_ffn=352),
+    # DeepSeekMoE's fine-grained and shared experts at the same active width: a shared expert of
+    # 176 (2 × 88) and the top 6 of 32 routed experts of 88 (176 + 6 × 88 = 704). docs/moe.md.
+    "tiny-moe-fine": ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, seq_len=256, moe_experts=32,
+                                 moe_top_k=6, moe_ffn=88, moe_shared_experts=2),
     # Mistral's Mixtral 8x7B and 8x22B: every layer MoE, softmax top-2, renormalised; 46.7B/12.9B
     # and 140.6B/39.2B parameters (total/active), as published. Planned at 4096 tokens a sequence
     # (their context windows are 32K and 64K).
