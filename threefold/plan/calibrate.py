@@ -160,7 +160,7 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     threefold's own model, as the planner counts them.
 
     ``measured``: the reference model's forward and backward, micro-batch size → seconds
-    (reference_model_seconds), at two sizes. From each, the matrix products and the attention
+    (reference_model_seconds), at two sizes or more. From each, the matrix products and the attention
     core, timed by the planner at the rates measured, are taken off; what is left is a line in
     the planner's count of memory-bound bytes (norms, rotary, SwiGLU, residuals, the loss): its
     slope is the rate those bytes stream at, its intercept the cost that does not grow with the
@@ -182,12 +182,16 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
                                    costs.Layout.named(micro_batch=micro_batch), reference)
         # memory_bound_s is in bytes at 1 B/s
         points.append((float(predicted["memory_bound_s"]), seconds - float(predicted["compute_s"])))
-    (bytes_small, left_small), (bytes_large, left_large) = points[0], points[-1]
-    if left_large <= left_small or left_small <= 0:
+    # The least-squares line through the points: left = fixed + bytes / bandwidth
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    spread = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / spread if spread > 0 else 0.0
+    fixed = mean_t - slope * mean_b
+    if slope <= 0 or fixed < 0:  # noise beyond what the line can say: one rate, no fixed cost
+        bytes_large, left_large = points[-1]
         return (bytes_large / left_large if left_large > 0 else copy_bw), 0.0
-    bandwidth = (bytes_large - bytes_small) / (left_large - left_small)
-    fixed = max(0.0, left_small - bytes_small / bandwidth)
-    return bandwidth, fixed / REFERENCE_MODEL["layers"]
+    return 1.0 / slope, fixed / REFERENCE_MODEL["layers"]
 
 
 def _reference_worker(threads: int, seconds: float, start, results) -> None:
@@ -396,7 +400,10 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
     on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
-    reference_s = {b: reference_model_seconds(threads, micro_batch=b, seconds=settings.copy_seconds) for b in (1, 4)}
+    # At least 1.5 s each, quick or not: the fixed cost is the difference of two timings, and
+    # short trials leave it to noise (a quick profile once measured 0 ms where the full one has 7).
+    reference_s = {b: reference_model_seconds(threads, micro_batch=b, seconds=max(1.5, settings.copy_seconds))
+                   for b in (1, 2, 4)}
     alone_s = reference_s[4]
     elementwise_bw, block_overhead = memory_bound_rates(reference_s, fp32, attention_fp32, memory_bw)
     slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
@@ -460,7 +467,7 @@ def profile_table(profile: dict, path: Path) -> Table:
 @click.command()
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
-@click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 10 s); noisier numbers.")
+@click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 40 s); noisier numbers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
 @click.option("--from-runs", "from_runs", is_flag=True,
               help="Fit the profile's efficiencies to the measured RUNs instead of measuring: each RUN a "
