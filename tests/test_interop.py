@@ -448,19 +448,10 @@ def assert_every_rank_reads_its_share(model_cfg, full, read: list, total: int, m
         assert sum(read) == held < most * total, (rank, sum(read), held, total)
 
 
-def test_a_rank_reads_only_its_pieces_of_a_hugging_face_folder(tmp_path, transformers, monkeypatch):
-    """tp2·pp2 over a folder whose vocabulary (121) tp does not divide: each of the four ranks
-    holds exactly its slices (the padding zero), and reads from the safetensors files only
-    those elements — a quarter of the model or so, never the whole."""
-    config = transformers.LlamaConfig(vocab_size=121, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
-    theirs = transformers.LlamaForCausalLM(config).eval()
-    randomize(theirs, seed=2)
-    theirs.save_pretrained(tmp_path / "hf")
-    model_cfg, full = load_hf_weights(tmp_path / "hf")
-    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
-
-    read = []  # elements of each tensor or slice read from the files
+def record_safetensors_reads(monkeypatch) -> list[int]:
+    """Patch the Hugging Face reader's safe_open to record the elements of every tensor or slice it
+    returns; the list it returns fills as the files are read."""
+    read = []
     real_open = hf.safe_open
 
     def counted(tensor):
@@ -499,6 +490,22 @@ def test_a_rank_reads_only_its_pieces_of_a_hugging_face_folder(tmp_path, transfo
             return SliceRecording(self.opened.get_slice(name))
 
     monkeypatch.setattr(hf, "safe_open", Recording)
+    return read
+
+
+def test_a_rank_reads_only_its_pieces_of_a_hugging_face_folder(tmp_path, transformers, monkeypatch):
+    """tp2·pp2 over a folder whose vocabulary (121) tp does not divide: each of the four ranks
+    holds exactly its slices (the padding zero), and reads from the safetensors files only
+    those elements — a quarter of the model or so, never the whole."""
+    config = transformers.LlamaConfig(vocab_size=121, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    randomize(theirs, seed=2)
+    theirs.save_pretrained(tmp_path / "hf")
+    model_cfg, full = load_hf_weights(tmp_path / "hf")
+    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
+
+    read = record_safetensors_reads(monkeypatch)
     assert_every_rank_reads_its_share(model_cfg, full, read, sum(t.numel() for t in full.values()), 0.4)
 
 

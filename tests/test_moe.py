@@ -454,9 +454,9 @@ def test_init_from_a_mixtral_folder_gives_each_expert_parallel_rank_its_experts_
     safetensors files only the elements it holds."""
     import dataclasses
 
-    from test_interop import assert_holds_its_pieces, randomize, rank_cut
+    from test_interop import assert_holds_its_pieces, randomize, rank_cut, record_safetensors_reads
 
-    from threefold.interop import hf, load_hf_weights
+    from threefold.interop import load_hf_weights
 
     config = transformers.MixtralConfig(vocab_size=120, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
@@ -466,42 +466,7 @@ def test_init_from_a_mixtral_folder_gives_each_expert_parallel_rank_its_experts_
     theirs.save_pretrained(tmp_path / "hf")
     model_cfg, full = load_hf_weights(tmp_path / "hf")
     model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
-    read = []
-    real_open = hf.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.opened = self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def keys(self):
-            return self.opened.keys()
-
-        def get_tensor(self, name):
-            tensor = self.opened.get_tensor(name)
-            read.append(tensor.numel())
-            return tensor
-
-        def get_slice(self, name):
-            part = self.opened.get_slice(name)
-
-            class Slice:
-                def get_shape(self):
-                    return part.get_shape()
-
-                def __getitem__(self, index):
-                    tensor = part[index]
-                    read.append(tensor.numel())
-                    return tensor
-            return Slice()
-
-    monkeypatch.setattr(hf, "safe_open", Recording)
+    read = record_safetensors_reads(monkeypatch)
     world = 1
     for size in sizes.values():
         world *= size
