@@ -55,13 +55,18 @@ class GPU:
     # the link's bandwidth and latency, as NCCL's are.
     collectives: dict | None = None
     # A CPU's workers: ((workers computing, seconds each collective call waits for members off
-    # their core), …), measured by calibrate (costs.call_wait); how much faster the ranks still
-    # computing run while a pipeline's fill and drain leave about half of them waiting; and the
-    # fixed cost of a block's forward and backward per micro-batch (eager operators' dispatch).
+    # their core), …), measured by calibrate (costs.call_wait); a worker's share of a core (cores /
+    # workers where they outnumber the cores); and the fixed cost of a block's forward and backward
+    # per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
-    core_share: float = 1.0  # a CPU worker's share of a core: cores / workers where they outnumber the cores
-    bubble_speedup: float = 1.0
+    core_share: float = 1.0
     block_overhead_s: float = 0.0
+
+    @property
+    def bubble_speedup(self) -> float:
+        """How much faster the ranks still computing run while a pipeline's fill and drain leave
+        about half of them waiting: up to 2× where workers outnumber the cores, 1 on a GPU."""
+        return min(2.0, 1.0 / self.core_share)
 
     @property
     def elementwise_rate(self) -> float:
@@ -183,7 +188,6 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
                core_share=min(1.0, cores / workers) if workers else 1.0,
                block_overhead_s=float(profile.get("block_overhead_s", 0.0)) / share,
-               bubble_speedup=min(2.0, max(1.0, (workers or 1) / cores)),
                collectives=None if "collectives" not in profile else {
                    kind: (float(c["latency_s"]), float(c["bus_bw"]) * link) for kind, c in profile["collectives"].items()})
 
