@@ -134,3 +134,17 @@ def test_plan_prints_the_rate_and_ranked_layouts(capsys):
 def test_plan_when_nothing_fits(capsys):
     code, _, err = run(capsys, "plan", *GPT3, "--num-gpus", "8")
     assert code == 2 and "no layout of this model fits on 8 × a100-80gb" in err
+
+
+@pytest.mark.parametrize("args", [["--help"], ["estimate", "--model", "tiny", "--json"],
+                                  ["schedule", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]])
+def test_commands_that_train_nothing_do_not_import_torch(args):
+    """`--help` finds every command's module (importing its package) and the planner is pure
+    arithmetic: neither may pay torch's 1.7 s import (8 ranks of a run pay it on 2 cores)."""
+    import subprocess
+    import sys
+
+    probe = f"import sys; from threefold.cli import main; main({args!r}); print('torch' in sys.modules, file=sys.stderr)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "False"
