@@ -39,16 +39,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
 from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
 from threefold.models.sizes import count_parameters
@@ -138,66 +128,12 @@ def read_tokenizer(path: Path, meta: dict):
         raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 
 
-# --- DCP planners: pieces placed in full tensors ------------------------------------------------
+# --- pieces by tensor name -----------------------------------------------------------------------
 def _by_name(shards: list[Shard]) -> dict[str, list[Shard]]:
     named: dict[str, list[Shard]] = {}
     for shard in shards:
         named.setdefault(shard.name, []).append(shard)
     return named
-
-
-class _SavePieces(DefaultSavePlanner):
-    """Each rank writes its pieces; the default global plan drops the duplicates of replicated
-    pieces and checks that the pieces of every tensor cover it exactly once."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self) -> SavePlan:
-        self.pieces = {(s.name, s.offsets): s.tensor for shards in self.state_dict.values() for s in shards}
-        items = [WriteItem(index=MetadataIndex(s.name, s.offsets), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(
-                               chunk=ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.shape),
-                               properties=TensorProperties.create_from_tensor(s.tensor),
-                               size=torch.Size(s.full_shape)))
-                 for shards in self.state_dict.values() for s in shards]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))]
-
-
-class _LoadPieces(LoadPlanner):
-    """Each rank reads, into each of its pieces, the overlapping parts of the saved pieces."""
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.metadata = state_dict, metadata
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for name, shards in self.state_dict.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.shape) for s in shards]
-            items += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], chunks)
-        return LoadPlan(items)
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
-
-    def load_bytes(self, read_item, value) -> None:
-        raise AssertionError("threefold checkpoints hold tensors only")
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        target = self.state_dict[read_item.dest_index.fqn][read_item.dest_index.index].tensor
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, offset, length)
-        return target
-
-    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        pass  # resolve_tensor gave a view: the data is already in place
 
 
 def _no_dist() -> bool:
@@ -292,6 +228,8 @@ def _write_and_publish(root, step: int, tmp: Path, shards: list[Shard], meta: di
     disk, above all), every rank raises CheckpointError, the same line (DCP gathers the ranks'
     write errors), and rank 0 removes the half-written folder, which no listing would return
     anyway, to give its bytes back."""
+    from threefold.train.dcp_pieces import CheckpointException
+
     try:
         _write(tmp, shards, group)  # returns on rank 0 once every rank has written its pieces
         return _publish(root, step, tmp, engine, meta, tokenizer, keep)
@@ -322,9 +260,10 @@ def checkpoint_bytes(model: ModelConfig, shards: list[Shard], world: int) -> int
 
 
 def _write(tmp: Path, shards: list[Shard], group) -> None:
+    from threefold.train.dcp_pieces import save_pieces
+
     with _single_process_is_meant():
-        dcp.save(_by_name(shards), storage_writer=FileSystemWriter(tmp), planner=_SavePieces(),
-                 process_group=group, no_dist=_no_dist())
+        save_pieces(tmp, _by_name(shards), no_dist=_no_dist(), group=group)
 
 
 def _publish(root, step: int, tmp: Path, engine, meta: dict, tokenizer, keep: int) -> Path | None:
@@ -356,9 +295,10 @@ def save_weights(folder: Path, model, meta: dict, tokenizer) -> None:
     """A weights-only checkpoint written by one process (``threefold import``): the model's
     tensors as one piece each, no optimizer states. ``generate``, ``export`` and
     ``[model] init_from`` read it; resuming a run from it is refused."""
+    from threefold.train.dcp_pieces import save_pieces
+
     with _single_process_is_meant():
-        dcp.save(_by_name(_whole_weights(model)), storage_writer=FileSystemWriter(folder), planner=_SavePieces(),
-                 no_dist=True)
+        save_pieces(folder, _by_name(_whole_weights(model)), no_dist=True)
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder / "tokenizer.json")
     meta = {"format": FORMAT, "step": 0, "weights_only": True, "world_size": 1, **meta}
@@ -387,8 +327,10 @@ def check_model(meta: dict, cfg: Config, path: Path) -> None:
 
 
 def _metadata(path: Path):
+    from threefold.train.dcp_pieces import read_metadata
+
     try:
-        return FileSystemReader(path).read_metadata()
+        return read_metadata(path)
     except Exception as err:
         raise ConfigError(f"checkpoint: {path / '.metadata'} is missing or unreadable ({err.__class__.__name__})") from None
 
@@ -414,6 +356,8 @@ def damage(path: Path) -> str | None:
 def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
     """Fill every piece in ``state`` from the checkpoint at ``path`` (every rank calls this,
     unless ``no_dist``)."""
+    from threefold.train.dcp_pieces import CheckpointException, TensorStorageMetadata, load_pieces
+
     metadata = _metadata(path)
     problem = damage(path)
     if problem:
@@ -427,7 +371,7 @@ def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
                               f"this run has {shards[0].full_shape}")
     try:
         with _single_process_is_meant():
-            dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPieces(), no_dist=no_dist)
+            load_pieces(path, state, no_dist=no_dist)
     except (Exception, CheckpointException) as err:  # a truncated or missing piece file, on any rank: one line on every rank
         first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
         raise ConfigError(f"checkpoint: {str(path)!r} is unreadable: reading its pieces failed ({first[:160]})") from None
@@ -495,6 +439,8 @@ def piece_reader(path: Path):
 def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every full tensor of a checkpoint whose name starts with ``prefix``, read whole by this
     process alone ("model/<key>", "exp_avg/<key>", "exp_avg_sq/<key>", "rng/rank<r>")."""
+    from threefold.train.dcp_pieces import TensorStorageMetadata
+
     tensors = {name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
                for name, md in _metadata(path).state_dict_metadata.items()
                if name.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
@@ -505,6 +451,8 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 def pieces(path: Path) -> dict[str, dict]:
     """What a checkpoint stores, tensor by tensor: full shape, dtype, and each piece's offsets,
     sizes and the rank that wrote it (from DCP's metadata; nothing is read but that)."""
+    from threefold.train.dcp_pieces import MetadataIndex, TensorStorageMetadata
+
     metadata = _metadata(path)
     found = {}
     for name, md in metadata.state_dict_metadata.items():
