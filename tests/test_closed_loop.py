@@ -125,7 +125,7 @@ def test_cross_validation_fits_on_other_layouts_and_predicts_the_targets():
 # plain profile (demo +6%, ddp −7%, tp −12%, pp +12%). Not met, the figures in the reasons: strict,
 # so the day the planner meets a bar its test fails until the mark is taken off.
 @pytest.mark.xfail(strict=True, reason="not met on the idle recording: ZeRO-3's dp wait 0.076 s measured vs "
-                                       "0.037 s predicted; dp×pp's pp 0.087 vs 0.130")
+                                       "0.056 s predicted (20.2 ms off, the bar allows 20); dp×pp's pp 0.087 vs 0.130")
 def test_exposed_communication_within_25_percent_or_20_ms():
     require_idle(*planner_runs.EXPOSED_RUNS)
     for name in planner_runs.EXPOSED_RUNS:

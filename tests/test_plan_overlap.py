@@ -170,3 +170,25 @@ def test_overlapped_nvlink_traffic_slows_the_compute_it_hides_behind():
     assert overlapped > 0.1 and est["contention_s"] == pytest.approx(h100.overlap_slowdown * overlapped)
     across = costs.estimate(work, costs.Layout.named(dp=8, zero=3, micro_batch=2), h100.with_gpus_per_node(4))
     assert across["contention_s"] == 0
+
+
+def test_zero3_exposes_the_root_units_gathers_and_the_first_blocks():
+    """ZeRO-3 as parallel/fsdp.py runs it, unit by unit: per micro-batch the root unit (embedding,
+    final norm, head) is gathered twice with nothing to hide behind, the first block once, and
+    the first block's reduce-scatter waits for the embedding's gradient; once per step the root's
+    reduce-scatter. A larger vocabulary grows only the root: the exposure grows by exactly two
+    gathers and one reduce-scatter of the extra rows, at the ring's rate on this link."""
+    h100 = CATALOG["h100-sxm"]
+    dp, m, b = 16, 2, 16  # across nodes, so the ring's rate is the network's; compute hides the rest
+    exposed = {}
+    for vocab in (32_000, 128_000):
+        model = costs.ModelConfig(layers=8, hidden=4096, heads=32, ffn=14336, vocab_size=vocab, seq_len=4096,
+                                  tie_embeddings=False)
+        work = costs.Workload(model, dp * m * b)
+        est = costs.estimate(work, costs.Layout.named(dp=dp, zero=3, micro_batch=b), h100)
+        assert est["dp_s"] < est["compute_s"]  # what hides behind compute stays hidden
+        exposed[vocab] = est["dp_exposed_s"]
+    extra = (dp - 1) / dp * 2 * (128_000 - 32_000) * 4096  # the elements each rank receives of the new rows
+    per_byte = 1 / (h100.inter_node_bw * h100.inter_link_efficiency)
+    expected = (m * 2 * work.param_bytes + work.grad_bytes) * extra * per_byte
+    assert exposed[128_000] - exposed[32_000] == pytest.approx(expected, rel=1e-9)

@@ -781,7 +781,8 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
 
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
-                   drain_s, gpu, intra, wait=0.0, also: dict | None = None) -> dict:
+                   drain_s, gpu, intra, wait=0.0, also: dict | None = None, root_numel=0, unit_numel=0,
+                   head=True, embedding=True) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -789,15 +790,16 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     the engines run it: a reduction runs during the backward that produces it (and the pipeline
     drain after it), parameters gather during the first micro-batch's forward, except one bucket
     each; ZeRO-3 prefetches the next block while computing this one, so only what exceeds each
-    micro-batch's compute is exposed, and per micro-batch its first gathers of the forward and
-    of the backward and its last reduce-scatter.
+    micro-batch's compute is exposed, and what nothing computes behind (``zero3_unhidden``).
 
     ``also``: another group's result whose traffic shares the link and the same compute (an MoE
     model's expert states, reduced over their own replicas): bytes and seconds are the sum, and
     the exposure is that of both groups' reductions and gathers behind the one backward and forward.
     ``gpu``, ``intra``, ``wait``: the GPU, whether the group is inside a node, and each call's
     wait for members off their core (a GPU may time each kind of collective by its own measured
-    line: ``_collective_time``)."""
+    line: ``_collective_time``). ``root_numel``: the stage's parameters outside its blocks (the
+    embedding, the final norm and head), gathered as one unit; ``unit_numel``: one block's;
+    ``head``, ``embedding``: whether the stage computes them."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -823,12 +825,36 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
                          np.maximum(grad_s - backward_s - drain_s, one_collective_s))
                 + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
-    # ZeRO-3: each micro-batch's first forward gather and first backward gather have no compute
-    # before them to hide behind, nor its last reduce-scatter after it (parallel/fsdp.py, as FSDP)
-    one_gather_s = gather_s / np.maximum(gathers, 1)
-    block_wise = m * np.maximum(0, seconds / m - mb_s) + m * (2 * one_gather_s + one_collective_s)
-    return {"bytes": sent, "seconds": seconds, **parts,
+    first_s, last_reduce_s = zero3_unhidden(root_numel, unit_numel, head, embedding, replicas, work, bw, latency, gpu,
+                                            intra, wait)
+    if also is not None:
+        first_s, last_reduce_s = first_s + also["first_s"], np.maximum(last_reduce_s, also["last_reduce_s"])
+    block_wise = m * np.maximum(0, seconds / m - mb_s) + m * first_s + last_reduce_s
+    return {"bytes": sent, "seconds": seconds, **parts, "first_s": first_s, "last_reduce_s": last_reduce_s,
             "exposed": np.where(active, np.where(zero == 3, block_wise, per_step), 0)}
+
+
+def zero3_unhidden(root_numel, unit_numel, head, embedding, replicas, work: Workload, bw, latency, gpu, intra, wait=0.0):
+    """ZeRO-3's collectives that nothing computes behind, as parallel/fsdp.py runs them: (seconds
+    per micro-batch, seconds once per step). Per micro-batch, in the forward, the root unit's gather
+    (the stage's embedding, final norm and head), then the first block's, started once the root is
+    in and hidden by nothing but the embedding's lookup; in the backward the root's again and, on
+    a stage without the head (whose backward hides the prefetch), the last block's; and where the
+    stage holds the embedding, whose backward is a scatter-add of no weight, the first block's
+    reduce-scatter, which the root's gradient waits for. Once per step: the last reduce-scatter
+    (the root's where it holds the embedding, else the first block's), with nothing after it. A
+    stage without a root has only its blocks: the first one's gather in the forward, the last one's
+    in the backward."""
+    share = (replicas - 1) / replicas
+    root_numel, unit_numel = np.asarray(root_numel, dtype=float), np.asarray(unit_numel, dtype=float)
+
+    def collective(kind, numel, nbytes):
+        return np.where(numel > 0, _collective_time(gpu, (kind,), share * numel * nbytes, 1, replicas - 1, bw, latency,
+                                                     intra, wait), 0)
+    root_gather, unit_gather = (collective("all_gather", n, work.param_bytes) for n in (root_numel, unit_numel))
+    root_reduce, unit_reduce = (collective("reduce_scatter", n, work.grad_bytes) for n in (root_numel, unit_numel))
+    per_microbatch = 2 * root_gather + unit_gather + np.where(head, 0, unit_gather) + np.where(embedding, unit_reduce, 0)
+    return per_microbatch, np.where(embedding & (root_numel > 0), root_reduce, unit_reduce)
 
 
 def _ring_time(bytes_sent, steps, link_bw, latency):
@@ -1070,16 +1096,22 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
     dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait)
+    # ZeRO-3's units: the blocks, and a root of what else the stage holds (parallel/fsdp.py)
+    first_root, last_root = first_numel - block_numel, last_numel - block_numel_last
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
-                             mb_s, drain_s, **dp_kinds)
+                             mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=True,
+                             embedding=single_stage, **dp_kinds)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
-                              forward_s, mb_s, 0, **dp_kinds)
+                              forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params / t,
+                              head=single_stage | v_shape, embedding=True, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), on the same
         # link and behind the same backward as the rest: the two groups' exposure together
         dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, dp_bw, dp_lat, backward_s,
-                                 forward_s, mb_s, drain_s, also=dp_last, **dp_kinds)
+                                 forward_s, mb_s, drain_s, also=dp_last, unit_numel=np.where(moe_last > 0, expert_block, 0),
+                                 head=False, embedding=False, **dp_kinds)
         dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, dp_bw, dp_lat, backward_s,
-                                  forward_s, mb_s, 0, also=dp_first, **dp_kinds)
+                                  forward_s, mb_s, 0, also=dp_first, unit_numel=np.where(moe_first > 0, expert_block, 0),
+                                  head=False, embedding=False, **dp_kinds)
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
