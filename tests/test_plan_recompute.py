@@ -184,3 +184,16 @@ def test_torchtitan_peaks_within_5_percent():
         assert got["fits"]
     measured = {r["hardware"]["num_gpus"]: r["measured"]["peak_memory_gib"] for r in rows}
     assert predicted[8] - predicted[128] == pytest.approx(measured[8] - measured[128], abs=0.5)
+
+
+def test_op_sac_sends_no_context_parallel_bytes_again():
+    """Under op-level SAC the attention kernel's output is saved, and a context-parallel ring runs
+    inside that kernel's call, so the recomputation repeats none of the ring's sends; Korthikanti's
+    selective reruns the core and its forward sends, (cp − 1)·B_kv per layer and micro-batch."""
+    line = dict(LLAMA_8B, global_batch=16, num_gpus=16, dp=4, cp=4, cp_method="ring")
+    cp_bytes = {rc: _estimate(**line, zero=zero, recompute=rc)["comm"]["cp_bytes"]
+                for rc, zero in (("none", 3), ("op", 3), ("selective", 1))}
+    assert cp_bytes["op"] == cp_bytes["none"]
+    b_kv = 2 * 2 * (8192 // 4) * 8 * 128 * 2  # key and value, micro-batch 2, a rank's tokens, 8 kv heads, bf16
+    micro_batches = 16 // (4 * 2)
+    assert cp_bytes["selective"] - cp_bytes["none"] == pytest.approx(32 * micro_batches * 3 * b_kv, rel=1e-12)
