@@ -5,7 +5,8 @@ FLOPs 6·N + 12·L·s·(heads·head_dim) per token, non-causal attention, no rec
 
     .venv/bin/python bench/published_score.py [--json]
 
-Prints each run's measured and predicted MFU and whether it fits, the mean absolute percentage
+Prints each run's measured and predicted MFU, its predicted peak memory (and the measured one where
+published) and whether it fits, the mean absolute percentage
 error of MFU over all runs and per study, and the rank correlation within each study. Runs
 without a global batch, or with only memory figures, are left out (listed at the end).
 Where a run does not state its micro-batch, the fastest micro-batch (and schedule) that fits is
@@ -23,8 +24,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "published_calibration.json"
-GPUS = {"A100-SXM4-80GB": "a100-80gb", "a100_80gb": "a100-80gb", "h100_80gb": "h100-sxm",
-        "H100-SXM5-80GB": "h100-sxm", "H100 96GB HBM2e @500W (Grand Teton)": "h100-sxm"}
+# Each run's GPU: a catalog name, or a --cluster file for a part the catalog lacks (torchtitan's
+# 96 GB HBM2e H100 at 500 W: its stated memory and bandwidth, the SXM5 peak the source prices it at).
+GPUS = {"A100-SXM4-80GB": {"gpu": "a100-80gb"}, "a100_80gb": {"gpu": "a100-80gb"}, "h100_80gb": {"gpu": "h100-sxm"},
+        "H100-SXM5-80GB": {"gpu": "h100-sxm"},
+        "H100 96GB HBM2e @500W (Grand Teton)": {"cluster": str(ROOT / "bench" / "clusters" / "h100-96gb-hbm2e-500w.toml")}}
 
 
 def batch_lines(row: dict) -> list[dict]:
@@ -37,7 +41,7 @@ def batch_lines(row: dict) -> list[dict]:
     base = {"arch": "llama" if llama else "gpt", "layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
             "kv_heads": m["kv_heads"], "ffn": m["ffn"], "vocab": m["vocab"], "seq_len": m["seq_len"],
             "tie_embeddings": False if llama else True, "global_batch": batch["global_batch_seqs"],
-            "gpu": GPUS[hw["gpu"]], "num_gpus": hw["num_gpus"], "gpus_per_node": hw.get("gpus_per_node") or 8,
+            **GPUS[hw["gpu"]], "num_gpus": hw["num_gpus"], "gpus_per_node": hw.get("gpus_per_node") or 8,
             "tp": par["tp"], "pp": par["pp"], "dp": par["dp"], "zero": zero, "recompute": recompute,
             "sequence_parallel": bool(par["sequence_parallel"]) or (par["tp"] > 1 and "megatron_core" in row["group"]),
             "attention": "eager" if row["group"].startswith("korthikanti") else "flash"}
@@ -99,7 +103,9 @@ def score(rows: list[dict]) -> dict:
         predicted = best["tokens_per_s"] / best["num_gpus"]
         mfu_measured = best["mfu"] * measured / predicted  # same FLOPs per token and peak on both sides
         scored.append({"id": row["id"], "group": row["group"], "mfu_measured": mfu_measured, "mfu_predicted": best["mfu"],
-                       "error": best["mfu"] / mfu_measured - 1, "fits": best["fits"]})
+                       "error": best["mfu"] / mfu_measured - 1, "fits": best["fits"],
+                       "memory_gib_predicted": best["memory_gib"]["total"],
+                       "memory_gib_measured": row["measured"].get("peak_memory_gib")})
     errors = np.array([abs(s["error"]) for s in scored])
     groups = sorted({s["group"] for s in scored})
     per_group = {g: {"mape": float(np.mean([abs(s["error"]) for s in scored if s["group"] == g])),
@@ -118,8 +124,10 @@ def main(as_json):
         click.echo(json.dumps(result, indent=1))
         return
     for s in result["runs"]:
+        memory = f"  {s['memory_gib_predicted']:5.1f} GiB" + (f" (measured {s['memory_gib_measured']:.1f})"
+                                                              if s["memory_gib_measured"] else "")
         click.echo(f"{s['id']:45s} measured {s['mfu_measured']:6.1%}  predicted {s['mfu_predicted']:6.1%}  "
-                   f"{s['error']:+6.1%}{'' if s['fits'] else '  (predicted not to fit)'}")
+                   f"{s['error']:+6.1%}{memory}{'' if s['fits'] else '  (predicted not to fit)'}")
     click.echo(f"MFU MAPE {result['mape']:.1%} over {len(result['runs'])} runs")
     for g, v in result["per_study"].items():
         click.echo(f"  {g:40s} MAPE {v['mape']:5.1%}  rank correlation {v['rank_correlation']:+.2f}  ({v['runs']} runs)")

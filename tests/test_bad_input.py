@@ -98,7 +98,7 @@ def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monk
     with pytest.raises(ConfigError) as err:
         check_run(load_config(None, base(workspace) + sets))
     line = str(err.value)
-    assert line.startswith("memory: each rank needs about 1.1 GiB (") and "activations 1.1" in line and "\n" not in line
+    assert line.startswith("memory: each rank needs about 1.4 GiB (") and "activations 1.4" in line and "\n" not in line
     assert ", but 0.8 GiB are available here; a layout that fits: --set " in line
     advice = line.split("a layout that fits: --set ")[1].split(" (about")[0].split(" --set ")
     assert advice and all(a.startswith(("parallel.", "train.")) for a in advice)

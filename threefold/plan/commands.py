@@ -150,6 +150,7 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=bool(o.get("sequence_parallel")))
+    layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
 

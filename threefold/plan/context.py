@@ -72,7 +72,7 @@ def messages_per_layer(method, cp, recompute="none"):
     cp − 1 (ring, allgather), 4·(cp − 1) (ulysses, full only)."""
     method, recompute, cp = _method_index(method), _recompute_index(recompute), np.asarray(cp)
     ulysses = method == METHODS.index("ulysses")
-    again = np.where(ulysses, np.where(recompute == 2, 4 * (cp - 1), 0), np.where(recompute > 0, cp - 1, 0))
+    again = np.where(ulysses, np.where(recompute == 2, 4 * (cp - 1), 0), np.where(_reruns_core(recompute), cp - 1, 0))
     return _number(np.where(cp > 1, np.choose(method, [3 * cp - 2, 3 * (cp - 1), 8 * (cp - 1)]) + again, 0))
 
 
@@ -83,7 +83,7 @@ def recompute_bytes_per_layer(method, recompute, cp, b_q, b_kv):
     method, recompute = _method_index(method), _recompute_index(recompute)
     cp = np.asarray(cp)
     ulysses_full = np.where(recompute == 2, (cp - 1) / cp * (2 * b_q + b_kv), 0.0)
-    forward_again = np.where(recompute > 0, (cp - 1) * b_kv, 0.0)
+    forward_again = np.where(_reruns_core(recompute), (cp - 1) * b_kv, 0.0)
     return _number(np.where(method == METHODS.index("ulysses"), ulysses_full, forward_again))
 
 
@@ -106,6 +106,15 @@ def _method_index(method):
 
 def _recompute_index(recompute):
     return ("none", "selective", "full").index(recompute) if isinstance(recompute, str) else np.asarray(recompute)
+
+
+def _reruns_core(recompute):
+    """Whether the recomputation (an index into the planner's RECOMPUTE: none, selective, full, op)
+    reruns the attention core, its sends included: selective and full do; op-level selective
+    checkpointing (index 3) saves the attention kernel's output, and a context-parallel attention
+    runs inside that kernel's call (PyTorch's context_parallel dispatches the SDPA operator to its
+    ring), so nothing of it is rerun."""
+    return (recompute == 1) | (recompute == 2)
 
 
 def cp_bytes_per_step(method: str, cp: int, recompute: str, layers: int, microbatches: int, micro_batch: int,

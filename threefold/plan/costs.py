@@ -101,13 +101,19 @@ def model_flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * matmul_param_count(cfg) + 3.0 * attention_flops_per_token(cfg)
 
 
-def recompute_flops_per_token(cfg: ModelConfig) -> tuple[float, float, float]:
+def recompute_flops_per_token(cfg: ModelConfig) -> tuple[float, float, float, float]:
     """Extra forward FLOPs per token that recomputation executes, for each of RECOMPUTE.
 
     full: every block's forward runs twice (the logits are not recomputed);
-    selective: the attention core's forward runs twice (Korthikanti et al. 2022).
+    selective: the attention core's forward runs twice (Korthikanti et al. 2022);
+    op: the products that op-level selective checkpointing does not save run again
+    (``op_recomputed_products``: every second one; of an MoE block, its attention's).
     """
-    return 0.0, attention_flops_per_token(cfg), 2.0 * active_block_param_count(cfg) + attention_flops_per_token(cfg)
+    dense_layers = cfg.layers - moe_layer_count(cfg)
+    op = 2.0 * (dense_layers * sum(k * n for k, n in op_recomputed_products(cfg, 1))
+                + moe_layer_count(cfg) * sum(k * n for k, n in op_recomputed_products(cfg, 1, attention_only=True)))
+    return (0.0, attention_flops_per_token(cfg), 2.0 * active_block_param_count(cfg) + attention_flops_per_token(cfg),
+            op)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
@@ -239,8 +245,13 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     """
     sp = np.asarray(sequence_parallel, dtype=bool)
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
+    op = _recompute_index(recompute) == RECOMPUTE.index("op")
     recomputed = np.where(sp, 1.5, 1.0) if arch == "llama" else 2.0
-    per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, 0.0)
+    # op-level SAC (``block_activation_bytes``) keeps the reduce-scatters' outputs, not the
+    # gathers: with SP it gathers both sublayers' inputs again (½ + ½); without SP it repeats the
+    # attention's g (Llama; GPT's dropout mask after the MLP's g repeats both, 2), as full does.
+    op_recomputed = np.where(sp, 1.0, 1.0 if arch == "llama" else 2.0)
+    per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, np.where(op, op_recomputed, 0.0))
     moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
     return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
                             + np.where(sp, 1.5, 1.0))
@@ -353,8 +364,28 @@ def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4
 # Layouts
 # --------------------------------------------------------------------------------------------
 
-RECOMPUTE = ("none", "selective", "full")
+# none; selective: Korthikanti et al.'s, the attention core (Megatron's --recompute-activations);
+# full: each block; op: op-level selective activation checkpointing (torchtitan's "selective"
+# with selective_ac_option "op": ``block_activation_bytes``). ``recompute_policy`` reads the
+# name "selective" of a ZeRO-3 layout under flash attention as op (docs/planner.md).
+RECOMPUTE = ("none", "selective", "full", "op")
 ATTENTION = ("flash", "eager")
+
+
+def recompute_policy(recompute, zero, attention: str = "flash"):
+    """The recomputation a user's ``--recompute`` names, as an index into RECOMPUTE (arrays of
+    layouts elementwise): "selective" on a ZeRO-3 layout under flash attention is op-level SAC,
+    what the FSDP frameworks that offer a selective mode run there (torchtitan's default
+    ``selective_ac_option = "op"``), since the attention core Megatron's selective reruns stores
+    nothing under flash; everything else as named. The engine's own runs (compare, dryrun) do not
+    go through here: its selective is the attention core at any ZeRO stage."""
+    index = _recompute_index(recompute)
+    if attention == "eager" and np.any(index == RECOMPUTE.index("op")):
+        raise ConfigError("--recompute: op (op-level selective checkpointing) saves the fused attention kernel's "
+                          "output; it needs --attention flash")
+    op = (index == RECOMPUTE.index("selective")) & (np.asarray(zero) == 3) & (attention == "flash")
+    resolved = np.where(op, RECOMPUTE.index("op"), index)
+    return int(resolved) if np.ndim(resolved) == 0 else resolved
 
 
 @dataclass
@@ -571,18 +602,48 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     """Bytes one block saves for backward on one TP rank, for a micro-batch of ``tokens`` tokens.
 
     Without recomputation everything in ``activation_coefficients``; selective drops the
-    attention core; full keeps only the block's input. Sequence parallelism splits the
-    replicated part (and the block input) over the TP ranks. ``recompute`` is a name or an index
-    into RECOMPUTE; the sizes may be numpy arrays.
+    attention core; full keeps only the block's input; op what ``op_checkpoint_bytes`` keeps.
+    Sequence parallelism splits the replicated part (and the block input) over the TP ranks.
+    ``recompute`` is a name or an index into RECOMPUTE; the sizes may be numpy arrays.
     """
     coef = activation_coefficients(model, attention, dtype_bytes)
     recompute = _recompute_index(recompute)
     tp = np.asarray(tp)
     seq_split = np.where(np.asarray(sequence_parallel, dtype=bool), tp, 1)
     kept = tokens * (coef["replicated"] / seq_split + coef["sharded"] / tp)
+    op_kept = op_checkpoint_bytes(model, tokens, tp, sequence_parallel, dtype_bytes)
     return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), tokens * coef["checkpoint"] / seq_split,
                                      np.where(recompute == RECOMPUTE.index("selective"), kept,
-                                              kept + tokens * coef["core"] / tp)))
+                                              np.where(recompute == RECOMPUTE.index("op"), op_kept,
+                                                       kept + tokens * coef["core"] / tp))))
+
+
+def op_checkpoint_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES):
+    """Bytes one block keeps for backward under op-level selective activation checkpointing, on
+    one tp rank for ``tokens`` tokens: torchtitan's policy (``_save_list`` in
+    torchtitan/parallelisms/parallelize_llama.py, 2024), which wraps each block in a
+    non-reentrant checkpoint and saves the outputs of the matrix products except every second
+    one (``op_saved_products``), of the fused attention kernel, and of the reduce-scatters;
+    every other operator (norms, rotary, SwiGLU's elementwise, the products not saved) runs
+    again in the backward. With d = dtype_bytes, per token:
+
+      the block's input (the checkpoint's argument)        d·h / (tp under SP)
+      the saved products' outputs: Llama wq, wv, w_gate,   d·(q + kv + f)/tp + d·h
+        w_down; GPT the fused QKV and fc1. A row-parallel  (GPT: d·(q + 2kv + f)/tp)
+        product's output is whole rows of partial sums
+      scaled_dot_product_attention: its output, and its    d·q/tp + 4·heads/tp
+        fp32 log-sum-exp per head (flash's, or the
+        memory-efficient kernel's)
+      under SP, the two reduce-scatters' outputs           2·d·h/tp
+    Flash attention only: the policy saves the fused kernel's outputs, which eager attention has
+    none of (``recompute_policy`` refuses op under eager)."""
+    h, a = model.hidden, model.heads
+    q, _ = attention_width(model)
+    d, t = dtype_bytes, np.asarray(tp)
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    products = sum(d * n for _, n in op_saved_products(model, t))
+    attention = d * q / t + 4 * a / t
+    return _scalar_or_array(tokens * (d * h / np.where(sp, t, 1) + products + attention + np.where(sp, 2 * d * h / t, 0)))
 
 
 def moe_layers_below(cfg: ModelConfig, n):
@@ -706,6 +767,21 @@ def layer_products(cfg: ModelConfig, tp) -> list[tuple]:
     return [(h, (q + 2 * kv) / tp), (q / tp, h), (h, f / tp), (f / tp, h)]
 
 
+def op_saved_products(cfg: ModelConfig, tp) -> list[tuple]:
+    """(K, N) of the products whose outputs op-level SAC keeps: the 1st, 3rd, … of a block's
+    forward in order (torchtitan's policy counts ``aten.mm`` calls and saves all but every
+    second): Llama wq, wv, w_gate, w_down; GPT the fused QKV and fc1."""
+    return layer_products(cfg, tp)[0::2]
+
+
+def op_recomputed_products(cfg: ModelConfig, tp, attention_only: bool = False) -> list[tuple]:
+    """(K, N) of the products op-level SAC runs again in the backward, the 2nd, 4th, …: Llama
+    wk, wo, w_up; GPT wo, fc2. ``attention_only``: of an MoE block, its attention's (wk, wo);
+    its feed-forward is taken as kept whole (the 2024 policy predates MoE blocks)."""
+    products = layer_products(cfg, tp)
+    return (products[:4] if attention_only and cfg.arch == "llama" else products)[1::2]
+
+
 def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
     """Seconds of one (m×k)·(k×n) product: a smooth roofline. Its arithmetic time 2mkn / (peak ·
     matmul efficiency) and its memory time (reading both operands, writing the result) / (HBM
@@ -736,6 +812,7 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     t, c, e, b = (np.asarray(x) for x in (layout.tp, layout.cp, layout.ep, layout.micro_batch))
     sp, recompute = np.asarray(layout.sequence_parallel, dtype=bool), _recompute_index(layout.recompute)
     full, selective = recompute == RECOMPUTE.index("full"), recompute == RECOMPUTE.index("selective")
+    op = recompute == RECOMPUTE.index("op")
     tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
     rows = tokens  # the products see the whole micro-batch (sequence parallelism gathers it first)
     a_bytes = work.activation_bytes
@@ -746,19 +823,26 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     core_s = tokens / t * attention_executed / attention_rate  # one layer's forward
     recomputed_core = np.where(selective, 0.5 * tokens * coef["core"] / t, 0)  # selective: the core's tensors again
 
-    def block(gemm_s, saved):
+    def block(gemm_s, saved, op_gemm_s):
         """A block whose forward products take ``gemm_s`` and which saves ``saved`` bytes without recomputation:
-        full recomputation runs its forward again (and its tensors' traffic half again)."""
-        math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s, 0))
-        memory = ELEMENTWISE_PASSES * (saved * np.where(full, 1.5, 1.0) + recomputed_core) / hbm
-        # a CPU's fixed cost per block and micro-batch (0 on a GPU); full recomputation's forward again
-        memory = memory + gpu.block_overhead_s * np.where(full, 4 / 3, 1.0)
+        full recomputation runs its forward again (and its tensors' traffic half again); op-level
+        SAC runs every memory-bound operator of the forward again, as full does, but of the
+        products only those it does not save (``op_gemm_s``) and not the attention core."""
+        again = full | op  # the forward's memory-bound operators run twice
+        math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s,
+                                                                                 np.where(op, op_gemm_s, 0)))
+        memory = ELEMENTWISE_PASSES * (saved * np.where(again, 1.5, 1.0) + recomputed_core) / hbm
+        # a CPU's fixed cost per block and micro-batch (0 on a GPU); a recomputed forward's again
+        memory = memory + gpu.block_overhead_s * np.where(again, 4 / 3, 1.0)
         return {"math": math, "gemm": 3 * gemm_s, "memory": memory}
 
-    layer_gemm_s = sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in layer_products(cfg, t))
+    def products_s(products):
+        return sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in products)
+
+    layer_gemm_s = products_s(layer_products(cfg, t))
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, a_bytes)
     head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
-    parts = {"block": block(layer_gemm_s, layer_all), "core": core_s,
+    parts = {"block": block(layer_gemm_s, layer_all, products_s(op_recomputed_products(cfg, t))), "core": core_s,
              # cross-entropy: read 16-bit logits, write and re-read fp32 ones
              "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s, "memory": tokens * 12 * V / t / hbm}}
     if cfg.moe_experts:
@@ -776,7 +860,8 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
                                                    + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes)
-        parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all)
+        parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all,
+                                   products_s(op_recomputed_products(cfg, t, attention_only=True)))
     return parts
 
 
@@ -902,6 +987,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
     full = recompute == RECOMPUTE.index("full")
+    op = recompute == RECOMPUTE.index("op")
     single_stage = p == 1
     # The registry's placement: DualPipeV's V fixes 2 stages per rank and puts both ends on rank 0.
     fixed_chunks = np.array([spec.stages_per_rank or 0 for spec in SCHEDULE_REGISTRY.values()])[schedule]
@@ -930,18 +1016,29 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # schedule's closed forms in the registry; one when there is no pipeline.
     in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
     in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
-    recompute_workspace = np.where(full, layer_all, 0)  # the block being recomputed during backward
+    # the block being recomputed during backward: all it saves without recomputation (op: its
+    # saved outputs are among them, an upper bound)
+    recompute_workspace = np.where(full | op, layer_all, 0)
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
     if moe:
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes)
         moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes)
         recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
-    block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first + recompute_workspace
-    block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last + recompute_workspace
+    block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
+    block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
     logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
-    act_first = block_act_first + embedding_act + np.where(single_stage | v_shape, logits_act, 0)
-    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act))
+    # The loss's backward, while every block's activations are still held: beside the saved fp32
+    # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
+    # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still
+    # references or whose freed block the caching allocator cannot give to the larger fp32 tensors.
+    # It and a recomputed block's workspace are never live at once: the larger counts.
+    loss_workspace = tokens * (work.activation_bytes + 8) * V / t
+    head_first = single_stage | v_shape
+    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act, 0)
+                 + np.maximum(recompute_workspace, np.where(head_first, loss_workspace, 0)))
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act)
+                        + np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace)))
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
@@ -962,18 +1059,22 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
     last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
-    gathered_params = np.where(zero == 3, 2 * largest_block * work.param_bytes, 0)  # ZeRO-3: current + prefetched block
     gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
 
-    def states(numel, expert_numel):
+    def states(numel, expert_numel, outside_blocks):
+        """ZeRO-3 also holds gathered: the current and the prefetched block, and the parameters
+        outside the blocks (embedding, final norm, head), FSDP's root unit, which FSDP and FSDP2
+        never reshard after the forward (the backward needs them at once)."""
         st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
         if moe:  # the experts' states: ZeRO shards them over the ranks that hold the same experts
             ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
                                    work.optimizer_bytes)
             st = {key: st[key] + ex[key] for key in st}
+        gathered_params = np.where(zero == 3, (2 * largest_block + outside_blocks) * work.param_bytes, 0)
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
-    first_states, last_states = states(first_numel, expert_first), states(last_numel, expert_last)
+    first_states = states(first_numel, expert_first, first_numel - block_numel)
+    last_states = states(last_numel, expert_last, last_numel - block_numel_last)
     # 2bw, pipedream: whole copies of each stage's weights, one per version its batches use
     versions_first, staleness = weight_versions(schedule, p, 0)
     versions_last, _ = weight_versions(schedule, p, p - 1)

@@ -16,7 +16,7 @@ import numpy as np
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule
 from threefold.plan import costs, report
-from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout, Workload
+from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout, Workload, recompute_policy
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
@@ -107,10 +107,11 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     base = np.array(grids, dtype=np.int64)
     # Every base row with every ZeRO stage and recomputation mode (or the fixed ones).
     zeros = np.array([fixed["zero"]] if "zero" in fixed else range(4))
-    modes = np.array([RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else range(len(RECOMPUTE)))
+    # The named modes none, selective, full; recompute_policy reads selective at ZeRO-3 as op.
+    modes = np.array([RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else range(RECOMPUTE.index("op")))
     rows = np.repeat(base, len(zeros) * len(modes), axis=0)
     zero = np.tile(np.repeat(zeros, len(modes)), len(base))
-    recompute = np.tile(modes, len(zeros) * len(base))
+    recompute = recompute_policy(np.tile(modes, len(zeros) * len(base)), zero, work.attention)
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                   sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
