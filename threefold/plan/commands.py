@@ -200,7 +200,10 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--recompute", type=click.Choice(costs.RECOMPUTE), default="none", show_default=True)
+@click.option("--recompute", type=click.Choice(costs.RECOMPUTE), default="none", show_default=True,
+              help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
+                   "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
+                   "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
 @click.option("--schedule", type=click.Choice(costs.SCHEDULES), default="1f1b", show_default=True)
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="Evaluate every JSON line of this file; print one JSON line each, in order.")
