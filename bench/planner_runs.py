@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from threefold.plan.calibrate import OtherProcesses
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "planner_runs"
@@ -65,22 +66,6 @@ def load_1min() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and
-    iowait), or None where there is no /proc/stat."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU seconds of this script's finished children (the training ranks among them)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | None:
     """Train one run, calling ``advance(steps done)`` as its metrics file grows; its manifest
     entry, or None (with the reason printed) if it failed."""
@@ -90,8 +75,8 @@ def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | N
     sets = [*overrides, *QUIET, f"train.steps={steps}"]
     metrics = out / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
-    load_before, busy_before, own_before, began = load_1min(), busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
+    load_before, began = load_1min(), time.perf_counter()
+    with open(out / f"{name}.log", "w") as log, OtherProcesses() as others:
         proc = subprocess.Popen(threefold_command("train", "--config", config, *(a for s in sets for a in ("--set", s)),
                                                   "--metrics-file", str(metrics), "--no-progress"),
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -99,10 +84,6 @@ def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | N
             time.sleep(0.5)
             advance(len(metrics.read_text().splitlines()) if metrics.exists() else 0)
     seconds = time.perf_counter() - began
-    busy_after = busy_cpu_seconds()
-    # The cores other processes kept busy meanwhile: the machine's busy time less this run's own.
-    others = (None if busy_before is None or busy_after is None else
-              round(max(0.0, busy_after - busy_before - (own_cpu_seconds() - own_before)) / seconds, 2))
     if proc.returncode:
         tail = (out / f"{name}.log").read_text().strip().splitlines()[-1:]
         click.echo(f"{name}: failed ({proc.returncode}): {tail}", err=True)
@@ -112,7 +93,7 @@ def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | N
     vocab = load_run(ROOT / config, sets).model.vocab_size  # so that replaying needs no tokenizer
     return {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"], "metrics": f"{name}.jsonl",
             "seconds": round(seconds, 1), "load_1min_before": load_before, "load_1min_after": load_1min(),
-            "other_processes_cores": others}
+            "other_processes_cores": None if others.cores is None else round(others.cores, 2)}
 
 
 def summarize(out: Path, manifest: dict, console: Console) -> dict:

@@ -263,3 +263,37 @@ def test_with_more_workers_than_cores_a_step_takes_the_larger_of_the_cpu_work_an
     busy = est["compute_s"] + est["memory_bound_s"] + est["optimizer_s"] + est["contention_s"]
     assert est["step_time_s"] == pytest.approx(max(busy, busy * 0.25 + terms - busy))
     assert est["step_time_s"] < terms  # the waits hand their cores to the computing ranks
+
+
+def test_other_processes_counts_a_busy_neighbour():
+    """A process spinning beside the block (not yet reaped, so not this process's) counts as
+    about one busy core; this process's own sleeping counts for nothing."""
+    import subprocess
+    import sys
+    import time
+
+    with calibrate.OtherProcesses() as others:
+        spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+        time.sleep(1.2)
+    spinner.wait()
+    assert others.cores is not None and 0.5 < others.cores < calibrate.cpu_cores() + 0.5
+
+
+def test_a_profile_measured_beside_busy_processes_is_flagged(tmp_path, monkeypatch, capsys):
+    class Busy:
+        def __enter__(self):
+            self.cores = None
+            return self
+
+        def __exit__(self, *exc):
+            self.cores = 1.9
+
+    profile = {k: v for k, v in recorded_profile().items() if k not in calibrate.FITTED_KEYS}
+    monkeypatch.setattr(calibrate, "measure_profile", lambda settings, on_step: dict(profile))
+    monkeypatch.setattr(calibrate, "OtherProcesses", Busy)
+    out = tmp_path / "profile.json"
+    assert cli.main(["calibrate", "--quick", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: other processes kept 1.9 of the 2 cores busy" in err.replace(
+        f"of the {profile['gpus_per_node']} cores", "of the 2 cores")
+    assert calibrate.load_profile(out)["other_processes_cores"] == 1.9

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import queue
+import resource
 import time
 from pathlib import Path
 
@@ -434,6 +435,42 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     }
 
 
+class OtherProcesses:
+    """Context manager: ``cores``, how many cores other processes kept busy while the block ran
+    (the machine's busy CPU time from /proc/stat, less this process's and its finished
+    children's, over the wall time), or None where there is no /proc/stat. A measurement taken
+    beside them describes the neighbours as much as the machine."""
+
+    def __enter__(self):
+        self.cores = None
+        self._began, self._busy, self._own = time.perf_counter(), machine_busy_seconds(), own_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, seconds = machine_busy_seconds(), time.perf_counter() - self._began
+        if busy is not None and self._busy is not None and seconds > 0:
+            self.cores = max(0.0, busy - self._busy - (own_cpu_seconds() - self._own)) / seconds
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat: all but idle and
+    iowait), or None where there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have finished (spawned workers)."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+BUSY_CORES = 0.25  # above this share of the cores used by others, a profile is flagged
+
+
 # --- the command ----------------------------------------------------------------------------
 def profile_table(profile: dict, path: Path) -> Table:
     table = Table(title=f"Machine profile ({path})")
@@ -457,6 +494,8 @@ def profile_table(profile: dict, path: Path) -> Table:
         *((f"a small collective, {w} processes computing", f"{t * 1e3:,.2f} ms")
           for w, t in profile.get("oversubscribed_wait_s", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
+        *((("other processes meanwhile", f"{profile['other_processes_cores']:.2f} cores"),)
+          if "other_processes_cores" in profile else ()),
         ("torch", profile["torch_version"]),
     ]
     for name, value in rows:
@@ -486,14 +525,20 @@ def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, run
     settings = QUICK if quick else FULL
     progress = Progress(SpinnerColumn(), TextColumn("measuring {task.description}"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
-    with progress:
+    with progress, OtherProcesses() as others:
         task = progress.add_task("", total=None)
         try:
             profile = measure_profile(settings, lambda description: progress.update(task, description=description))
         except RuntimeError as err:
             raise click.ClickException(str(err)) from None
+    if others.cores is not None:
+        profile["other_processes_cores"] = round(others.cores, 2)
     path = save_profile(profile, out)
     if as_json:
         click.echo(json.dumps(profile))
     else:
         Console().print(profile_table(profile, path))
+    if others.cores is not None and others.cores > BUSY_CORES * profile["gpus_per_node"]:
+        click.echo(f"warning: other processes kept {others.cores:.1f} of the {profile['gpus_per_node']} cores busy "
+                   f"while calibrate measured (fp32 matmul {profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s): the "
+                   "profile describes a busy machine; run `threefold calibrate` again when it is idle", err=True)
