@@ -107,14 +107,14 @@ def draw(runs: list[dict], beside: list[dict], path: Path) -> None:
 @click.option("--set", "overrides", multiple=True, help="a config override for both runs, section.key=value")
 @click.option("--moe", "moe_preset", default=None, help="the MoE preset (default: configs/moe.toml's)")
 @click.option("--moe-set", "moe_sets", multiple=True, help="a config override for the MoE run only (named in its label)")
-@click.option("--metrics", multiple=True, help="LABEL=FILE: a finished run's metrics JSONL (dense first); no training")
+@click.option("--metrics", multiple=True, help="LABEL=FILE (split at the last =): a finished run's metrics JSONL (dense first); no training")
 @click.option("--beside", multiple=True, help="LABEL of a run in the results to draw dashed beside these")
 @click.option("--no-draw", is_flag=True, help="only add the runs to the results; leave the picture as it is")
 @click.option("--together", is_flag=True, help="train the two at once, two processes of one thread each")
 def main(overrides: tuple[str, ...], moe_preset: str | None, moe_sets: tuple[str, ...], metrics: tuple[str, ...],
          beside: tuple[str, ...], no_draw: bool, together: bool) -> None:
     if metrics:
-        runs = [summary(label, Path(path)) for label, path in (m.split("=", 1) for m in metrics)]
+        runs = [summary(label, Path(path)) for label, path in (m.rsplit("=", 1) for m in metrics)]
     else:
         steps = dict(o.split("=", 1) for o in overrides).get("train.steps", "300")
         both = "".join(f", {o}" for o in overrides if not o.startswith("train.steps="))  # the seed, the lr, …
