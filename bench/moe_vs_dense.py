@@ -2,7 +2,8 @@
 
 Trains both with configs/moe.toml, same data, seed, steps, batch and learning-rate schedule
 (``--set model.preset=tiny`` gives the dense peer; ``--moe PRESET`` another MoE than the
-config's), one process each, one after the other. Adds their validation curves and the MoE's
+config's), one process of one thread each, one after the other (``--together``: both at once;
+the runs are deterministic, so the losses are the same). Adds their validation curves and the MoE's
 load balance per step to bench/results/moe_vs_dense.json, beside the runs already there (a run
 of the same label is replaced), and draws this pair, with the earlier runs named by
 ``--beside`` dashed, in docs/img/moe-vs-dense.png (docs/moe.md, "Does the tiny MoE beat dense?").
@@ -12,6 +13,7 @@ dense model).
     .venv/bin/python bench/moe_vs_dense.py --set train.steps=600   # trains both: about 25 min on an idle core
     .venv/bin/python bench/moe_vs_dense.py --beside "tiny-moe, aux 0.01, 300 steps"   # the picture of docs/moe.md
     .venv/bin/python bench/moe_vs_dense.py --moe tiny-moe          # the first tiny MoE, 300 steps
+    .venv/bin/python bench/moe_vs_dense.py --moe-set model.moe_aux_loss_coef=0.05   # a change to the MoE only
 """
 from __future__ import annotations
 
@@ -28,15 +30,28 @@ RESULTS = ROOT / "bench" / "results" / "moe_vs_dense.json"
 PICTURE = ROOT / "docs" / "img" / "moe-vs-dense.png"
 
 
-def train(label: str, overrides: list[str], folder: Path) -> Path:
+def start(label: str, overrides: list[str], folder: Path) -> tuple[subprocess.Popen, Path]:
+    """A training run started in the background, and the path its metrics go to."""
     path = folder / f"{label}.jsonl"
     command = [sys.executable, "-m", "threefold.cli", "train", "--config", str(ROOT / "configs" / "moe.toml"),
                "--metrics-file", str(path), "--no-progress", "--set", "train.sample_tokens=0",
                "--set", "train.threads=1"]  # one thread, as docs/moe.md measured them
     for override in overrides:
         command += ["--set", override]
-    subprocess.run(command, check=True)
-    return path
+    return subprocess.Popen(command), path
+
+
+def train(runs: list[tuple[str, list[str]]], folder: Path, together: bool) -> list[Path]:
+    """Each (label, overrides) trained to the end, one after the other or all at once; their metrics."""
+    started = []
+    for label, overrides in runs:
+        started.append(start(label, overrides, folder))
+        if not together:
+            started[-1][0].wait()
+    for process, path in started:
+        if process.wait():
+            raise SystemExit(f"the run writing {path.name} failed (exit {process.returncode})")
+    return [path for _, path in started]
 
 
 def config_preset() -> str:
@@ -91,19 +106,24 @@ def draw(runs: list[dict], beside: list[dict], path: Path) -> None:
 @click.command()
 @click.option("--set", "overrides", multiple=True, help="a config override for both runs, section.key=value")
 @click.option("--moe", "moe_preset", default=None, help="the MoE preset (default: configs/moe.toml's)")
-@click.option("--metrics", multiple=True, help="LABEL=FILE: a finished run's metrics JSONL (dense first); no training")
+@click.option("--moe-set", "moe_sets", multiple=True, help="a config override for the MoE run only (named in its label)")
+@click.option("--metrics", multiple=True, help="LABEL=FILE (split at the last =): a finished run's metrics JSONL (dense first); no training")
 @click.option("--beside", multiple=True, help="LABEL of a run in the results to draw dashed beside these")
 @click.option("--no-draw", is_flag=True, help="only add the runs to the results; leave the picture as it is")
-def main(overrides: tuple[str, ...], moe_preset: str | None, metrics: tuple[str, ...], beside: tuple[str, ...],
-         no_draw: bool) -> None:
+@click.option("--together", is_flag=True, help="train the two at once, two processes of one thread each")
+def main(overrides: tuple[str, ...], moe_preset: str | None, moe_sets: tuple[str, ...], metrics: tuple[str, ...],
+         beside: tuple[str, ...], no_draw: bool, together: bool) -> None:
     if metrics:
-        runs = [summary(label, Path(path)) for label, path in (m.split("=", 1) for m in metrics)]
+        runs = [summary(label, Path(path)) for label, path in (m.rsplit("=", 1) for m in metrics)]
     else:
         steps = dict(o.split("=", 1) for o in overrides).get("train.steps", "300")
-        moe_overrides = [f"model.preset={moe_preset}"] * bool(moe_preset) + list(overrides)
+        both = "".join(f", {o}" for o in overrides if not o.startswith("train.steps="))  # the seed, the lr, …
+        moe_overrides = [f"model.preset={moe_preset}"] * bool(moe_preset) + list(overrides) + list(moe_sets)
+        moe_label = ", ".join([moe_preset or config_preset(), *moe_sets])
         with tempfile.TemporaryDirectory() as folder:
-            runs = [summary(f"tiny (dense), {steps} steps", train("dense", ["model.preset=tiny", *overrides], Path(folder))),
-                    summary(f"{moe_preset or config_preset()}, {steps} steps", train("moe", moe_overrides, Path(folder)))]
+            dense, moe = train([("dense", ["model.preset=tiny", *overrides]), ("moe", moe_overrides)], Path(folder),
+                               together)
+            runs = [summary(f"tiny (dense), {steps} steps{both}", dense), summary(f"{moe_label}, {steps} steps{both}", moe)]
     everything = merged(runs, RESULTS)
     recorded = {run["label"]: run for run in everything}
     unknown = [label for label in beside if label not in recorded]

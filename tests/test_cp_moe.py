@@ -27,6 +27,10 @@ LAYOUTS = {
                                   "model.moe_capacity_factor=0.5", "train.recompute=full"],
     "dp2-cp2-ep2-zero3": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero=3"],  # experts over cp
     "pp2-cp2-bias": ["parallel.pp=2", "parallel.cp=2"] + BIAS,  # the counts summed over cp and the stages
+    # ST-MoE's router z-loss beside the balance loss: a mean over the share's own tokens, nothing sent
+    "dp2-cp2-ep2-ring-zloss": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.cp_method=ring",
+                               "model.moe_router_z_loss_coef=0.01"],
+    "pp2-cp2-bias-zloss": ["parallel.pp=2", "parallel.cp=2", "model.moe_router_z_loss_coef=0.01"] + BIAS,
     "tp2-cp2-sp-capacity": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
                             "parallel.cp_method=allgather", "model.moe_capacity_factor=0.5"],
 }

@@ -149,11 +149,18 @@ def test_the_aux_loss_equals_its_formula():
         2 * 0.5 * (0.75 + 0.25))
 
 
-def test_the_aux_loss_gradient_is_the_scaled_loss_added_to_the_objective():
+def test_the_router_z_loss_equals_its_formula():
+    # logsumexp of (0, 0) is ln 2, of (ln 3, 0) ln 4 = 2 ln 2: the mean of their squares is 2.5 (ln 2)².
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    assert moe.router_z_loss(logits).item() == pytest.approx(2.5 * math.log(2.0) ** 2)
+
+
+@pytest.mark.parametrize("coef, z_coef", [(0.3, 0.0), (0.0, 0.2), (0.3, 0.2)])
+def test_the_aux_loss_gradient_is_the_scaled_loss_added_to_the_objective(coef, z_coef):
     """Attached by the autograd function (train mode) = added to the loss by hand (eval mode,
-    same weights, the router's inputs caught by hooks)."""
-    scale, coef = 0.25, 0.3
-    m = model(moe_aux_loss_coef=coef)
+    same weights, the router's inputs caught by hooks): the balance loss, the router z-loss, both."""
+    scale = 0.25
+    m = model(moe_aux_loss_coef=coef, moe_router_z_loss_coef=z_coef)
     x = tokens()
     m.train()
     m.set_moe_loss_scale(scale)
@@ -167,7 +174,8 @@ def test_the_aux_loss_gradient_is_the_scaled_loss_added_to_the_objective():
     inputs = layer_inputs(m, x)  # a forward of its own: the sum of both graphs' gradients is the objective's
     loss = cross_entropy(m(x), x)
     routings = [layer.route(h) for layer, h in zip(m.moe_layers(), inputs)]
-    aux = sum(coef * moe.load_balancing_loss(r.scores, r.experts) for r in routings)
+    aux = sum(coef * moe.load_balancing_loss(r.scores, r.experts) + z_coef * moe.router_z_loss(r.logits)
+              for r in routings)
     (loss + scale * aux).backward()
     assert recorded == pytest.approx(aux.item(), rel=1e-5)
     for name, g in grads(m).items():
@@ -319,6 +327,7 @@ def test_any_dense_preset_becomes_moe_with_moe_experts(preset):
     (["model.moe_experts=4", "model.moe_every=0"], "moe_every"),
     (["model.moe_experts=4", "model.moe_aux_loss_coef=-0.1"], "model.moe_aux_loss_coef: must not be negative"),
     (["model.moe_experts=4", "model.moe_bias_rate=-1"], "model.moe_bias_rate: must not be negative"),
+    (["model.moe_experts=4", "model.moe_router_z_loss_coef=-0.001"], "model.moe_router_z_loss_coef: must not be negative"),
 ])
 def test_bad_moe_config_is_one_line(overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -50,6 +50,7 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(factor·tokens·k/experts)
     moe_aux_loss_coef: float = 0.01  # the Switch/GShard load-balancing loss's coefficient; 0: none
     moe_bias_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free bias step γ; 0: no bias
+    moe_router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss coefficient (1e-3 there); 0: none
 
     @property
     def n_kv_heads(self) -> int:
@@ -119,7 +120,7 @@ class ModelConfig:
                               f"{self.layers} layers")
         if self.moe_router not in ("softmax", "sigmoid"):
             raise ConfigError(f"model.moe_router: must be 'softmax' or 'sigmoid', got {self.moe_router!r}")
-        for key in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate"):
+        for key in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate", "moe_router_z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must not be negative, got {getattr(self, key)}")
 

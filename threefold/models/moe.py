@@ -46,6 +46,11 @@ Load balance, two ways:
   unchanged, and its backward adds ``aux_loss_scale`` × d(aux)/dθ, where the trainer sets the
   scale to 1/micro-batches, the factor the engine puts on each micro-batch's loss. So neither
   the loss code nor the pipeline runtime knows about it.
+- (not a balance rule, but on the same path) ST-MoE's router z-loss, the mean of each token's
+  (logsumexp of the logits)², with coefficient ``moe_router_z_loss_coef``: per micro-batch and
+  through ``AuxLossAutoScaler`` like the balance loss, added to it in the ``aux_loss`` metric.
+  It depends only on the call's own tokens' logits, so a share of a micro-batch needs nothing
+  from the other shares.
 - DeepSeek-V3's auxiliary-loss-free bias: after each optimizer step, b_i += γ · sign(mean −
   n_i) from the tokens n_i routed to expert i over the whole step (``end_step``; counts summed
   over ranks by the caller where there are several). It moves only the choice, not the
@@ -67,7 +72,7 @@ ranks of a step counts every token once. Round-robin routing, a rule for loads, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +92,23 @@ class Routing:
     experts: torch.Tensor  # (T, k) int64: the chosen experts, best first
     weights: torch.Tensor  # (T, k) fp32: the combine weights
     kept: torch.Tensor | None  # (T, k) bool: False where the capacity rule dropped it; None: all kept
+    logits: torch.Tensor | None = None  # (T, E) fp32: the router's logits (for the z-loss)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(T, E) fp32 logits of the tokens ``x`` (T, h) for router weights (E, h), whatever the autocast."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float())
+
+
+def scores_of(logits: torch.Tensor, router: str) -> torch.Tensor:
+    """Softmax probabilities or sigmoid affinities of the router's ``logits``."""
+    return logits.softmax(-1) if router == "softmax" else logits.sigmoid()
 
 
 def router_scores(x: torch.Tensor, weight: torch.Tensor, router: str) -> torch.Tensor:
     """(T, E) fp32 scores of the tokens ``x`` (T, h) for router weights (E, h)."""
-    with torch.autocast(x.device.type, enabled=False):
-        logits = F.linear(x.float(), weight.float())
-    return logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    return scores_of(router_logits(x, weight), router)
 
 
 def select_experts(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
@@ -254,6 +269,13 @@ def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, router: str
     return num_experts * (routed.float() / routed.sum() * probs.mean(0)).sum()
 
 
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean over the T tokens of
+    (log Σ_i exp(logit_i))², which keeps the router's logits small. A mean of per-token terms,
+    so, like P of the balance loss, a share's value averages to the micro-batch's."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
 class AuxLossAutoScaler(torch.autograd.Function):
     """Megatron-LM's MoEAuxLossAutoScaler: returns ``output`` unchanged; in backward, passes its
     gradient through and gives ``aux_loss`` the gradient ``scale``, as if ``scale · aux_loss``
@@ -310,6 +332,7 @@ class MoE(nn.Module):
         self.router_kind, self.renormalize = cfg.moe_router, cfg.moe_renormalize
         self.capacity_factor, self.aux_loss_coef, self.bias_rate = (
             cfg.moe_capacity_factor, cfg.moe_aux_loss_coef, cfg.moe_bias_rate)
+        self.z_loss_coef = cfg.moe_router_z_loss_coef
         self.router = nn.Linear(cfg.hidden, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.hidden, cfg.moe_ffn_hidden)
         self.shared = shared
@@ -326,15 +349,16 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor, batch_shape: tuple[int, ...] | None = None) -> Routing:
         """The routing of the tokens ``x`` (T, h), the call's input of leading shape
         ``batch_shape`` (default (T,))."""
-        scores = router_scores(x, self.router.weight, self.router_kind)
+        logits = router_logits(x, self.router.weight)
+        scores = scores_of(logits, self.router_kind)
         if self.routing == "round_robin":  # the call's own capacity: a rule for loads, not values
             capacity = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-            return round_robin_routing(scores, self.top_k, capacity, self.renormalize)
+            return replace(round_robin_routing(scores, self.top_k, capacity, self.renormalize), logits=logits)
         bias = self.expert_bias if self.bias_rate else None
         experts, weights = select_experts(scores, self.top_k, bias, self.renormalize)
         kept = self.micro_batch.capacity_keep(experts, tuple(batch_shape or x.shape[:1]), self.num_experts,
                                               self.capacity_factor)
-        return Routing(scores, experts, weights, kept)
+        return Routing(scores, experts, weights, kept, logits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -354,6 +378,8 @@ class MoE(nn.Module):
         aux = (self.aux_loss_coef * load_balancing_loss(routing.scores, routing.experts, self.router_kind,
                                                         self.micro_batch.routed_counts(routed))
                if self.aux_loss_coef else routing.scores.new_zeros(()))
+        if self.z_loss_coef:  # per micro-batch like the balance loss, through the same scaler
+            aux = aux + self.z_loss_coef * router_z_loss(routing.logits)
         dropped = routing.experts.new_zeros(()) if routing.kept is None else (~routing.kept).sum()
 
         def record():
@@ -381,8 +407,8 @@ class MoE(nn.Module):
 def step_statistics(layers: list[MoE], counts: torch.Tensor) -> dict:
     """The metrics of one step from its routed ``counts`` (MoE layers, E) and the layers'
     counters: tokens per expert (min, mean, max over every layer's experts), the worst layer's
-    max/mean, dropped assignments, and the aux loss (coefficient included, summed over layers,
-    mean over micro-batches)."""
+    max/mean, dropped assignments, and the aux loss (coefficients included, the z-loss's too,
+    summed over layers, mean over micro-batches)."""
     micro_batches = max(layer.step_micro_batches for layer in layers) or 1
     return routing_statistics(counts, sum(layer.step_dropped.item() for layer in layers),
                               sum(layer.step_aux_loss.item() for layer in layers), micro_batches)
