@@ -44,15 +44,11 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_dim) for the rotate-half convention, on the
-    default device. Computed on the CPU: on the meta device, where a large model is built without
-    values, ``arange`` runs a Python reference that imports torch._dynamo (1.5 s of CPU a rank)."""
-    device = torch.empty(()).device
-    with torch.device("cpu"):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().float().to(device), angles.sin().float().to(device)
+    """cos and sin tables of shape (seq_len, head_dim) for the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -212,11 +208,7 @@ class Llama(nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("model.vocab_size is not set (the trainer takes it from the tokenizer)")
         self.cfg = cfg
-        # On the meta device there are no values to draw, and Embedding's normal_ there imports
-        # torch._dynamo (1.5 s of CPU, paid by every rank at start): give it its empty table.
-        on_meta = torch.empty(()).device.type == "meta"
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden,
-                                  _weight=torch.empty(cfg.vocab_size, cfg.hidden) if on_meta else None)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
