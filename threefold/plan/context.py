@@ -105,7 +105,7 @@ def _method_index(method):
 
 
 def _recompute_index(recompute):
-    return ("none", "selective", "full").index(recompute) if isinstance(recompute, str) else np.asarray(recompute)
+    return ("none", "selective", "full", "op").index(recompute) if isinstance(recompute, str) else np.asarray(recompute)
 
 
 def _reruns_core(recompute):

@@ -1060,6 +1060,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
     last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
     gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
+    # What a stage holds outside its blocks (embedding, final norm, head): ZeRO-3's root unit
+    first_root, last_root = first_numel - block_numel, last_numel - block_numel_last
 
     def states(numel, expert_numel, outside_blocks):
         """ZeRO-3 also holds gathered: the current and the prefetched block, and the parameters
@@ -1073,8 +1075,8 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         gathered_params = np.where(zero == 3, (2 * largest_block + outside_blocks) * work.param_bytes, 0)
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
-    first_states = states(first_numel, expert_first, first_numel - block_numel)
-    last_states = states(last_numel, expert_last, last_numel - block_numel_last)
+    first_states = states(first_numel, expert_first, first_root)
+    last_states = states(last_numel, expert_last, last_root)
     # 2bw, pipedream: whole copies of each stage's weights, one per version its batches use
     versions_first, staleness = weight_versions(schedule, p, 0)
     versions_last, _ = weight_versions(schedule, p, p - 1)
@@ -1197,10 +1199,9 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
     dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait)
-    # ZeRO-3's units: the blocks, and a root of what else the stage holds (parallel/fsdp.py)
-    first_root, last_root = first_numel - block_numel, last_numel - block_numel_last
+    # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
-                             mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=True,
+                             mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
                              embedding=single_stage, **dp_kinds)
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
                               forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params / t,
