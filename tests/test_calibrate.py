@@ -294,6 +294,5 @@ def test_a_profile_measured_beside_busy_processes_is_flagged(tmp_path, monkeypat
     out = tmp_path / "profile.json"
     assert cli.main(["calibrate", "--quick", "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "warning: other processes kept 1.9 of the 2 cores busy" in err.replace(
-        f"of the {profile['gpus_per_node']} cores", "of the 2 cores")
+    assert f"warning: other processes kept 1.9 of the {profile['gpus_per_node']} cores busy" in err
     assert calibrate.load_profile(out)["other_processes_cores"] == 1.9

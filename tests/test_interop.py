@@ -448,6 +448,15 @@ def assert_every_rank_reads_its_share(model_cfg, full, read: list, total: int, m
         assert sum(read) == held < most * total, (rank, sum(read), held, total)
 
 
+def init_from_folder(theirs, folder, seed: int):
+    """Randomise the transformers model ``theirs``, save it to ``folder``, and return (the model
+    config that starts from it with ``init_from``, its full state dict as we read it)."""
+    randomize(theirs, seed=seed)
+    theirs.save_pretrained(folder)
+    model_cfg, full = load_hf_weights(folder)
+    return dataclasses.replace(model_cfg, init_from=str(folder)), full
+
+
 def record_safetensors_reads(monkeypatch) -> list[int]:
     """Patch the Hugging Face reader's safe_open to record the elements of every tensor or slice it
     returns; the list it returns fills as the files are read."""
@@ -499,11 +508,7 @@ def test_a_rank_reads_only_its_pieces_of_a_hugging_face_folder(tmp_path, transfo
     those elements — a quarter of the model or so, never the whole."""
     config = transformers.LlamaConfig(vocab_size=121, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                       num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
-    theirs = transformers.LlamaForCausalLM(config).eval()
-    randomize(theirs, seed=2)
-    theirs.save_pretrained(tmp_path / "hf")
-    model_cfg, full = load_hf_weights(tmp_path / "hf")
-    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
+    model_cfg, full = init_from_folder(transformers.LlamaForCausalLM(config).eval(), tmp_path / "hf", seed=2)
 
     read = record_safetensors_reads(monkeypatch)
     assert_every_rank_reads_its_share(model_cfg, full, read, sum(t.numel() for t in full.values()), 0.4)

@@ -461,20 +461,12 @@ def test_init_from_a_mixtral_folder_gives_each_expert_parallel_rank_its_experts_
     """`[model] init_from` a Mixtral folder into an ep layout: each rank holds its E/ep experts
     (and its tp and pp pieces of the rest) exactly as they are in the folder, and reads from the
     safetensors files only the elements it holds."""
-    import dataclasses
-
-    from test_interop import assert_holds_its_pieces, randomize, rank_cut, record_safetensors_reads
-
-    from threefold.interop import load_hf_weights
+    from test_interop import assert_holds_its_pieces, init_from_folder, rank_cut, record_safetensors_reads
 
     config = transformers.MixtralConfig(vocab_size=120, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                                         num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False)
-    theirs = transformers.MixtralForCausalLM(config).eval()
-    randomize(theirs, seed=3)
-    theirs.save_pretrained(tmp_path / "hf")
-    model_cfg, full = load_hf_weights(tmp_path / "hf")
-    model_cfg = dataclasses.replace(model_cfg, init_from=str(tmp_path / "hf"))
+    model_cfg, full = init_from_folder(transformers.MixtralForCausalLM(config).eval(), tmp_path / "hf", seed=3)
     read = record_safetensors_reads(monkeypatch)
     world = 1
     for size in sizes.values():
