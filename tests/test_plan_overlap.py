@@ -1,5 +1,6 @@
 """Issue 16's planner inputs: the overlap switches, your own cluster (link bandwidths, a cluster
 file), products timed by their shapes, and the pictures."""
+import dataclasses
 import json
 
 import pytest
@@ -123,12 +124,33 @@ def test_cluster_file_describes_a_gpu_not_in_the_catalog(capsys, tmp_path):
     assert result["step_time_s"] != reference["step_time_s"] and result["fits"]
 
 
+def test_hopper_times_the_attention_core_at_flashattention2s_rate(tmp_path):
+    """FlashAttention-2 on an H100: 335 TFLOP/s counting a backward as 2.5 forwards (Dao 2023),
+    287 TFLOP/s in the planner's count of 2; on an A100 the core runs at the GEMM rate."""
+    work = costs.Workload(get_preset("llama3-8b"), 8)
+    layout = costs.Layout.named(dp=8, micro_batch=1)
+    h100 = CATALOG["h100-sxm"]
+    core_flops = 1 * 8192 * 4 * 8192 * 4096 * 0.5  # one layer's causal forward, 8,192 tokens
+    assert costs.part_seconds(work, layout, h100)["core"] == pytest.approx(core_flops / (335e12 * 3 / 3.5))
+    assert CATALOG["a100-80gb"].attention_efficiency == 1.0
+    # A cluster file that runs a faster kernel says so: efficiency.attention (default 1).
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER.replace('"800 TFLOP/s"', "989") + "[efficiency]\nmatmul = 0.55\n")
+    assert load_cluster(path).attention_efficiency == 1.0
+    path.write_text(CLUSTER + "[efficiency]\nattention = 0.53\n")
+    assert load_cluster(path).attention_efficiency == 0.53
+    gemm_rate = dataclasses.replace(h100, attention_efficiency=1.0)
+    slow, fast = (costs.estimate(work, layout, g)["step_time_s"] for g in (h100, gemm_rate))
+    assert slow > fast
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda t: t.replace('hbm_gib = 96\n', ''), "missing key gpu.hbm_gib"),
     (lambda t: t.replace('"800 TFLOP/s"', '"800 furlongs"'), "unknown unit in '800 furlongs'"),
     (lambda t: t.replace('"450 GB/s"', '"450 GiB"'), "unknown unit in '450 GiB'"),
     (lambda t: t.replace('inter_node_gbps = 400', 'inter_node_gbps = -1'), "must be positive"),
     (lambda t: t + "colour = 3\n", "unknown key node.colour"),
+    (lambda t: t + "[efficiency]\nattention = 1.5\n", "efficiency.attention: must be in (0, 1]"),
     (lambda t: t + "[rack]\n", "unknown section [rack]"),
     (lambda t: t.replace("[gpu]", "[gpu"), "is not valid TOML"),
 ])

@@ -42,9 +42,10 @@ class GPU:
     description: str = ""
     peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
     overlap_slowdown: float = 0.0  # seconds of compute lost per second of communication overlapped with it
-    # The attention core's executed FLOPs run at this fraction of the matmul rate: 1 for the flash
-    # kernels of the catalog's GPUs (FlashAttention-2 reaches GEMM-like rates); on a CPU, the rate
-    # `threefold calibrate` measured for scaled_dot_product_attention over its matmul peak.
+    # The attention core's executed FLOPs run at this fraction of the matmul rate: for the catalog's
+    # GPUs, FlashAttention-2's (the kernel behind PyTorch's SDPA and the flash-attn package; see
+    # _FA2_H100_FLOPS); on a CPU, the rate `threefold calibrate` measured for
+    # scaled_dot_product_attention over its matmul peak.
     attention_efficiency: float = 1.0
     # Bytes/s the memory-bound operators reach (norms, SwiGLU, rotary, the loss, Adam) before
     # hbm_efficiency: the HBM bandwidth on a GPU; on a CPU what calibrate measured for such
@@ -123,14 +124,30 @@ _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficienc
 # the power limit; kernels are less tuned): ~55%, set from the llm-foundry MPT-7B and Megatron-Core
 # H100 runs (docs/planner.md). MI300X: ~45% of peak in published training GEMMs, and a ring over
 # its 7 point-to-point Infinity Fabric links (64 GB/s each way) uses them less well than NVSwitch.
+# FlashAttention-2 on an H100 SXM5 reaches at most 335 TFLOP/s forward and backward (Dao 2023,
+# "FlashAttention-2", §4.1), about a third of the peak, where its GEMMs reach 55%: the kernel does
+# not use Hopper's asynchronous tensor cores (FlashAttention-3, Shah et al. 2024, does, at 1.5-2×).
+# The flash-attn benchmarks count a backward as 2.5 forwards (it recomputes the scores), the
+# planner as 2, so the same seconds are 335·3/3.5 = 287 TFLOP/s in the planner's count. On an A100
+# the kernel runs at 50-73% of the peak (the paper's abstract), GEMM-like: 1 there. Megatron-Core's
+# Transformer Engine attention (cuDNN) is faster on Hopper than this; a --cluster file's
+# efficiency.attention says so for a cluster that runs it.
+_FA2_H100_FLOPS = 335e12 * 3 / 3.5
+
+
+def _fa2_on_hopper(matmul_efficiency: float) -> dict:
+    return dict(_NVIDIA, matmul_efficiency=matmul_efficiency,
+                attention_efficiency=min(1.0, _FA2_H100_FLOPS / (989e12 * matmul_efficiency)))
+
+
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
     GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA,
         description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
+    GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55),
         description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
-    GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.57),
+    GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57),
         description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
     GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node"),
@@ -217,6 +234,7 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
 #   inter_node_latency_us = 3
 #   [efficiency]                    # optional: the achievable fractions (default: the NVIDIA ones)
 #   matmul = 0.55
+#   attention = 0.53                # the attention core's rate over the matmul rate (default 1)
 #
 # A number is in the unit its key names; a string carries its own unit.
 
@@ -234,7 +252,7 @@ _CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, requ
     ("node", "intra_node_gbps"): ("bandwidth", 1e9 / 8, True), ("node", "inter_node_gbps"): ("bandwidth", 1e9 / 8, True),
     ("node", "intra_node_latency_us"): ("time", 1e-6, False), ("node", "inter_node_latency_us"): ("time", 1e-6, False),
     **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link",
-                                                         "overlap_slowdown")},
+                                                         "overlap_slowdown", "attention")},
 }
 
 
@@ -298,4 +316,5 @@ def load_cluster(path: str | Path) -> GPU:
                intra_link_efficiency=get("efficiency", "intra_link", _NVIDIA["intra_link_efficiency"]),
                inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
                description=f"from {path}", peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
-               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]))
+               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]),
+               attention_efficiency=get("efficiency", "attention", 1.0))
