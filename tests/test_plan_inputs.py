@@ -149,3 +149,21 @@ def test_docs_175b_search_counts_are_what_plan_prints(capsys):
     block = docs[docs.index("$ threefold plan --model gpt3-175b --global-batch 1536 --gpu a100-80gb --num-gpus 1024"):]
     documented = re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", block).groups()
     assert printed == documented
+
+
+def test_an_uneven_interleaved_split_is_priced_at_its_busiest_rank(capsys):
+    """Llama 3 405B's 126 layers over 16 stages of 4 chunks: the engine needs equal chunks, the
+    planner (for runs Megatron splits unevenly) prices the rank with ceil(126/16) = 8 layers, the
+    same as a 128-layer model's; more chunks than layers is still one line."""
+    base = ["estimate", "--model", "llama3-405b", "--global-batch", "2048", "--gpu", "h100-sxm", "--num-gpus", "16384",
+            "--tp", "8", "--pp", "16", "--dp", "128", "--sequence-parallel", "--schedule", "interleaved",
+            "--virtual-stages", "4", "--json"]
+    code, out, err = run(capsys, *base)
+    assert code == 0, err
+    uneven = json.loads(out)
+    code, out, err = run(capsys, *base, "--layers", "128")
+    even = json.loads(out)
+    assert uneven["time_s"]["compute"] == pytest.approx(even["time_s"]["compute"])
+    assert uneven["parameters"]["total"] < even["parameters"]["total"]
+    code, _, err = run(capsys, *base[:-1], "--layers", "60")
+    assert_one_line(code, err, "--pp: 16 ranks × 4 model chunks = 64 stages, more than the model's 60 layers")

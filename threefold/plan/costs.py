@@ -480,7 +480,15 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
     if layout.sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel: needs --tp > 1")
     if p > 1 or v > 1:
-        check_schedule(schedule, p, global_batch // (d * b), v, model.layers, flags=PLAN_FLAGS)
+        # The planner prices an uneven split at its busiest rank (ceil(L/p) layers), as Megatron
+        # runs one (--decoder-first/last-pipeline-num-layers; Llama 3 405B: 126 layers over 16
+        # stages), so the registry's equal-chunk rules, which the engine needs, are checked on the
+        # layers of a split whose every chunk is as long as the longest.
+        chunks = p * (SCHEDULE_REGISTRY[schedule].stages_per_rank or v)
+        if chunks > model.layers:
+            raise ConfigError(f"--pp: {p} ranks × {chunks // p} model chunks = {chunks} stages, more than the "
+                              f"model's {model.layers} layers (each stage needs a block)")
+        check_schedule(schedule, p, global_batch // (d * b), v, -(-model.layers // chunks) * chunks, flags=PLAN_FLAGS)
 
 
 def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
