@@ -156,7 +156,7 @@ def test_the_dry_run_splits_on_the_planner_and_predicts_the_same_split():
     """The engine (here in a dry run: fake tensors, nothing timed) cuts the model on the
     planner's costs and says so; ``dryrun --compare``'s prediction uses the same split, so the
     parameters match exactly. For this tiny model with a 4K vocabulary the planner puts 5 blocks
-    before the head's stage (its head is worth 2.8 blocks on an H100, 3.8 by FLOPs) where FLOPs put 6."""
+    before the head's stage (its head is worth 2.7 blocks on an H100, 3.8 by FLOPs) where FLOPs put 6."""
     from threefold.plan.dryrun_predict import predict_rank
     from threefold.train.dryrun import dry_run_config, dry_run_rank, stage_split_note
 
