@@ -27,6 +27,7 @@ LAYOUTS = {
                                   "model.moe_capacity_factor=0.5", "train.recompute=full"],
     "dp2-cp2-ep2-zero3": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero=3"],  # experts over cp
     "pp2-cp2-bias": ["parallel.pp=2", "parallel.cp=2"] + BIAS,  # the counts summed over cp and the stages
+    "pp2-cp2-aux": ["parallel.pp=2", "parallel.cp=2"],  # each stage's balance loss over its own MoE blocks
     # ST-MoE's router z-loss beside the balance loss: a mean over the share's own tokens, nothing sent
     "dp2-cp2-ep2-ring-zloss": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", "parallel.cp_method=ring",
                                "model.moe_router_z_loss_coef=0.01"],
@@ -65,14 +66,17 @@ def test_bytes_per_key_equal_the_planner(distributed, name):
     closed form."""
     from threefold.configure import load_config
     from threefold.plan import context
-    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.plan.dryrun_predict import predict_rank, rank_share
 
     cfg = load_config(None, overrides(name))
     p, m = cfg.parallel, cfg.model
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
     for rank, r in enumerate(case(distributed, overrides(name))):
         want = predict_rank(cfg, rank)["comm_bytes"]
-        moe = context.moe_bytes_per_step(p.cp, cfg.train.recompute, m.layers, cfg.microbatches,
+        pp_rank = rank // (p.world_size // p.pp)  # pp is the mesh's outermost axis
+        moe_blocks = rank_share(cfg, pp_rank).moe_blocks  # the MoE blocks of this rank's stage
+        assert 0 < moe_blocks <= m.layers and (moe_blocks < m.layers) == (p.pp > 1)
+        moe = context.moe_bytes_per_step(p.cp, cfg.train.recompute, moe_blocks, cfg.microbatches,
                                          cfg.train.micro_batch * m.seq_len // p.cp, m.moe_top_k_experts,
                                          m.moe_experts, m.moe_aux_loss_coef > 0, m.moe_capacity_factor > 0)
         assert (moe > 0) == (m.moe_aux_loss_coef > 0 or m.moe_capacity_factor > 0)  # dropless bias: nothing to send
