@@ -108,7 +108,8 @@ class GPU:
 
 # overlap_slowdown: NCCL's NVLink kernels run on the SMs and stream through the HBM of the compute
 # they overlap, which slows by about half a second per second of overlapped intra-node
-# data-parallel traffic: fitted to MosaicML's two H100 FSDP runs (0.51 and 0.57 needed); the A100
+# data-parallel traffic: fitted to MosaicML's two H100 FSDP runs (0.51 and 0.57 needed with the
+# attention at the GEMM rate; 0.50 and 0.26 at FlashAttention-2's, kept at 0.5: docs/planner.md §5); the A100
 # one moves from +14% to +9% with it; Korthikanti's runs (dp = 1) and Megatron-Core's (dp across
 # nodes) do not see it.
 # Achievable fractions shared by the NVIDIA data-centre parts, fitted on A100 to Korthikanti et al.
