@@ -166,4 +166,4 @@ def test_an_uneven_interleaved_split_is_priced_at_its_busiest_rank(capsys):
     assert uneven["time_s"]["compute"] == pytest.approx(even["time_s"]["compute"])
     assert uneven["parameters"]["total"] < even["parameters"]["total"]
     code, _, err = run(capsys, *base[:-1], "--layers", "60")
-    assert_one_line(code, err, "--pp: 16 ranks × 4 model chunks = 64 stages, more than the model's 60 layers")
+    assert_one_line(code, err, "--pp: pp × virtual_stages = 16 × 4 = 64 stages, more than the model's 60 layers")

@@ -486,7 +486,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         # layers of a split whose every chunk is as long as the longest.
         chunks = p * (SCHEDULE_REGISTRY[schedule].stages_per_rank or v)
         if chunks > model.layers:
-            raise ConfigError(f"--pp: {p} ranks × {chunks // p} model chunks = {chunks} stages, more than the "
+            raise ConfigError(f"--pp: pp × virtual_stages = {p} × {chunks // p} = {chunks} stages, more than the "
                               f"model's {model.layers} layers (each stage needs a block)")
         check_schedule(schedule, p, global_batch // (d * b), v, -(-model.layers // chunks) * chunks, flags=PLAN_FLAGS)
 
