@@ -11,9 +11,12 @@ of the same label is replaced), and draws this pair, with the earlier runs named
 dense model).
 
     .venv/bin/python bench/moe_vs_dense.py --set train.steps=600   # trains both: about 25 min on an idle core
-    .venv/bin/python bench/moe_vs_dense.py --beside "tiny-moe, aux 0.01, 300 steps"   # the picture of docs/moe.md
+    .venv/bin/python bench/moe_vs_dense.py --together --set train.steps=1000 --moe tiny-moe-fine \
+        --moe-set model.moe_expert_lr_scale=8 --beside "tiny-moe-fine, 1000 steps"   # the picture of docs/moe.md
     .venv/bin/python bench/moe_vs_dense.py --moe tiny-moe          # the first tiny MoE, 300 steps
     .venv/bin/python bench/moe_vs_dense.py --moe-set model.moe_aux_loss_coef=0.05   # a change to the MoE only
+    .venv/bin/python bench/moe_vs_dense.py --together --moe tiny-moe-fine --moe-set model.moe_expert_lr_scale=8 \
+        --set train.seed=1236   # the MoE that beats dense, with another seed (300 steps)
 """
 from __future__ import annotations
 

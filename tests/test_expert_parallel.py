@@ -20,6 +20,7 @@ LAYOUTS = {
     "dp2-ep2-bias": ["parallel.dp=2", "parallel.ep=2"] + BIAS,
     "dp2-ep2-capacity": ["parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=0.5"],
     "dp4-ep2-zero1": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
+    "dp4-ep2-zero1-expert-lr": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "model.moe_expert_lr_scale=3"],
     "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
     "dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],  # experts sharded over edp = 2
     "dp4-ep2-zero2-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"] + BIAS,
@@ -54,6 +55,15 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     if "model.moe_bias_rate=0.01" in overrides(name):  # the biases moved, and as on one process
         biases = [k for k in ref["state"] if k.endswith("expert_bias")]
         assert biases and all(ref["state"][k].abs().sum() > 0 for k in biases)
+
+
+def test_the_experts_learning_rate_scale_trains_like_one_process_without_ep_too(distributed):
+    """``model.moe_expert_lr_scale`` puts the experts in a sync of their own even at ep = 1 (here
+    their own ZeRO-2 chunks over dp), so that they can step at their own learning rate: as on one
+    process, and not as without the scale."""
+    scaled = TINY + MOE + ["parallel.dp=2", "parallel.zero=2", "model.moe_expert_lr_scale=3"]
+    assert_same_training(case(distributed, scaled), reference(scaled))
+    assert reference(scaled)["losses"][1:] != pytest.approx(reference(scaled[:-1])["losses"][1:], rel=1e-6)
 
 
 def assert_same_routing(results: list[dict], ref: dict) -> None:

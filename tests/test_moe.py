@@ -237,6 +237,25 @@ def test_the_bias_steps_once_per_step_toward_balance_and_moves_only_the_choice()
     assert experts.tolist() == [[2]] and weights.tolist() == [[pytest.approx(0.2)]]
 
 
+def test_the_expert_learning_rate_scale_multiplies_the_routed_experts_step_only():
+    """One AdamW step from the same weights and batch: with moe_expert_lr_scale = 3 every routed
+    expert tensor moves 3 times as far (Adam's step and the decoupled decay are both ∝ lr), and
+    everything else (router, shared experts, attention) exactly as with scale 1."""
+    x = tokens(batch=4)
+    moved = {}
+    for scale in (1.0, 3.0):
+        m = model(moe_shared_experts=1, moe_expert_lr_scale=scale)
+        before = {name: p.detach().clone() for name, p in m.named_parameters()}
+        engine = Engine(m, Config(model=m.cfg))
+        engine.forward_backward([(x, x)])
+        engine.optimizer_step(1e-3)
+        moved[scale] = {name: p.detach() - before[name] for name, p in m.named_parameters()}
+    for name, step in moved[1.0].items():
+        expected = 3 * step if ".experts." in name else step
+        torch.testing.assert_close(moved[3.0][name], expected, rtol=1e-5, atol=5e-8, msg=name)  # fp32 rounding
+    assert sum(".experts." in name for name in moved[1.0]) == 6 and moved[1.0]["blocks.0.mlp.experts.w_up"].abs().sum() > 0
+
+
 def test_an_expert_that_receives_no_tokens_gets_a_zero_gradient_not_none():
     m = model(moe_bias_rate=0.01)
     for layer in m.moe_layers():
@@ -328,6 +347,8 @@ def test_any_dense_preset_becomes_moe_with_moe_experts(preset):
     (["model.moe_experts=4", "model.moe_aux_loss_coef=-0.1"], "model.moe_aux_loss_coef: must not be negative"),
     (["model.moe_experts=4", "model.moe_bias_rate=-1"], "model.moe_bias_rate: must not be negative"),
     (["model.moe_experts=4", "model.moe_router_z_loss_coef=-0.001"], "model.moe_router_z_loss_coef: must not be negative"),
+    (["model.moe_experts=4", "model.moe_expert_lr_scale=0"], "model.moe_expert_lr_scale: must be positive"),
+    (["model.moe_expert_lr_scale=2"], "model.moe_expert_lr_scale: set without model.moe_experts"),
 ])
 def test_bad_moe_config_is_one_line(overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -51,6 +51,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01  # the Switch/GShard load-balancing loss's coefficient; 0: none
     moe_bias_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free bias step γ; 0: no bias
     moe_router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss coefficient (1e-3 there); 0: none
+    moe_expert_lr_scale: float = 1.0  # the routed experts' learning rate is train.lr × this (docs/moe.md)
 
     @property
     def n_kv_heads(self) -> int:
@@ -107,8 +108,9 @@ class ModelConfig:
             for key in ("moe_top_k", "moe_ffn"):
                 if getattr(self, key) is not None:
                     raise ConfigError(f"model.{key}: set without model.moe_experts (0 = a dense model)")
-            if self.moe_shared_experts:
-                raise ConfigError("model.moe_shared_experts: set without model.moe_experts (0 = a dense model)")
+            for key, default in (("moe_shared_experts", 0), ("moe_expert_lr_scale", 1.0)):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"model.{key}: set without model.moe_experts (0 = a dense model)")
             return
         if self.moe_top_k is not None and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ConfigError(f"model.moe_top_k: must be between 1 and model.moe_experts={self.moe_experts}, "
@@ -123,6 +125,8 @@ class ModelConfig:
         for key in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate", "moe_router_z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}: must not be negative, got {getattr(self, key)}")
+        if self.moe_expert_lr_scale <= 0:
+            raise ConfigError(f"model.moe_expert_lr_scale: must be positive, got {self.moe_expert_lr_scale}")
 
 
 # What must agree for two sets of weights to be the same model (seq_len may differ: the weights

@@ -80,10 +80,17 @@ def decay_groups(named_params) -> tuple[list, list]:
     return decay, no_decay
 
 
-def build_adamw(named_params, cfg: Config) -> torch.optim.AdamW:
-    decay, no_decay = decay_groups(named_params)
-    t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_adamw(named_params, cfg: Config, experts: frozenset[int] = frozenset()) -> torch.optim.AdamW:
+    """AdamW with a group per (decay, learning-rate scale): the tensors whose ids are in ``experts``
+    (the routed experts' weights, or their chunks) step at lr × ``model.moe_expert_lr_scale``,
+    the rest at lr (``Engine.optimizer_step`` multiplies each group's ``lr_scale``)."""
+    t, named = cfg.train, list(named_params)
+    groups = []
+    for lr_scale, mine in ((1.0, [(k, p) for k, p in named if id(p) not in experts]),
+                           (cfg.model.moe_expert_lr_scale, [(k, p) for k, p in named if id(p) in experts])):
+        decay, no_decay = decay_groups(mine)
+        groups += [{"params": decay, "weight_decay": t.weight_decay, "lr_scale": lr_scale},
+                   {"params": no_decay, "weight_decay": 0.0, "lr_scale": lr_scale}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
 
 
@@ -310,6 +317,8 @@ class Engine:
         zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
         isolated = (self.tied_param,) if self.tied_param is not None else ()
         experts = expert_keys(self.placements)
+        if cfg.model.moe_expert_lr_scale != 1:  # their own optimizer groups: their own sync, at ep = 1 too
+            experts |= {k for k in self.placements if ".experts." in k}
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
@@ -328,9 +337,17 @@ class Engine:
             expert_named = [(k, q) for k, q in named if k in experts]
             self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
 
-        # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks)
-        entries = [e for sync in self.syncs.values() for e in sync.optimizer_params()]
-        self.optimizer = build_adamw([(name, q) for name, q, _ in entries], cfg)
+        # the optimizer: torch AdamW over what this rank updates (parameters, or its chunks); the
+        # expert syncs' at their own learning rate
+        entries, expert_ids = [], set()
+        for sync in self.syncs.values():
+            dense_sync, *expert_syncs = sync.syncs if isinstance(sync, GradSyncs) else [sync]  # as built above
+            entries += dense_sync.optimizer_params()
+            for expert_sync in expert_syncs:
+                found = expert_sync.optimizer_params()
+                entries += found
+                expert_ids |= {id(q) for _, q, _ in found}
+        self.optimizer = build_adamw([(name, q) for name, q, _ in entries], cfg, frozenset(expert_ids))
         for _, q, moments in entries:
             if moments is not None:
                 init_adam_state(self.optimizer, q, **moments)
@@ -574,7 +591,7 @@ class Engine:
 
     def optimizer_step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         self.optimizer.step()
         for sync in self.syncs.values():
             sync.after_optimizer_step()
