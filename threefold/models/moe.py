@@ -404,6 +404,13 @@ class MoE(nn.Module):
         self.step_micro_batches = 0
 
 
+def routed_expert_keys(model: nn.Module) -> set[str]:
+    """The keys of every routed expert's stacked weights in ``model`` (not the router's, nor the
+    shared experts'): what ``model.moe_expert_lr_scale`` steps at its own learning rate."""
+    return {f"{name}.{key}" for name, module in model.named_modules() if isinstance(module, GroupedExperts)
+            for key, _ in module.named_parameters()}
+
+
 def step_statistics(layers: list[MoE], counts: torch.Tensor) -> dict:
     """The metrics of one step from its routed ``counts`` (MoE layers, E) and the layers'
     counters: tokens per expert (min, mean, max over every layer's experts), the worst layer's

@@ -63,6 +63,7 @@ from threefold.config import Config
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, cross_entropy, initial_value, rotary_tables
+from threefold.models.moe import routed_expert_keys
 from threefold.parallel.data_parallel import BucketGradSync, GradSyncs, LocalGradSync
 from threefold.parallel.expert_parallel import expert_keys
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -304,6 +305,7 @@ class Engine:
         self.cp = mesh.size("cp")
         # the group whose ranks hold the same weights and different tokens: gradients are reduced over it
         self.grad_axes = ("dp", "cp") if self.cp > 1 else ("dp",)
+        routed_experts = routed_expert_keys(model)  # the plain model's keys, before it is cut
         cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 4, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
         self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
@@ -318,7 +320,7 @@ class Engine:
         isolated = (self.tied_param,) if self.tied_param is not None else ()
         experts = expert_keys(self.placements)
         if cfg.model.moe_expert_lr_scale != 1:  # their own optimizer groups: their own sync, at ep = 1 too
-            experts |= {k for k in self.placements if ".experts." in k}
+            experts |= routed_experts
         self.syncs = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
