@@ -18,7 +18,8 @@ time from /proc/stat less the run's own) are recorded beside it: on a shared mac
 times say as much about the neighbours as about the code. Writes
 bench/results/planner_runs/{local.json, <name>.toml, <name>.jsonl, manifest.json, summary.json};
 tests/test_calibrate.py replays them as data. ``--only ddp,zero3`` re-records some runs (keeping
-the others and the profile with ``--no-profile``); ``--out DIR`` records elsewhere.
+the others and the profile with ``--no-profile``); ``--out DIR`` records elsewhere;
+``--summary-only`` trains nothing and compares the recording with the planner as it is now.
 """
 from __future__ import annotations
 
@@ -160,7 +161,15 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
 @click.option("--only", default=None, help="Comma-separated run names (default: all).")
 @click.option("--profile/--no-profile", default=True, help="Measure the machine profile first (threefold calibrate).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=OUT, show_default=True)
-def main(steps, only, profile, out_dir):
+@click.option("--summary-only", is_flag=True,
+              help="Train nothing: compare the recorded runs with the planner as it is now (after a model change).")
+def main(steps, only, profile, out_dir, summary_only):
+    if summary_only:
+        manifest = json.loads((out_dir / "manifest.json").read_text())
+        os.environ["THREEFOLD_HOME"] = str(out_dir)
+        summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return
     console = Console(stderr=True)
     names = [n for n in RUNS if not only or n in only.split(",")]
     unknown = set(only.split(",")) - set(RUNS) if only else set()

@@ -162,10 +162,26 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
     return work, layout
 
 
+def run_split(cfg: Config) -> tuple[int, ...] | None:
+    """The pipeline split a run trained with (``parallel.stage_layers``: set by hand, or by
+    compare_run from the run's timeline), for estimate() to price; None without one."""
+    p = cfg.parallel
+    return tuple(p.stage_layers) if p.pp > 1 and p.stage_layers else None
+
+
+def with_run_split(cfg: Config, steps: list[dict]) -> Config:
+    """The config with the split its run chose (measured costs, or by hand), read off the
+    metrics' timeline; unchanged where the steps record none."""
+    timeline = steps[-1].get("timeline")
+    if timeline and timeline.get("stage_layers"):
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=timeline["stage_layers"]))
+    return cfg
+
+
 def estimate_run(cfg: Config, gpu) -> dict:
-    """estimate() of a training config's layout on ``gpu``."""
+    """estimate() of a training config's layout on ``gpu``, at the run's pipeline split where it has one."""
     work, layout = run_layout(cfg)
-    return costs.estimate(work, layout, gpu)
+    return costs.estimate(work, layout, gpu, stage_split=run_split(cfg))
 
 
 def measured_step_time(steps: list[dict]) -> float:
@@ -180,8 +196,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     cfg = resolved(cfg)
     steps = read_steps(metrics_path)
     timeline = steps[-1].get("timeline")
-    if timeline and timeline.get("stage_layers"):  # the split the run chose (measured costs, or by hand)
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=timeline["stage_layers"]))
+    cfg = with_run_split(cfg, steps)
 
     def measured(get) -> float:
         return statistics.median(get(step) for step in steps)
@@ -300,8 +315,9 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
              "estimate()'s tp_exposed_s: each tp collective between its products, the loss's included"),
             ("cp", p.cp, ("cp",), cp_alone, "estimate()'s cp_exposed_s: what exceeds the attention core"
              + ("" if p.dp > 1 else ", and dp_exposed_s: the gradients' reduction over cp")),
-            ("pp", p.pp, ("pp",), ("pp_exposed_s", "bubble_s"),
-             "estimate()'s pp_exposed_s + bubble_s: rank 0 waits for its neighbours' transfers and compute")):
+            ("pp", p.pp, ("pp",), ("pp_exposed_s", "rank0_bubble_s"),
+             "estimate()'s pp_exposed_s + rank0_bubble_s: rank 0 waits for its neighbours' transfers and compute "
+             "(the schedule played at the run's split)")):
         if size == 1:
             continue
         predicted = None if est is None else sum(est[key] for key in predicted_keys)

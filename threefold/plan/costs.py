@@ -981,11 +981,59 @@ def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, lat
     return np.where(intra, calls * per_call + bytes_sent * per_byte, ring)
 
 
-def estimate(work: Workload, layout: Layout, gpu) -> dict:
+def stage_layers_of(layers, pp):
+    """Blocks the planner prices on every stage without a given split: the busiest's, ceil(L/p)."""
+    return np.ceil(layers / np.asarray(pp))
+
+
+def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_layers_modelled, head_s, mb_s,
+                        compute_mb_s, p2p_s, m, bubble_speedup) -> dict:
+    """The pipeline's time with the blocks split as ``stage_layers`` (one per model chunk), one
+    layout (its costs may be arrays: many GPUs' rates). A block costs what the modelled stage's
+    blocks cost each, ``(mb_s − head_s) / stage_layers_modelled`` per micro-batch (its products,
+    memory-bound work and exposed tp/cp/ep traffic); the last stage adds the head and loss. A
+    slot (one micro-batch through one chunk) also pays its two blocking p2p messages, as in the
+    closed form, and its forward, backward and weight gradient take 1/3, 2/3 and 1/3 of it (the
+    closed form's F = B = W). The schedule is played on these costs: the busiest rank's compute
+    (``busy_s``) and its idle time, rank 0's idle time, each over ``bubble_speedup``, and the
+    busiest rank's compute alone per micro-batch (``compute_mb_s``). At uniform costs this is
+    the closed form (the simulated bubble equals the registry's)."""
+    from threefold.parallel.pipeline.schedule import build_schedule
+    from threefold.plan.simulate import play_costs
+
+    spec = SCHEDULES[int(layout.schedule)]
+    p, v = int(layout.pp), int(layout.virtual_stages)
+    chunks = SCHEDULE_REGISTRY[spec].stages_per_rank or v
+    schedule = build_schedule(spec, p, int(round(float(m))), chunks)
+    split = [int(n) for n in stage_layers]
+    if len(split) != schedule.num_stages or sum(split) != work.model.layers or min(split) < 1:
+        raise ConfigError(f"stage_layers: {split} does not split {work.model.layers} blocks over "
+                          f"{schedule.num_stages} stages, each at least one block")
+    per_block = (mb_s - head_s) / stage_layers_modelled
+    compute_block = (compute_mb_s - head_s) / stage_layers_modelled
+    last = schedule.num_stages - 1
+    slot = [n * per_block + (head_s if k == last else 0) + 2 * p2p_s for k, n in enumerate(split)]
+    compute = [n * compute_block + (head_s if k == last else 0) for k, n in enumerate(split)]
+    makespan, busy = play_costs(schedule, [c / 3 for c in slot], [2 * c / 3 for c in slot], [c / 3 for c in slot])
+    busiest = functools.reduce(np.maximum, busy)
+    rank_compute = [sum(compute[k] for k in schedule.stages_of(r)) for r in range(p)]
+    return {"busy_s": busiest, "bubble_s": (makespan - busiest) / bubble_speedup,
+            "rank0_bubble_s": (makespan - busy[0]) / bubble_speedup,
+            "compute_mb_s": functools.reduce(np.maximum, rank_compute)}
+
+
+def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] | None = None) -> dict:
     """Memory, communication and time of one training step, for one layout or arrays of them.
 
     Returns a flat dict of numbers (or arrays); ``report.result_json`` shapes it as JSON. The GPU reported is the one on the busiest pipeline stage (the last, which also
     computes the logits); memory is that of the fuller of the first and last stages.
+
+    ``stage_split``: a pipeline's split as a run chose it (blocks per stage, every model chunk,
+    one layout). Without it each stage is priced as the busiest, ceil(L/p) blocks and the head,
+    and the bubble is the registry's closed form for uniform stages; with it the schedule is
+    played on each stage's own cost (``simulate.play_costs``): the step, the busiest rank's
+    compute and every rank's wait follow the split (``pipeline_split_time``). Memory keeps the
+    ceil(L/p) bound.
     """
     cfg = work.model
     L, h, s, V = cfg.layers, cfg.hidden, cfg.seq_len, _require_vocab(cfg)
@@ -1004,7 +1052,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
     tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
-    stage_layers = np.ceil(L / p)
+    stage_layers = stage_layers_of(L, p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
@@ -1198,6 +1246,14 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
     bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
+    rank0_bubble_s = bubble_s  # rank 0's wait for its neighbours: every rank's, with uniform stages
+    compute_mb_s = math_s + memory_bound_s  # the busiest rank's compute per micro-batch
+    if stage_split is not None:
+        split = pipeline_split_time(work, layout, stage_split, stage_layers_modelled=stage_layers,
+                                    head_s=head["math"] + head["memory"], mb_s=mb_s,
+                                    compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup)
+        busy_s, bubble_s, rank0_bubble_s, compute_mb_s = (split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s",
+                                                                            "compute_mb_s"))
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
@@ -1243,10 +1299,13 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
     step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
     if gpu.core_share < 1:
         # More workers than cores (a CPU): a rank waiting in a collective or the bubble gives its
-        # core to a rank that computes. The step takes at least the machine's CPU work over its
-        # cores (every rank's compute, at its share: ``busy``) and at least one rank's own path,
-        # its compute at a whole core's speed and its waits (Brent's bounds); the larger holds.
-        busy = m * (math_s + memory_bound_s) + optimizer_s + contention_s
+        # core to a rank that computes. The step takes at least the busiest rank's compute at its
+        # fair share of a core (``busy``: what it gets while every rank computes), and at least
+        # its own path, its compute at a whole core's speed and its waits (Brent's bounds); the
+        # larger holds. Not the machine's work over its cores: a pipeline's fill and drain leave
+        # cores idle, and the closed loop's oversubscribed pipelines run 18-22% slower than that
+        # (docs/planner.md, "The closed loop").
+        busy = m * compute_mb_s + optimizer_s + contention_s
         step_s = np.maximum(busy, busy * gpu.core_share + (step_s - busy))
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
@@ -1267,7 +1326,7 @@ def estimate(work: Workload, layout: Layout, gpu) -> dict:
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, ep_exposed_s=m * ep_mb_s, pp_exposed_s=2 * busy_slots * p2p_s,
-        bubble_s=bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
+        bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
     )
     result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
                            + result["pp_exposed_s"] + dp_exposed_s)

@@ -34,7 +34,7 @@ import numpy as np
 
 from threefold.config import Config, ConfigError
 from threefold.plan import costs
-from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout
+from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout, run_split, with_run_split
 from threefold.plan.hardware import local_gpu
 
 FRACTIONS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
@@ -47,6 +47,7 @@ class Run:
     measured_s: float
     work: costs.Workload = None
     layout: costs.Layout = None
+    stage_layers: tuple[int, ...] | None = None  # the run's pipeline split, from its timeline
 
 
 def read_runs(specs) -> list[Run]:
@@ -99,8 +100,9 @@ def _run(name: str, config: Path, metrics: Path, overrides) -> Run:
         raise ConfigError(f"--from-runs: run {name!r}: no config file {config}")
     if not metrics.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
-    cfg = load_run(config, overrides)
-    return Run(name, cfg, measured_step_time(read_steps(metrics)), *run_layout(cfg))
+    steps = read_steps(metrics)
+    cfg = with_run_split(load_run(config, overrides), steps)
+    return Run(name, cfg, measured_step_time(steps), *run_layout(cfg), run_split(cfg))
 
 
 def predict(run: Run, profile: dict, fractions: dict):
@@ -111,7 +113,7 @@ def predict(run: Run, profile: dict, fractions: dict):
                               hbm_efficiency=fractions["hbm_efficiency"],
                               intra_link_efficiency=fractions["link_efficiency"],
                               inter_link_efficiency=fractions["link_efficiency"])
-    step = costs.estimate(run.work, run.layout, gpu)["step_time_s"]
+    step = costs.estimate(run.work, run.layout, gpu, stage_split=run.stage_layers)["step_time_s"]
     return float(step) if np.ndim(step) == 0 else np.asarray(step)
 
 

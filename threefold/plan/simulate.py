@@ -18,8 +18,11 @@ micro-batch through all of the rank's layers, so a model chunk counts 1/virtual_
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Action, Kind, Schedule, play
@@ -91,9 +94,10 @@ class SimResult:
                  for t in rank if t.action.kind.is_compute] for rank in self.timelines]
 
 
-def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResult:
-    """Play ``schedule`` with ``costs``; raises ScheduleError if it cannot run to the end."""
-    forward, backward, weight_grad = costs.per_stage(schedule.num_stages)
+def _timed(schedule: Schedule, forward, backward, weight_grad, p2p, maximum) -> list[list[TimedAction]]:
+    """Every rank's actions with their start and end, per-stage costs given (full backwards:
+    a split schedule runs ``backward − weight_grad`` as B); ``maximum`` of two times: ``max`` on
+    numbers, ``np.maximum`` on arrays of costs, one schedule played for many cost sets at once."""
     split = schedule.split_backward
     duration = {
         Kind.FORWARD: forward,
@@ -111,14 +115,33 @@ def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResul
         elif action.kind.is_send:
             sent_at[rank, step.index] = start
         else:
-            end = max(start, sent_at[step.sent_by] + costs.p2p)
+            end = maximum(start, sent_at[step.sent_by] + p2p)
         clock[rank] = end
         timelines[rank].append(TimedAction(start, end, action))
+    return timelines
+
+
+def play_costs(schedule: Schedule, forward, backward, weight_grad, p2p=0.0):
+    """(makespan, each rank's compute time) of ``schedule`` with per-stage costs that may be
+    numpy arrays of equal shape (the planner's costs of many GPUs or fitted rates): the play of
+    ``simulate``, its arithmetic elementwise."""
+    timelines = _timed(schedule, forward, backward, weight_grad, p2p, np.maximum)
+    ends = [rank[-1].end if rank else 0.0 for rank in timelines]
+    makespan = functools.reduce(np.maximum, ends)
+    busy = [sum((t.end - t.start for t in rank if t.action.kind.is_compute), 0.0) for rank in timelines]
+    return makespan, busy
+
+
+def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResult:
+    """Play ``schedule`` with ``costs``; raises ScheduleError if it cannot run to the end."""
+    forward, backward, weight_grad = costs.per_stage(schedule.num_stages)
+    timelines = _timed(schedule, forward, backward, weight_grad, costs.p2p, max)
+    split = schedule.split_backward
     result_timelines = tuple(tuple(rank) for rank in timelines)
     return SimResult(
         schedule=schedule,
         timelines=result_timelines,
-        makespan=max(clock),
+        makespan=max((rank[-1].end for rank in timelines if rank), default=0.0),
         bubble_fraction=bubble_fraction([[(t.start, t.end) for t in rank if t.action.kind.is_compute]
                                          for rank in result_timelines]),
         peak_activations=tuple(peak_in_flight(actions, split) / schedule.virtual_stages
