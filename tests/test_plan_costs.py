@@ -184,6 +184,62 @@ def test_closed_form_bubble_and_memory_agree_with_the_simulator(name, p, m, v):
     assert est()["block_activations_bytes"] / one == pytest.approx(sim.peak_activations[0])
 
 
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2),
+                                           ("gpipe", 2, 4, 1), ("dualpipev", 2, 4, 2)])
+def test_a_given_split_at_uniform_costs_is_the_closed_form(name, p, m, v):
+    """A run's split priced by playing the schedule (no head, every chunk the same blocks) gives
+    the closed form's busy time and bubble, rank 0's wait equal to the busiest's."""
+    from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
+
+    chunks = SCHEDULE_REGISTRY[name].stages_per_rank or v
+    layout = costs.Layout.named(schedule=name, pp=p, virtual_stages=chunks)
+    work = costs.Workload(ModelConfig(layers=2 * p * chunks, hidden=64, heads=4, vocab_size=100, seq_len=32), m)
+    mb_s, p2p_s, speedup = 0.3, 0.01, 1.5  # a rank's micro-batch over its chunks; one message
+    got = costs.pipeline_split_time(work, layout, [2] * (p * chunks), stage_layers_modelled=2 * chunks, head_s=0.0,
+                                    mb_s=mb_s, compute_mb_s=0.25, p2p_s=p2p_s, m=m, bubble_speedup=speedup)
+    busy = chunks * m * (mb_s / chunks + 2 * p2p_s)
+    bubble = costs.bubble_fraction(name, p, m, chunks)
+    assert got["busy_s"] == pytest.approx(busy, rel=1e-12)
+    assert got["bubble_s"] == pytest.approx(busy * bubble / (1 - bubble) / speedup, rel=1e-9)
+    assert got["rank0_bubble_s"] == pytest.approx(got["bubble_s"], rel=1e-9)
+    assert got["compute_mb_s"] == pytest.approx(0.25, rel=1e-12)
+
+
+def test_an_uneven_split_is_priced_stage_by_stage():
+    """8 blocks over 4 stages on A100s, a head lighter than a block: pricing every stage as the
+    last (blocks and the head) over-counts the fill and drain through the three lighter stages;
+    the split as given has the same busiest stage and a smaller bubble. A heavy first stage
+    (4-2-1-1) is the slower step and waits least on rank 0; a split that does not cover the
+    blocks is one line."""
+    work = costs.Workload(ModelConfig(layers=8, hidden=1024, heads=16, vocab_size=1000, seq_len=1024), 16)
+    layout = costs.Layout.named(pp=4, tp=1, dp=1)
+    uniform = costs.estimate(work, layout, A100)
+    even = costs.estimate(work, layout, A100, stage_split=(2, 2, 2, 2))
+    assert even["compute_s"] == pytest.approx(uniform["compute_s"]) and even["bubble_s"] < uniform["bubble_s"]
+    assert even["step_time_s"] < uniform["step_time_s"]
+    assert even["rank0_bubble_s"] > even["bubble_s"]  # rank 0 holds no head: it waits for the last stage
+    front = costs.estimate(work, layout, A100, stage_split=(4, 2, 1, 1))
+    assert front["rank0_bubble_s"] < even["rank0_bubble_s"] and front["step_time_s"] > even["step_time_s"]
+    for bad in [(2, 2, 2), (3, 3, 1, 0), (2, 2, 2, 3)]:
+        with pytest.raises(ConfigError, match="does not split 8 blocks over 4 stages"):
+            costs.estimate(work, layout, A100, stage_split=bad)
+
+
+def test_the_play_on_arrays_of_costs_is_the_play_of_each():
+    from threefold.parallel.pipeline.schedule import build_schedule
+    from threefold.plan.simulate import ActionCosts, play_costs, simulate
+
+    schedule = build_schedule("zb-h1", 4, 8)
+    forward = [np.array([1.0, 0.5, 2.0]), np.array([1.0, 1.5, 0.2]), np.array([1.2, 1.0, 1.0]), np.array([0.3, 2.0, 1.0])]
+    makespan, busy = play_costs(schedule, forward, [2 * f for f in forward], [0.8 * f for f in forward], p2p=0.05)
+    for i in range(3):
+        one = simulate(schedule, ActionCosts(forward=[float(f[i]) for f in forward],
+                                             backward=[2 * float(f[i]) for f in forward],
+                                             weight_grad=[0.8 * float(f[i]) for f in forward], p2p=0.05))
+        assert makespan[i] == pytest.approx(one.makespan, rel=1e-12)
+        assert [b[i] for b in busy] == pytest.approx(one.busy, rel=1e-12)
+
+
 def test_rules_of_thumb():
     # "m ≥ 4p keeps the 1F1B bubble under 5%": at m = 4p it is (p−1)/(5p−1), about 19%.
     assert costs.bubble_fraction("1f1b", 16, 64) == pytest.approx(15 / 79) and costs.bubble_fraction("1f1b", 16, 64) > 0.18

@@ -1032,8 +1032,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     one layout). Without it each stage is priced as the busiest, ceil(L/p) blocks and the head,
     and the bubble is the registry's closed form for uniform stages; with it the schedule is
     played on each stage's own cost (``simulate.play_costs``): the step, the busiest rank's
-    compute and every rank's wait follow the split (``pipeline_split_time``). Memory keeps the
-    ceil(L/p) bound.
+    compute and every rank's wait follow the split (``pipeline_split_time``). Memory and the
+    step's breakdown (compute_s, memory_bound_s, the exposed traffic per axis) keep the modelled
+    ceil(L/p) stage.
     """
     cfg = work.model
     L, h, s, V = cfg.layers, cfg.hidden, cfg.seq_len, _require_vocab(cfg)
