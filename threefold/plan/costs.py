@@ -524,9 +524,17 @@ ELEMENTWISE_PASSES = 6
 # optimizer_pass_bytes: what Adam reads and writes per parameter, besides the gradient: mixed, the
 # fp32 master and both moments read and written and the 16-bit copy written (2·12 + 2); fp32, the
 # weights and both moments read and written (2·(4 + 8)).
+# loss_pass_bytes: what the loss moves per logit, forward and backward. mixed: a fused
+# cross-entropy reads the 16-bit logits and writes and re-reads fp32 ones (2 + 4 + 4, and the
+# 16-bit gradient's 2). fp32: the engine's eager F.cross_entropy on fp32 logits, pass by pass:
+# log_softmax reads them twice (the row's max, the sum of exponentials) and writes its output
+# (12); the backward writes the zero-filled gradient of nll_loss (4), log_softmax's backward
+# reads it for the row sums and again with the output, and writes the logits' gradient (16);
+# the product wrote the logits (4).
 PRECISIONS = {"mixed": dict(param_bytes=PARAM_BYTES, activation_bytes=ACTIVATION_BYTES, optimizer_bytes=OPTIMIZER_BYTES,
-                            optimizer_pass_bytes=26),
-              "fp32": dict(param_bytes=4, activation_bytes=4, optimizer_bytes=8, optimizer_pass_bytes=24)}
+                            optimizer_pass_bytes=26, loss_pass_bytes=12),
+              "fp32": dict(param_bytes=4, activation_bytes=4, optimizer_bytes=8, optimizer_pass_bytes=24,
+                           loss_pass_bytes=36)}
 BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
 RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
 
@@ -548,6 +556,7 @@ class Workload:
     activation_bytes: int = field(init=False)
     optimizer_bytes: int = field(init=False)
     optimizer_pass_bytes: int = field(init=False)
+    loss_pass_bytes: int = field(init=False)
     params_total: int = field(init=False)  # every expert's parameters
     params_active: int = field(init=False)  # what one token computes with (MFU counts these)
 
@@ -851,8 +860,9 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, a_bytes)
     head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
     parts = {"block": block(layer_gemm_s, layer_all, products_s(op_recomputed_products(cfg, t))), "core": core_s,
-             # cross-entropy: read 16-bit logits, write and re-read fp32 ones
-             "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s, "memory": tokens * 12 * V / t / hbm}}
+             # the loss's passes over this rank's logits (PRECISIONS' loss_pass_bytes)
+             "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s,
+                      "memory": tokens * work.loss_pass_bytes * V / t / hbm}}
     if cfg.moe_experts:
         # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
         # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
