@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import queue
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -155,8 +156,89 @@ def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float =
         return 1.0 / _best_rate(forward_backward, 1.0, seconds)
 
 
+def _reference_gpu(matmul_flops: float, attention_flops: float, copy_bw: float):
+    """A GPU of the measured rates whose memory-bound work runs at 1 B/s (its seconds are bytes)."""
+    from threefold.plan.hardware import GPU
+
+    return GPU("reference", matmul_flops, 0, copy_bw, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0,
+               hbm_efficiency=1.0, intra_link_efficiency=1.0, inter_link_efficiency=1.0,
+               attention_efficiency=min(1.0, attention_flops / matmul_flops), elementwise_bw=1.0)
+
+
+def dispatch_seconds_per_block(threads: int, matmul_flops: float, attention_flops: float, copy_bw: float,
+                               seconds: float = 0.4, rounds: int = 3) -> float:
+    """The cost of a block's forward and backward that does not grow with its tokens (each
+    eager operator's dispatch, autograd's bookkeeping), measured directly: the reference block
+    on 16 tokens, where its products take a tenth of the time, as the difference between 6 and
+    2 blocks over 4 (the embedding, head and loss cancel), the median of ``rounds`` interleaved
+    rounds, less the products' seconds at the measured rates."""
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama, cross_entropy
+    from threefold.plan import costs
+
+    gen = torch.Generator().manual_seed(0)
+    reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
+    steps, products = {}, {}
+    with intra_op_threads(threads):
+        for layers in (2, 6):
+            cfg = ModelConfig(**dict(REFERENCE_MODEL, layers=layers, seq_len=16))
+            products[layers] = float(costs.estimate(costs.Workload(cfg, 1, precision="fp32"),
+                                                    costs.Layout.named(), reference)["compute_s"])
+            model = Llama(cfg)
+            model.init_weights(0)
+            tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen)
+
+            def forward_backward(model=model, tokens=tokens):
+                cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                model.zero_grad(set_to_none=True)
+            steps[layers] = forward_backward
+        per_block = [(1.0 / _best_rate(steps[6], 1.0, seconds, trials=3) - 1.0 / _best_rate(steps[2], 1.0, seconds,
+                                                                                             trials=3)) / 4
+                     for _ in range(rounds)]
+    return max(0.0, statistics.median(per_block) - (products[6] - products[2]) / 4)
+
+
+def memory_bound_rounds(threads: int, matmul_size: int, attention_flops: float, matmul_flops: float, copy_bw: float,
+                        rounds: int = 3, seconds: float = 0.3) -> tuple[float, float, dict[int, float]]:
+    """``memory_bound_rates`` measured in ``rounds`` interleaved rounds, with the fixed cost per
+    block measured apart (``dispatch_seconds_per_block``): each round times the matmul peak and
+    the reference model at micro-batches 1, 2 and 4 within a few seconds of each other and fits
+    the rate; the round with the median rate gives (bytes/s, fixed seconds per block), with each
+    micro-batch's median seconds. A shared machine's speed drifts by 20% over a minute (a VM's
+    neighbours): timed one after another, with a line's intercept for the fixed cost, four
+    profiles of one idle machine fitted 4 to 20 GB/s and 0 to 11 ms per block. The attention
+    rate is scaled by each round's peak over ``matmul_flops``."""
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama, cross_entropy
+
+    model_cfg = ModelConfig(**REFERENCE_MODEL)
+    gen = torch.Generator().manual_seed(0)
+    size = matmul_size
+    a, b, out = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen), torch.empty(size, size)
+    fixed = dispatch_seconds_per_block(threads, matmul_flops, attention_flops, copy_bw)
+    fits, times = [], {mb: [] for mb in (1, 2, 4)}
+    with intra_op_threads(threads):
+        model = Llama(model_cfg)
+        model.init_weights(0)
+        tokens = {mb: torch.randint(0, model_cfg.vocab_size, (mb, model_cfg.seq_len + 1), generator=gen)
+                  for mb in times}
+
+        def forward_backward(mb):
+            cross_entropy(model(tokens[mb][:, :-1]), tokens[mb][:, 1:]).backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(rounds):
+            peak = _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * size**3, seconds, trials=2)
+            measured = {mb: 1.0 / _best_rate(lambda mb=mb: forward_backward(mb), 1.0, seconds, trials=2) for mb in times}
+            for mb, s in measured.items():
+                times[mb].append(s)
+            fits.append(memory_bound_rates(measured, peak, attention_flops * peak / matmul_flops, copy_bw, fixed))
+    rate, fixed = sorted(fits)[len(fits) // 2]
+    return rate, fixed, {mb: statistics.median(s) for mb, s in times.items()}
+
+
 def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attention_flops: float,
-                       copy_bw: float) -> tuple[float, float]:
+                       copy_bw: float, fixed_per_block: float | None = None) -> tuple[float, float]:
     """(bytes/s of the memory-bound work, seconds of fixed cost per block and micro-batch) of
     threefold's own model, as the planner counts them.
 
@@ -169,20 +251,24 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     several microseconds per operator), spread over the blocks. Eager PyTorch also runs more
     passes than the fused kernels the byte count describes; the rate takes that in, as a GPU's
     hbm_efficiency does for its kernels. Falls back to ``copy_bw`` and no fixed cost where the
-    products took as long as the whole (a machine too busy to measure)."""
+    products took as long as the whole (a machine too busy to measure). With ``fixed_per_block``
+    measured apart (``dispatch_seconds_per_block``) only the slope is fitted, through the points
+    less that cost: an intercept fitted from three sizes is the difference of noisy timings."""
     from threefold.config import ModelConfig
     from threefold.plan import costs
     from threefold.plan.hardware import GPU
 
-    reference = GPU("reference", matmul_flops, 0, copy_bw, 1.0, 1.0, 0.0, 0.0, 1, matmul_efficiency=1.0,
-                    hbm_efficiency=1.0, intra_link_efficiency=1.0, inter_link_efficiency=1.0,
-                    attention_efficiency=min(1.0, attention_flops / matmul_flops), elementwise_bw=1.0)
+    reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
     points = []
     for micro_batch, seconds in sorted(measured.items()):
         predicted = costs.estimate(costs.Workload(ModelConfig(**REFERENCE_MODEL), micro_batch, precision="fp32"),
                                    costs.Layout.named(micro_batch=micro_batch), reference)
         # memory_bound_s is in bytes at 1 B/s
         points.append((float(predicted["memory_bound_s"]), seconds - float(predicted["compute_s"])))
+    if fixed_per_block is not None:  # left − fixed = bytes / bandwidth, least squares through 0
+        fixed = fixed_per_block * REFERENCE_MODEL["layers"]
+        slope = sum(b * (t - fixed) for b, t in points) / sum(b * b for b, _ in points)
+        return (1.0 / slope if slope > 0 else copy_bw), fixed_per_block
     # The least-squares line through the points: left = fixed + bytes / bandwidth
     mean_b = sum(b for b, _ in points) / len(points)
     mean_t = sum(t for _, t in points) / len(points)
@@ -401,12 +487,11 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
     on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
-    # At least 1.5 s each, quick or not: the fixed cost is the difference of two timings, and
-    # short trials leave it to noise (a quick profile once measured 0 ms where the full one has 7).
-    reference_s = {b: reference_model_seconds(threads, micro_batch=b, seconds=max(1.5, settings.copy_seconds))
-                   for b in (1, 2, 4)}
+    # Five interleaved rounds, quick or not: the fixed cost is the difference of timings, and
+    # short or drifting ones leave it to noise (memory_bound_rounds).
+    elementwise_bw, block_overhead, reference_s = memory_bound_rounds(threads, settings.matmul_size, attention_fp32,
+                                                                      fp32, memory_bw)
     alone_s = reference_s[4]
-    elementwise_bw, block_overhead = memory_bound_rates(reference_s, fp32, attention_fp32, memory_bw)
     slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
