@@ -1,6 +1,6 @@
 """Record the planner's closed loop on this machine, in one command:
 
-    .venv/bin/python bench/planner_runs.py            # about 6 minutes on an idle 2-core machine
+    .venv/bin/python bench/planner_runs.py --steps 12   # about 12 minutes on an idle 2-core machine
 
 1. ``threefold calibrate`` (the full one) measures the machine profile;
 2. short training runs, the tiny model, a few steps each: the demo's dp2·tp2·pp2 and the dp, tp
@@ -12,7 +12,10 @@
    prediction on the plain profile, and the cross-validation: the profile's efficiencies
    fitted (``calibrate --from-runs``) on the runs of other layouts, then the four targets predicted.
 
-Each run's load average (1 minute, before and after; the run's own ranks count in it) and the
+Every run is recorded ``--rounds`` times (default 2), each round running all of them in turn,
+and its steps pooled: this machine's speed drifts by 15-20% over minutes (a shared VM's
+neighbours), and one short run of a layout measures the minute it ran in. Each run's load
+average (1 minute, before and after; the run's own ranks count in it) and the
 cores other processes kept busy while it ran (``other_processes_cores``: the machine's busy CPU
 time from /proc/stat less the run's own) are recorded beside it: on a shared machine the step
 times say as much about the neighbours as about the code. Writes
@@ -67,14 +70,15 @@ def load_1min() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | None:
+def record_run(name: str, steps: int, out: Path, env: dict, advance, round_: int = 0) -> dict | None:
     """Train one run, calling ``advance(steps done)`` as its metrics file grows; its manifest
-    entry, or None (with the reason printed) if it failed."""
+    entry, or None (with the reason printed) if it failed. ``round_``: which of the recording's
+    rounds (its metrics go to ``<name>.round<k>.jsonl`` until ``merge_rounds``)."""
     from threefold.plan.compare import load_run
 
     config, overrides = RUNS[name]
     sets = [*overrides, *QUIET, f"train.steps={steps}"]
-    metrics = out / f"{name}.jsonl"
+    metrics = out / f"{name}.round{round_}.jsonl"
     metrics.unlink(missing_ok=True)
     load_before, began = load_1min(), time.perf_counter()
     with open(out / f"{name}.log", "w") as log, OtherProcesses() as others:
@@ -92,9 +96,30 @@ def record_run(name: str, steps: int, out: Path, env: dict, advance) -> dict | N
     (out / f"{name}.log").unlink()
     (out / f"{name}.toml").write_text((ROOT / config).read_text())
     vocab = load_run(ROOT / config, sets).model.vocab_size  # so that replaying needs no tokenizer
-    return {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"], "metrics": f"{name}.jsonl",
+    return {"config": f"{name}.toml", "set": [*sets, f"model.vocab_size={vocab}"], "metrics": metrics.name,
             "seconds": round(seconds, 1), "load_1min_before": load_before, "load_1min_after": load_1min(),
             "other_processes_cores": None if others.cores is None else round(others.cores, 2)}
+
+
+def merge_rounds(name: str, entries: list[dict], out: Path) -> dict:
+    """One manifest entry and one metrics file ``<name>.jsonl`` from a run's rounds: every
+    round's steps but its first (the warm-up), after the first round's whole file, whose first
+    step the comparison leaves out itself; the seconds summed, the busiest round's load and
+    other processes. The machine's speed drifts over minutes (a shared VM): rounds spread over
+    the recording let each run's median step see the same drift."""
+    lines = []
+    for i, entry in enumerate(entries):
+        path = out / entry["metrics"]
+        steps = [line for line in path.read_text().splitlines() if line.strip()]
+        lines += steps if i == 0 else steps[1:]
+        path.unlink()
+    (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    others = [e["other_processes_cores"] for e in entries]
+    return dict(entries[0], metrics=f"{name}.jsonl", rounds=len(entries),
+                seconds=round(sum(e["seconds"] for e in entries), 1),
+                load_1min_before=max(e["load_1min_before"] for e in entries),
+                load_1min_after=max(e["load_1min_after"] for e in entries),
+                other_processes_cores=None if None in others else max(others))
 
 
 def summarize(out: Path, manifest: dict, console: Console) -> dict:
@@ -157,13 +182,15 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
 
 
 @click.command()
-@click.option("--steps", type=int, default=6, show_default=True, help="Training steps per run.")
+@click.option("--steps", type=int, default=6, show_default=True, help="Training steps per run and round.")
+@click.option("--rounds", type=click.IntRange(1), default=2, show_default=True,
+              help="Record every run this many times, the rounds one after another (each run's steps pooled).")
 @click.option("--only", default=None, help="Comma-separated run names (default: all).")
 @click.option("--profile/--no-profile", default=True, help="Measure the machine profile first (threefold calibrate).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=OUT, show_default=True)
 @click.option("--summary-only", is_flag=True,
               help="Train nothing: compare the recorded runs with the planner as it is now (after a model change).")
-def main(steps, only, profile, out_dir, summary_only):
+def main(steps, rounds, only, profile, out_dir, summary_only):
     if summary_only:
         manifest = json.loads((out_dir / "manifest.json").read_text())
         os.environ["THREEFOLD_HOME"] = str(out_dir)
@@ -184,7 +211,7 @@ def main(steps, only, profile, out_dir, summary_only):
                TimeElapsedColumn(), TextColumn("load {task.fields[load]}")]
     began = time.perf_counter()
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("", total=steps * len(names) + (steps if profile else 0), load=load_1min())
+        task = bar.add_task("", total=steps * len(names) * rounds + (steps if profile else 0), load=load_1min())
         done = 0
         if profile:
             bar.update(task, description="threefold calibrate")
@@ -194,15 +221,20 @@ def main(steps, only, profile, out_dir, summary_only):
                 sys.exit(measured.stderr)
             done += steps
             bar.update(task, completed=done)
-        for name in names:
-            bar.update(task, description=f"{name} ({RUNS[name][0]})", load=load_1min())
-            entry = record_run(name, steps, out_dir, env,
-                               lambda n, done=done: bar.update(task, completed=done + n, load=load_1min()))
-            done += steps
-            bar.update(task, completed=done)
-            if entry:
-                manifest[name] = entry
-                manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        recorded = {name: [] for name in names}
+        for round_ in range(rounds):
+            for name in names:
+                bar.update(task, description=f"{name} ({RUNS[name][0]}) {round_ + 1}/{rounds}", load=load_1min())
+                entry = record_run(name, steps, out_dir, env,
+                                   lambda n, done=done: bar.update(task, completed=done + n, load=load_1min()), round_)
+                done += steps
+                bar.update(task, completed=done)
+                if entry:
+                    recorded[name].append(entry)
+        for name, entries in recorded.items():
+            if len(entries) == rounds:  # a run that failed in any round is left out
+                manifest[name] = merge_rounds(name, entries, out_dir)
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     console.print(f"recorded in {time.perf_counter() - began:.0f} s")
     summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
