@@ -12,7 +12,7 @@
    prediction on the plain profile, and the cross-validation: the profile's efficiencies
    fitted (``calibrate --from-runs``) on the runs of other layouts, then the four targets predicted.
 
-Every run is recorded ``--rounds`` times (default 2), each round running all of them in turn,
+Every run can be recorded ``--rounds`` times (default 1), each round running all of them in turn,
 and its steps pooled: this machine's speed drifts by 15-20% over minutes (a shared VM's
 neighbours), and one short run of a layout measures the minute it ran in. Each run's load
 average (1 minute, before and after; the run's own ranks count in it) and the
@@ -183,7 +183,7 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
 
 @click.command()
 @click.option("--steps", type=int, default=6, show_default=True, help="Training steps per run and round.")
-@click.option("--rounds", type=click.IntRange(1), default=2, show_default=True,
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="Record every run this many times, the rounds one after another (each run's steps pooled).")
 @click.option("--only", default=None, help="Comma-separated run names (default: all).")
 @click.option("--profile/--no-profile", default=True, help="Measure the machine profile first (threefold calibrate).")
