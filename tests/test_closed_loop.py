@@ -122,9 +122,9 @@ def test_cross_validation_fits_on_other_layouts_and_predicts_the_targets():
 
 # ---- issue 16's bars, on runs recorded on an idle machine ------------------------------------
 # The recording of 2026-12-02 01:05 UTC (12 steps a run; other processes ≤ 0.01 cores), each
-# pipeline run priced at its own split. Met: exposed communication (ZeRO-3 dp 0.066 / 0.073 s,
-# dp2·pp2 pp 0.065 / 0.067, DDP dp 0.007 / 0.001). Not met, the figures in the reasons: strict,
-# so the day the planner meets a bar its test fails until the mark is taken off.
+# pipeline run priced at its own split. All three met: exposed communication (ZeRO-3 dp 0.066 /
+# 0.073 s, dp2·pp2 pp 0.065 / 0.067, DDP dp 0.007 / 0.001), the plain profile (demo −1%, ddp −6%,
+# tp −11%, pp −6%) and the targets fitted on the other layouts (−0%, −3%, −9%, −3%).
 def test_exposed_communication_within_25_percent_or_20_ms():
     require_idle(*planner_runs.EXPOSED_RUNS)
     for name in planner_runs.EXPOSED_RUNS:
@@ -133,8 +133,6 @@ def test_exposed_communication_within_25_percent_or_20_ms():
                 assert cmp.within_tolerance(row), (name, row)
 
 
-@pytest.mark.xfail(strict=True, reason="not met on the idle recording: tp 1.016 s predicted vs 1.207 measured "
-                                       "(−15.8%, the bar is 15%); demo −2%, ddp −6%, pp −6%")
 def test_compare_within_15_percent_on_the_plain_profile():
     require_idle(*planner_runs.TARGETS)
     for name in planner_runs.TARGETS:
@@ -142,8 +140,6 @@ def test_compare_within_15_percent_on_the_plain_profile():
         assert abs(step.predicted / step.measured - 1) <= 0.15, (name, step)
 
 
-@pytest.mark.xfail(strict=True, reason="not met on the idle recording: fitted on the other layouts (none with tp), "
-                                       "tp is −13.8% (demo −1%, ddp −3%, pp −3%)")
 def test_within_10_percent_after_fitting_on_other_layouts():
     require_idle(*MANIFEST)
     runs = fit.read_runs([str(RUNS / "manifest.json")])

@@ -225,6 +225,34 @@ def test_an_uneven_split_is_priced_stage_by_stage():
             costs.estimate(work, layout, A100, stage_split=bad)
 
 
+def test_the_engines_sequence_parallel_reorder_copies():
+    """threefold's (batch, sequence, hidden) activations: each sequence-parallel gather and
+    reduce-scatter copies the whole tensor to or from rank-major order (read and written) when a
+    micro-batch holds more than one sequence; the engine's runs (compare.run_layout) count it,
+    a Megatron-like plan does not."""
+    from threefold.plan.hardware import local_gpu
+
+    cfg = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    gpu = local_gpu("float32", workers=2, profile=json.loads((Path(__file__).parents[1] / "bench" / "results"
+                                                             / "planner_runs" / "local.json").read_text()))
+
+    def memory(copies, **layout):
+        work = costs.Workload(cfg, 16, precision="fp32", sequence_copies=copies)
+        return costs.estimate(work, costs.Layout.named(**layout), gpu)["memory_bound_s"]
+
+    layout = dict(tp=2, sequence_parallel=True, micro_batch=8)
+    m, tokens = 16 / 8, 8 * 256
+    calls = 2 * costs.tp_collectives_per_microbatch(4, True, "none", embedding=True)
+    assert memory(True, **layout) - memory(False, **layout) == pytest.approx(
+        m * calls * 2 * tokens * 256 * 4 / gpu.elementwise_rate, rel=1e-9)
+    for no_copy in (dict(layout, micro_batch=1), dict(layout, sequence_parallel=False), dict(layout, tp=1)):
+        assert memory(True, **no_copy) == memory(False, **no_copy)
+    from threefold.configure import load_config
+    from threefold.plan.compare import run_layout
+
+    assert run_layout(load_config(Path(__file__).parents[1] / "configs" / "tp.toml", ["model.vocab_size=4096"]))[0].sequence_copies
+
+
 def test_the_play_on_arrays_of_costs_is_the_play_of_each():
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import ActionCosts, play_costs, simulate

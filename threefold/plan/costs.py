@@ -549,6 +549,10 @@ class Workload:
     grad_bytes: int = 4
     overlap_dp: bool = True  # data-parallel reductions (and ZeRO gathers) run behind compute, as DDP/FSDP do
     tp_comm_overlap: bool = False  # Megatron-Core's --tp-comm-overlap: TP collectives pipelined with the GEMMs
+    # threefold's engine keeps activations as (batch, sequence, hidden): each sequence-parallel
+    # gather and reduce-scatter reorders the whole tensor to and from rank-major order, a copy,
+    # where a micro-batch holds more than one sequence; Megatron's (sequence, batch, hidden) needs none
+    sequence_copies: bool = False
     precision: str = "mixed"  # mixed: 16-bit weights and activations, fp32 master (GPUs); fp32: all fp32 (CPUs)
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
@@ -1191,6 +1195,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
     tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage,
                                                    moe_layers=moe_last)
+    if work.sequence_copies:  # two SP calls per all-reduce's worth, each a copy read and written
+        full_tensor_bytes = tokens * h * work.activation_bytes
+        memory_bound_s = memory_bound_s + np.where(sp & (t > 1) & (b > 1), 2 * tp_collectives * 2 * full_tensor_bytes
+                                                   / gpu.elementwise_rate, 0)
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
                                     embedding=single_stage, moe_layers=moe_last)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
