@@ -181,6 +181,12 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
             "runs": runs, "cross_validation": cross}
 
 
+def write_summary(out_dir: Path, manifest: dict) -> None:
+    """Print the comparison of the recorded runs and write it to summary.json."""
+    summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
 @click.command()
 @click.option("--steps", type=int, default=6, show_default=True, help="Training steps per run and round.")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -192,10 +198,10 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
               help="Train nothing: compare the recorded runs with the planner as it is now (after a model change).")
 def main(steps, rounds, only, profile, out_dir, summary_only):
     if summary_only:
-        manifest = json.loads((out_dir / "manifest.json").read_text())
+        if not (out_dir / "manifest.json").is_file():
+            raise click.BadParameter(f"{out_dir} holds no recording (no manifest.json)", param_hint="--out")
         os.environ["THREEFOLD_HOME"] = str(out_dir)
-        summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_summary(out_dir, json.loads((out_dir / "manifest.json").read_text()))
         return
     console = Console(stderr=True)
     names = [n for n in RUNS if not only or n in only.split(",")]
@@ -236,8 +242,7 @@ def main(steps, rounds, only, profile, out_dir, summary_only):
                 manifest[name] = merge_rounds(name, entries, out_dir)
         manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     console.print(f"recorded in {time.perf_counter() - began:.0f} s")
-    summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(out_dir, manifest)
 
 
 if __name__ == "__main__":

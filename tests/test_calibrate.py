@@ -213,6 +213,10 @@ def test_the_memory_bound_rate_and_fixed_cost_are_what_the_reference_model_leave
                              costs.Layout.named(micro_batch=micro_batch), gpu)
         measured[micro_batch] = float(est["compute_s"] + est["memory_bound_s"])
     assert calibrate.memory_bound_rates(measured, matmul, attention, copy) == pytest.approx((true_bw, overhead))
+    # the fixed cost measured apart (dispatch_seconds_per_block): only the rate is fitted, through it
+    assert calibrate.memory_bound_rates(measured, matmul, attention, copy, fixed_per_block=overhead) == pytest.approx(
+        (true_bw, overhead))
+    assert calibrate.memory_bound_rates(measured, matmul, attention, copy, fixed_per_block=2 * overhead)[0] > 1.02 * true_bw
     too_busy = {b: 0.0 for b in measured}  # products longer than the whole: the copy's bandwidth, no fixed cost
     assert calibrate.memory_bound_rates(too_busy, matmul, attention, copy) == (copy, 0.0)
 

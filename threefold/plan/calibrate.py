@@ -137,23 +137,28 @@ def measure_attention_flops(dtype: torch.dtype, threads: int, batch: int = 4, he
 REFERENCE_MODEL = dict(layers=2, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab_size=4096, seq_len=256)
 
 
-def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float = 1.0) -> float:
-    """Seconds of the forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL."""
+def reference_step(micro_batch: int = 4, **overrides):
+    """The forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL (its
+    sizes changed by ``overrides``), as a function to time."""
     from threefold.config import ModelConfig
     from threefold.models.llama import Llama, cross_entropy
 
-    model_cfg = ModelConfig(**REFERENCE_MODEL)
+    model_cfg = ModelConfig(**dict(REFERENCE_MODEL, **overrides))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), generator=gen)
+    model = Llama(model_cfg)
+    model.init_weights(0)
+
+    def forward_backward():
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+    return forward_backward
+
+
+def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float = 1.0) -> float:
+    """Seconds of the forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL."""
     with intra_op_threads(threads):
-        model = Llama(model_cfg)
-        model.init_weights(0)
-
-        def forward_backward():
-            cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            model.zero_grad(set_to_none=True)
-
-        return 1.0 / _best_rate(forward_backward, 1.0, seconds)
+        return 1.0 / _best_rate(reference_step(micro_batch), 1.0, seconds)
 
 
 def _reference_gpu(matmul_flops: float, attention_flops: float, copy_bw: float):
@@ -173,10 +178,8 @@ def dispatch_seconds_per_block(threads: int, matmul_flops: float, attention_flop
     2 blocks over 4 (the embedding, head and loss cancel), the median of ``rounds`` interleaved
     rounds, less the products' seconds at the measured rates."""
     from threefold.config import ModelConfig
-    from threefold.models.llama import Llama, cross_entropy
     from threefold.plan import costs
 
-    gen = torch.Generator().manual_seed(0)
     reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
     steps, products = {}, {}
     with intra_op_threads(threads):
@@ -184,14 +187,7 @@ def dispatch_seconds_per_block(threads: int, matmul_flops: float, attention_flop
             cfg = ModelConfig(**dict(REFERENCE_MODEL, layers=layers, seq_len=16))
             products[layers] = float(costs.estimate(costs.Workload(cfg, 1, precision="fp32"),
                                                     costs.Layout.named(), reference)["compute_s"])
-            model = Llama(cfg)
-            model.init_weights(0)
-            tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=gen)
-
-            def forward_backward(model=model, tokens=tokens):
-                cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-                model.zero_grad(set_to_none=True)
-            steps[layers] = forward_backward
+            steps[layers] = reference_step(1, layers=layers, seq_len=16)
         per_block = [(1.0 / _best_rate(steps[6], 1.0, seconds, trials=3) - 1.0 / _best_rate(steps[2], 1.0, seconds,
                                                                                              trials=3)) / 4
                      for _ in range(rounds)]
@@ -208,28 +204,16 @@ def memory_bound_rounds(threads: int, matmul_size: int, attention_flops: float, 
     neighbours): timed one after another, with a line's intercept for the fixed cost, four
     profiles of one idle machine fitted 4 to 20 GB/s and 0 to 11 ms per block. The attention
     rate is scaled by each round's peak over ``matmul_flops``."""
-    from threefold.config import ModelConfig
-    from threefold.models.llama import Llama, cross_entropy
-
-    model_cfg = ModelConfig(**REFERENCE_MODEL)
     gen = torch.Generator().manual_seed(0)
     size = matmul_size
     a, b, out = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen), torch.empty(size, size)
     fixed = dispatch_seconds_per_block(threads, matmul_flops, attention_flops, copy_bw)
     fits, times = [], {mb: [] for mb in (1, 2, 4)}
     with intra_op_threads(threads):
-        model = Llama(model_cfg)
-        model.init_weights(0)
-        tokens = {mb: torch.randint(0, model_cfg.vocab_size, (mb, model_cfg.seq_len + 1), generator=gen)
-                  for mb in times}
-
-        def forward_backward(mb):
-            cross_entropy(model(tokens[mb][:, :-1]), tokens[mb][:, 1:]).backward()
-            model.zero_grad(set_to_none=True)
-
+        steps = {mb: reference_step(mb) for mb in times}
         for _ in range(rounds):
             peak = _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * size**3, seconds, trials=2)
-            measured = {mb: 1.0 / _best_rate(lambda mb=mb: forward_backward(mb), 1.0, seconds, trials=2) for mb in times}
+            measured = {mb: 1.0 / _best_rate(steps[mb], 1.0, seconds, trials=2) for mb in times}
             for mb, s in measured.items():
                 times[mb].append(s)
             fits.append(memory_bound_rates(measured, peak, attention_flops * peak / matmul_flops, copy_bw, fixed))
@@ -487,8 +471,8 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
     on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
-    # Five interleaved rounds, quick or not: the fixed cost is the difference of timings, and
-    # short or drifting ones leave it to noise (memory_bound_rounds).
+    # Interleaved rounds, quick or not: the fixed cost is the difference of timings, and short
+    # or drifting ones leave it to noise (memory_bound_rounds).
     elementwise_bw, block_overhead, reference_s = memory_bound_rounds(threads, settings.matmul_size, attention_fp32,
                                                                       fp32, memory_bw)
     alone_s = reference_s[4]

@@ -995,11 +995,6 @@ def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, lat
     return np.where(intra, calls * per_call + bytes_sent * per_byte, ring)
 
 
-def stage_layers_of(layers, pp):
-    """Blocks the planner prices on every stage without a given split: the busiest's, ceil(L/p)."""
-    return np.ceil(layers / np.asarray(pp))
-
-
 def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_layers_modelled, head_s, mb_s,
                         compute_mb_s, p2p_s, m, bubble_speedup) -> dict:
     """The pipeline's time with the blocks split as ``stage_layers`` (one per model chunk), one
@@ -1067,7 +1062,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     num_gpus = t * p * d * c
     m = work.global_batch / (d * b)  # micro-batches per replica per step
     tokens = b * s / c  # tokens of one micro-batch on one rank, before TP
-    stage_layers = stage_layers_of(L, p)
+    stage_layers = np.ceil(L / p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
@@ -1345,7 +1340,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
         compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
         cp_exposed_s=m * cp_exposed_mb, ep_exposed_s=m * ep_mb_s, pp_exposed_s=2 * busy_slots * p2p_s,
-        bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s, contention_s=contention_s,
+        bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
+        contention_s=contention_s,
     )
     result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
                            + result["pp_exposed_s"] + dp_exposed_s)
