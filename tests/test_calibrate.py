@@ -57,6 +57,17 @@ def test_matmul_flops_are_plausible(dtype):
     assert torch.get_num_threads() == threads_before
 
 
+def test_a_slow_kernel_is_timed_on_smaller_products():
+    """bf16 without a fast CPU kernel (1.2 GFLOP/s on an AVX2 machine) would take 14 s per 2048-wide
+    product, seven of them per measurement: the size halves until one takes at most half the
+    budget. A fast kernel's 256-wide probe (45 GFLOP/s there for fp32) keeps the 2048 asked for."""
+    assert calibrate.product_size(1.2e9, 2048, 2.0) == 512
+    assert 2 * 512**3 / 1.2e9 <= 1.0 < 2 * 1024**3 / 1.2e9
+    assert calibrate.product_size(45e9, 2048, 2.0) == 2048
+    assert calibrate.product_size(45e9, 1024, 0.6) == 1024
+    assert calibrate.product_size(1e6, 2048, 2.0) == calibrate.PROBE_SIZE  # never below the probe
+
+
 def test_memory_bandwidth_is_plausible():
     assert 1e8 < calibrate.measure_memory_bandwidth(size_bytes=8 << 20, seconds=0.05) < 1e13
 

@@ -1,4 +1,5 @@
 """`threefold estimate` and `threefold plan` as a user runs them: flags, JSON, errors, batch mode."""
+import dataclasses
 import json
 
 import pytest
@@ -62,6 +63,49 @@ def test_estimate_bad_layouts_are_one_line_and_exit_2(capsys, args, message):
     code, out, err = run(capsys, "estimate", *GPT3, *args)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+TINY_PP = ["estimate", "--model", "tiny", "--vocab", "4096", "--layers", "5", "--global-batch", "16",
+           "--gpu", "a100-80gb", "--pp", "2", "--micro-batch", "2", "--json"]
+
+
+def test_stage_layers_prices_the_split_it_is_given(capsys):
+    """--stage-layers is costs.estimate's stage_split: the same numbers, on the command line and
+    in --batch; ceil(5/2) = 3 blocks a stage is what the default prices, so 3,2 is faster."""
+    _, default_out, _ = run(capsys, *TINY_PP)
+    code, out, _ = run(capsys, *TINY_PP, "--stage-layers", "3,2")
+    assert code == 0
+    work = costs.Workload(dataclasses.replace(get_preset("tiny"), vocab_size=4096, layers=5), 16)
+    direct = costs.estimate(work, costs.Layout.named(pp=2, micro_batch=2), CATALOG["a100-80gb"], stage_split=(3, 2))
+    split, default = json.loads(out), json.loads(default_out)
+    assert split["step_time_s"] == pytest.approx(float(direct["step_time_s"]))
+    assert split["step_time_s"] < default["step_time_s"]
+    _, heavy_out, _ = run(capsys, *TINY_PP, "--stage-layers", "[4, 1]")
+    assert json.loads(heavy_out)["step_time_s"] > split["step_time_s"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("3,3", "--stage-layers: 3,3 does not split 5 blocks over 2 stages"),
+    ("5", "--stage-layers: 5 does not split 5 blocks over 2 stages"),
+    ("3,x", "is not a list of block counts"),
+    ("5,0", "every stage needs at least one block"),
+])
+def test_stage_layers_bad_input_is_one_line_and_exit_2(capsys, value, message):
+    code, _, err = run(capsys, *TINY_PP, "--stage-layers", value)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    no_pipeline = TINY_PP[:TINY_PP.index("--pp")] + TINY_PP[TINY_PP.index("--pp") + 2:]
+    code, _, err = run(capsys, *no_pipeline, "--stage-layers", "3,2")
+    assert code == 2 and "--stage-layers: needs a pipeline" in err
+
+
+def test_stage_layers_in_batch_mode(capsys, tmp_path):
+    line = dict(model="tiny", vocab=4096, layers=5, global_batch=16, gpu="a100-80gb", pp=2, micro_batch=2)
+    path = tmp_path / "split.jsonl"
+    path.write_text("\n".join(json.dumps(dict(line, stage_layers=split)) for split in ([3, 2], "3,2", [3, 3])) + "\n")
+    code, out, _ = run(capsys, "estimate", "--batch", str(path))
+    first, second, bad = (json.loads(text) for text in out.splitlines())
+    assert code == 0 and first["step_time_s"] == second["step_time_s"]
+    assert "does not split 5 blocks" in bad["error"]
 
 
 def test_unknown_gpu_and_missing_inputs(capsys):

@@ -101,11 +101,30 @@ def measure_matmul_flops(dtype: torch.dtype, threads: int, size: int = 2048, sec
     what the cores do while they run this process, whatever else the machine is running.
     """
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype)
-    b = torch.randn(size, size, generator=gen).to(dtype)
-    out = torch.empty(size, size, dtype=dtype)
     with intra_op_threads(threads):
+        probe = torch.randn(PROBE_SIZE, PROBE_SIZE, generator=gen).to(dtype)
+        torch.mm(probe, probe)
+        start = time.perf_counter()
+        torch.mm(probe, probe)
+        size = product_size(2.0 * PROBE_SIZE**3 / max(time.perf_counter() - start, 1e-9), size, seconds)
+        a = torch.randn(size, size, generator=gen).to(dtype)
+        b = torch.randn(size, size, generator=gen).to(dtype)
+        out = torch.empty(size, size, dtype=dtype)
         return _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * size**3, seconds, clock=clock)
+
+
+PROBE_SIZE = 256
+
+
+def product_size(probe_flops: float, size: int, seconds: float) -> int:
+    """The matmul size to time: ``size``, halved while one product at the probe's rate would
+    take over half of ``seconds``. A dtype without a fast kernel on this CPU (bf16 without
+    AVX-512 BF16 or AMX runs a reference loop, 1.2 GFLOP/s on an AVX2 VM here) would otherwise
+    spend minutes on the seven 2048-wide products a measurement takes; a fast kernel (45 GFLOP/s
+    at 256 wide there, a quarter of its large-product rate) keeps 2048 unless it is under 17."""
+    while size > PROBE_SIZE and 2.0 * size**3 / probe_flops > seconds / 2:
+        size //= 2
+    return size
 
 
 def measure_memory_bandwidth(threads: int | None = None, size_bytes: int = 512 << 20, seconds: float = 1.0) -> float:

@@ -155,11 +155,32 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     return layout, num_gpus
 
 
+def stage_split(o: dict, work: costs.Workload, layout: costs.Layout) -> tuple[int, ...] | None:
+    """--stage-layers (``3,2``, ``[3, 2]``, or a JSON list in --batch), checked against the layout:
+    one count per model chunk, each at least one block, every block once."""
+    text = o.get("stage_layers")
+    if text is None:
+        return None
+    try:
+        split = tuple(int(item) for item in str(text).strip().strip("[]").split(","))
+    except ValueError:
+        raise ConfigError(f"--stage-layers: {text!r} is not a list of block counts such as 3,2") from None
+    if min(split) < 1:
+        raise ConfigError(f"--stage-layers: {text!r}: every stage needs at least one block")
+    chunks = SCHEDULE_REGISTRY[costs.SCHEDULES[int(layout.schedule)]].stages_per_rank or layout.virtual_stages
+    if layout.pp == 1:
+        raise ConfigError("--stage-layers: needs a pipeline (--pp 2 or more)")
+    if len(split) != layout.pp * chunks or sum(split) != work.model.layers:
+        raise ConfigError(f"--stage-layers: {','.join(map(str, split))} does not split {work.model.layers} blocks "
+                          f"over {layout.pp * chunks} stages (pp {layout.pp} × {chunks} per rank)")
+    return split
+
+
 def evaluate(o: dict) -> dict:
     """One layout's estimate as JSON, from estimate's options."""
     work, gpu = build_workload(o)
     layout, _ = build_layout(o, work)
-    return report.result_json(costs.estimate(work, layout, gpu), layout)
+    return report.result_json(costs.estimate(work, layout, gpu, stage_split(o, work, layout)), layout)
 
 
 def _title(o: dict, work: costs.Workload, num_gpus: int, gpu) -> str:
@@ -205,6 +226,10 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
 @click.option("--schedule", type=click.Choice(costs.SCHEDULES), default="1f1b", show_default=True)
+@click.option("--stage-layers", metavar="N,N,…",
+              help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
+                   "e.g. 3,2; the schedule is then played on each stage's own cost. Default: ceil(layers/pp) "
+                   "each, with the closed-form bubble.")
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="Evaluate every JSON line of this file; print one JSON line each, in order.")
 @click.option("--list-gpus", is_flag=True, help="List the GPUs of the catalog and exit.")
@@ -237,14 +262,15 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     check_picture_path("--out", out)
     work, gpu = build_workload(options)
     layout, num_gpus = build_layout(options, work)
-    result = report.result_json(costs.estimate(work, layout, gpu), layout)
+    split = stage_split(options, work, layout)
+    result = report.result_json(costs.estimate(work, layout, gpu, split), layout)
+    described = layout.describe() + (f" stages {'-'.join(map(str, split))}" if split else "")
     if out:
-        draw_breakdown([result], [layout.describe()], gpu.hbm_bytes / 2**30, out,
-                       _title(options, work, num_gpus, gpu))
+        draw_breakdown([result], [described], gpu.hbm_bytes / 2**30, out, _title(options, work, num_gpus, gpu))
     if as_json:
         click.echo(json.dumps(result))
         return
-    for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {layout.describe()}"):
+    for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {described}"):
         console.print(table)
 
 
