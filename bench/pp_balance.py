@@ -23,20 +23,11 @@ from pathlib import Path
 
 import click
 
+from threefold.plan.measured import mean_idle
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "pp_balance.json"
 QUIET = ["train.eval_every=0", "train.sample_tokens=0", "train.checkpoint_dir=none"]
-
-
-def idle_per_rank(records: list[dict]) -> list[float]:
-    """Each rank's mean idle share over the steps after the first."""
-    shares = []
-    for record in records[1:]:
-        ranks = [[(s, e) for s, e, kind, *_ in rank if kind in ("F", "B", "W")] for rank in record["timeline"]["ranks"]]
-        first = min(s for rank in ranks for s, _ in rank)
-        span = max(e for rank in ranks for _, e in rank) - first
-        shares.append([1 - sum(e - s for s, e in rank) / span for rank in ranks])
-    return [statistics.mean(step[r] for step in shares) for r in range(len(shares[0]))]
 
 
 def uniform_ideal(records: list[dict]) -> float:
@@ -63,7 +54,7 @@ def run(config: str, steps: int, extra: list[str], metrics: Path) -> dict:
         raise SystemExit(f"train failed: {done.stderr.strip().splitlines()[-1]}")
     split = next((line for line in (done.stderr + done.stdout).splitlines() if "pipeline stages" in line), "")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"idle": idle_per_rank(records), "uniform_ideal_at_measured_ratios": uniform_ideal(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
+    return {"idle": mean_idle([record["timeline"] for record in records]), "uniform_ideal_at_measured_ratios": uniform_ideal(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
             "load_average": os.getloadavg()[0]}
 
 

@@ -215,16 +215,35 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     timeline = case(distributed, 2, 3, "zb-h1")[0]["timeline"]
     assert timeline["schedule"] == "zb-h1" and len(timeline["ranks"]) == 2
     metrics = tmp_path / "run.jsonl"
-    records = [{"step": 1, "loss": 4.0}, {"step": 2, "timeline": timeline}]
+    records = [{"step": 1, "loss": 4.0}, {"step": 2, "timeline": timeline}, {"step": 3, "timeline": timeline}]
     metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
     assert main(["schedule", "--from-metrics", str(metrics), "--out", str(tmp_path / "t.png"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (tmp_path / "t.png").stat().st_size > 0 and len(report["measured_idle"]) == 2
     assert all(0 <= idle < 1 for idle in report["measured_idle"] + report["simulated_idle"])
+    assert report["mean_measured_idle"] == pytest.approx(report["measured_idle"]) and report["mean_steps"] == 1
+    assert main(["schedule", "--from-metrics", str(metrics)]) == 0
+    assert "over 1 step(s) after the first" in capsys.readouterr().out
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
     assert main(["schedule", "--from-metrics", str(empty)]) == 2
     assert "holds no pipeline timeline" in capsys.readouterr().err
+
+
+def test_the_mean_idle_share_leaves_out_the_first_step():
+    """Rank 0 computes 2 of a 3-second step and rank 1 1.5 of it (idle 1/3, 1/2; its send is not
+    compute); in the next step both compute 3 of 4 (idle 1/4); the first, warm-up step is left
+    out of the mean."""
+    from threefold.plan.measured import mean_idle
+
+    def step(rank0, rank1):
+        return {"pp": 2, "ranks": [[(s, e, kind, 0, 0) for s, e, kind in rank0],
+                                   [(s, e, kind, 0, 1) for s, e, kind in rank1]]}
+    warm_up = step([(0, 10, "F")], [(10, 11, "F")])
+    first = step([(0, 1, "F"), (1, 2, "B")], [(1, 2, "F"), (2, 2.5, "send_grad"), (2.5, 3, "B")])
+    second = step([(0, 1, "F"), (1, 3, "B")], [(1, 2, "F"), (2, 4, "B")])
+    assert mean_idle([warm_up, first, second]) == pytest.approx([(1 / 3 + 1 / 4) / 2, (1 / 2 + 1 / 4) / 2])
+    assert mean_idle([first]) == pytest.approx([1 / 3, 1 / 2])
 
 
 # --- partition and bad input -------------------------------------------------------------------------

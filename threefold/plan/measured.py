@@ -87,11 +87,28 @@ def read_timeline(metrics_path: str | Path, step: int | None = None) -> dict:
     return found
 
 
+def mean_idle(timelines: list[dict]) -> list[float]:
+    """Each rank's idle share averaged over the steps of ``timelines`` after the first (its
+    warm-up; the only one if there is one). One step's share swings with the moment it ran in:
+    on 2 cores, ten-step windows of the demo ranged 16-29% around a run's 21%."""
+    steps = timelines[1:] or timelines
+    shares = [idle_fractions(measured_segments(timeline)) for timeline in steps]
+    return [sum(step[rank] for step in shares) / len(shares) for rank in range(len(shares[0]))]
+
+
+def read_timelines(metrics_path: str | Path) -> list[dict]:
+    """Every step's measured timeline in a metrics file, in order."""
+    with open(metrics_path) as lines:
+        return [record["timeline"] for record in map(json.loads, lines) if "timeline" in record]
+
+
 def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = None) -> dict:
     """For ``threefold schedule --from-metrics``: each rank's idle share in a run's last measured
-    step and in the simulator's play of the same schedule on that step's stage costs; with
-    ``out``, both timelines drawn there (measured above simulated)."""
+    step and in the simulator's play of the same schedule on that step's stage costs, and the
+    measured share averaged over the run's steps (``mean_idle``); with ``out``, both timelines
+    drawn there (measured above simulated)."""
     timeline = read_timeline(metrics_path)
+    timelines = read_timelines(metrics_path)
     simulated = simulate_measured(timeline)
     measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
     name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
@@ -106,4 +123,5 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
     return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
             "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
             "simulated_idle": idle_fractions(simulated_segs), "bottleneck": neck,
+            "mean_measured_idle": mean_idle(timelines), "mean_steps": max(1, len(timelines) - 1),
             "out": str(out) if out else None}
