@@ -170,34 +170,40 @@ def test_sends_are_released_as_soon_as_the_schedule_proves_them_done():
 
 
 # --- measured timeline and bubble ----------------------------------------------------------------
-def run_timed(schedule: str, m: int, hidden: int, steps: int) -> dict:
-    """A pipeline of uniform stages large enough that compute dominates p2p; the last step's timeline."""
+def run_timed(schedule: str, m: int, hidden: int, steps: int) -> list[dict]:
+    """A pipeline of uniform stages large enough that compute dominates p2p; every step's timeline."""
     cfg = make_config(2, m, schedule, 1, 1, 1, 0, False, f"model.hidden={hidden}", "model.heads=8", "model.layers=4",
                       "model.seq_len=128", "model.vocab_size=32", "model.tie_embeddings=false")
     torch.set_num_threads(1)
     engine = new_engine(cfg)
-    train_steps(engine, cfg, global_batches(cfg, steps))
-    timeline = engine.step_timeline()
+    timelines = []
+    for batch in global_batches(cfg, steps):
+        train_steps(engine, cfg, [batch])
+        timelines.append(engine.step_timeline())
     engine.shutdown()
-    return timeline
+    return timelines
 
 
 @pytest.mark.slow
 def test_measured_bubble_follows_the_simulator(distributed):
     """On uniform stages, each rank's measured idle share is within 5 points of the simulator's
-    for the same schedule on the measured stage costs; and on one set of measured costs (ZB-H1's,
+    for the same schedule on the measured stage costs, both averaged over the steps after the
+    first (one step alone missed by 5.5-6 points twice in a full suite on a slower VM, and passed
+    alone); and on one set of measured costs (ZB-H1's,
     where B and W are timed apart) the simulator's ZB-H1 idles less than its 1F1B. The measured
     shares of two separate runs are not compared with each other: at pp=2, m=8 the two schedules
     differ by a few points, which the noise of a shared 2-core machine exceeds (CI once measured
     1F1B 14.6%, ZB-H1 16.2%, each within 5 points of its own simulation)."""
-    from threefold.plan.measured import idle_fractions, measured_costs, measured_segments, simulate_measured
+    from threefold.plan.measured import idle_fractions, mean_idle, measured_costs, simulate_measured
     from threefold.plan.simulate import simulate
 
     timelines = {}
     for schedule in ("1f1b", "zb-h1"):
-        timeline = timelines[schedule] = distributed.run(2, run_timed, schedule, 8, 512, 3)[0]
-        measured = idle_fractions(measured_segments(timeline))
-        simulated = idle_fractions(simulate_measured(timeline).segments())
+        steps = distributed.run(2, run_timed, schedule, 8, 512, 4)[0]
+        timelines[schedule] = steps[-1]
+        measured = mean_idle(steps)
+        played = [idle_fractions(simulate_measured(timeline).segments()) for timeline in steps[1:]]
+        simulated = [sum(step[rank] for step in played) / len(played) for rank in range(2)]
         for got, want in zip(measured, simulated):
             assert abs(got - want) < 0.05, (schedule, measured, simulated)
     costs = measured_costs(timelines["zb-h1"])
