@@ -71,22 +71,6 @@ def simulate_measured(timeline: dict) -> SimResult:
     return simulate(schedule, measured_costs(timeline))
 
 
-def read_timeline(metrics_path: str | Path, step: int | None = None) -> dict:
-    """The measured timeline of ``step`` (default: the last step that has one) from a metrics
-    file written by ``threefold train --metrics-file`` on a pipeline run."""
-    found = None
-    with open(metrics_path) as lines:
-        for line in lines:
-            record = json.loads(line)
-            if "timeline" in record and (step is None or record.get("step") == step):
-                found = record["timeline"]
-    if found is None:
-        which = f"step {step}" if step is not None else "any step"
-        raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for {which} "
-                          "(it is written by runs with parallel.pp > 1)")
-    return found
-
-
 def mean_idle(timelines: list[dict]) -> list[float]:
     """Each rank's idle share averaged over the steps of ``timelines`` after the first (its
     warm-up; the only one if there is one). One step's share swings with the moment it ran in:
@@ -97,9 +81,14 @@ def mean_idle(timelines: list[dict]) -> list[float]:
 
 
 def read_timelines(metrics_path: str | Path) -> list[dict]:
-    """Every step's measured timeline in a metrics file, in order."""
+    """Every step's measured timeline in a metrics file written by ``threefold train
+    --metrics-file`` on a pipeline run, in order; one line and exit 2 if it holds none."""
     with open(metrics_path) as lines:
-        return [record["timeline"] for record in map(json.loads, lines) if "timeline" in record]
+        timelines = [record["timeline"] for record in map(json.loads, lines) if "timeline" in record]
+    if not timelines:
+        raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for any step "
+                          "(it is written by runs with parallel.pp > 1)")
+    return timelines
 
 
 def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = None) -> dict:
@@ -107,8 +96,8 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
     step and in the simulator's play of the same schedule on that step's stage costs, and the
     measured share averaged over the run's steps (``mean_idle``); with ``out``, both timelines
     drawn there (measured above simulated)."""
-    timeline = read_timeline(metrics_path)
     timelines = read_timelines(metrics_path)
+    timeline = timelines[-1]
     simulated = simulate_measured(timeline)
     measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
     name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
