@@ -1174,10 +1174,18 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         memory_bound_s = memory_bound_s + moe_last * (moe_block["memory"] - block["memory"])
     core_s = part["core"]
 
-    def link(group_span):
-        """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks."""
+    def link(group_span, members_per_node=1):
+        """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks,
+        ``members_per_node`` of them in each node. Across nodes NCCL runs a ring per NIC, so a group
+        with k members in a node sends over their k NICs at once: the node's network, not one
+        GPU's, carries it, never faster than the members' own links (a DGX A100's all-reduce over
+        nodes reaches 192 GB/s of bus bandwidth on its 8 × 25 GB/s HDR ports, NVIDIA's figure in
+        NVIDIA/nccl#812). k = 1 (one member a node: tp fills it) is one NIC a GPU."""
         intra = group_span <= gpu.gpus_per_node
-        return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, gpu.inter_node_bw * gpu.inter_link_efficiency),
+        one_nic = gpu.inter_node_bw * gpu.inter_link_efficiency
+        nics = np.where(members_per_node > 1, np.minimum(members_per_node * one_nic,
+                                                         gpu.intra_node_bw * gpu.intra_link_efficiency), one_nic)
+        return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, nics),
                 np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
 
     # Each collective call and pipeline message also waits for members off their core where more
@@ -1271,7 +1279,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    dp_bw, dp_lat = link(t * c * d)
+    dp_bw, dp_lat = link(t * c * d, members_per_node=np.clip(gpu.gpus_per_node // (t * c), 1, d))
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
@@ -1302,12 +1310,14 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / gpu.elementwise_rate
 
-    # ---- contention: overlapped data-parallel traffic inside a node is not free. NVLink collectives
-    # stream hundreds of GB/s through the HBM and run many NCCL channels on the SMs of the compute
-    # they hide behind, which slows by overlap_slowdown seconds per second of such traffic; a
-    # network collective moves a tenth of that and holds few SMs, so it is taken as free
+    # ---- contention: overlapped data-parallel traffic is not free. NCCL's kernels run on the SMs
+    # of the compute they hide behind and stream their bytes through its HBM, which slows by
+    # overlap_slowdown seconds per second of NVLink-rate traffic; a group moving its bytes slower
+    # (one NIC a GPU across nodes: a tenth of NVLink's rate on an A100) costs in proportion to
+    # its rate, and one whose members share a node's NICs about as much as NVLink
     # (docs/planner.md §5).
-    overlapped_dp_s = np.where(t * c * d <= gpu.gpus_per_node, np.maximum(0, dp_s - dp_exposed_s), 0)
+    nvlink_bw = gpu.intra_node_bw * gpu.intra_link_efficiency
+    overlapped_dp_s = np.maximum(0, dp_s - dp_exposed_s) * np.minimum(1.0, dp_bw / nvlink_bw)
     contention_s = gpu.overlap_slowdown * overlapped_dp_s
 
     step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
