@@ -225,3 +225,37 @@ def test_zero3_exposes_the_root_units_gathers_and_the_first_blocks():
                        h100.intra_node_bw * h100.intra_link_efficiency)
     expected = (m * 2 * work.param_bytes + work.grad_bytes) * extra * per_byte
     assert exposed[128_000] - exposed[32_000] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("tp, dp, gpus_per_node, members", [(1, 16, 8, 8), (2, 16, 8, 4), (8, 4, 8, 1), (4, 8, 4, 1)])
+def test_a_group_across_nodes_sends_over_its_members_nics(tp, dp, gpus_per_node, members):
+    """NCCL runs a ring per NIC: a data-parallel group with k members in each node moves its bytes
+    over their k NICs at once, never faster than NVLink (NVIDIA/nccl#812: 192 GB/s of all-reduce
+    bus bandwidth across DGX A100 nodes, 8 HDR ports of 25). The same layout inside one node
+    (gpus_per_node = all of them) differs only by the link, so without the rings' latency dp_s
+    scales by the ratio of rates, exactly."""
+    gpu = dataclasses.replace(A100, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+    model = costs.ModelConfig(layers=8, hidden=4096, heads=32, ffn=14336, vocab_size=32_000, seq_len=4096)
+    work = costs.Workload(model, 8 * dp)
+    layout = costs.Layout.named(tp=tp, dp=dp, zero=1, micro_batch=1, sequence_parallel=tp > 1)
+    inside = costs.estimate(work, layout, gpu.with_gpus_per_node(tp * dp))
+    across = costs.estimate(work, layout, gpu.with_gpus_per_node(gpus_per_node))
+    nvlink = gpu.intra_node_bw * gpu.intra_link_efficiency
+    one_nic = gpu.inter_node_bw * gpu.inter_link_efficiency
+    rate = min(members * one_nic, nvlink)
+    assert across["dp_bytes"] == inside["dp_bytes"]
+    assert across["dp_s"] == pytest.approx(inside["dp_s"] * nvlink / rate, rel=1e-9)
+
+
+def test_tensor_parallel_across_nodes_uses_a_nodes_nics():
+    """tp = 16 on nodes of 8: its ring crosses nodes over 8 NICs a node (180 GB/s on an A100's
+    HDR ports at 0.9, under NVLink's 210), not one GPU's 22.5."""
+    model = costs.ModelConfig(layers=8, hidden=8192, heads=64, ffn=28672, vocab_size=32_000, seq_len=4096)
+    work = costs.Workload(model, 4)
+    layout = costs.Layout.named(tp=16, micro_batch=1, sequence_parallel=True)
+    gpu = dataclasses.replace(A100, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+    inside = costs.estimate(work, layout, gpu.with_gpus_per_node(16))
+    across = costs.estimate(work, layout, gpu)
+    eight_nics = 8 * gpu.inter_node_bw * gpu.inter_link_efficiency
+    assert across["tp_s"] == pytest.approx(inside["tp_s"] * gpu.intra_node_bw * gpu.intra_link_efficiency / eight_nics,
+                                           rel=1e-9)

@@ -1205,7 +1205,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
                                     embedding=single_stage, moe_layers=moe_last)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
-    tp_bw, tp_lat = link(t)
+    tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
