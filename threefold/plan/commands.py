@@ -52,7 +52,8 @@ def _model_options(command):
         click.option("--num-gpus", type=int),
         click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
         click.option("--inter-node-gbps", type=float,
-                     help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 NDR)."),
+                     help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 "
+                          "NDR); a collective with k members in a node uses their k NICs at once."),
         click.option("--intra-node-gbps", type=float, help="Link bandwidth per GPU inside a node in Gbit/s."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
                      help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
