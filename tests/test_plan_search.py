@@ -70,6 +70,11 @@ def test_explanations_name_the_cause():
     assert found._phrase("tp_exposed", i).startswith("TP=16 crosses nodes: ")
     j = int(np.flatnonzero((lay.pp == 16) & (lay.schedule == costs.SCHEDULES.index("gpipe")))[0])
     assert f"PP=16 with {int(found.est['microbatches'][j])} micro-batches" in found._phrase("bubble", j)
+    # Every part of the step has its own words: contention is not the optimizer step.
+    from threefold.plan.report import TIME_PARTS
+    phrases = {part: found._phrase(part, j) for part in TIME_PARTS}
+    assert "compute slowed by the data-parallel traffic" in phrases["contention"]
+    assert "optimizer" in phrases["optimizer"] and "optimizer" not in phrases["contention"]
 
 
 def test_gpt3_search_evaluates_over_100k_layouts_per_second():

@@ -196,7 +196,12 @@ class SearchResult:
                 return f"{seconds:.2f} s of memory-bound element-wise work"
             sp = "with" if lay["sequence_parallel"] else "without"
             return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
-        return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
+        if part == "contention":
+            return (f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas: {seconds:.2f} s of compute slowed by "
+                    "the data-parallel traffic it hides")
+        if part == "optimizer":
+            return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
+        raise ValueError(f"no phrase for the step's part {part!r}")
 
     def explain(self, i: int) -> str:
         """Why layout ``i`` wins (its largest overhead) or loses (what it spends more on than #1)."""
