@@ -354,13 +354,15 @@ def test_interleaved_needs_as_many_microbatches_as_stages():
 
 
 def test_tensor_parallel_across_nodes_uses_the_network():
-    within = _estimate(tp=8, pp=16, dp=8)
-    across = _estimate(tp=16, pp=8, dp=8)
+    gpu = dataclasses.replace(A100, intra_node_latency_s=0.0, inter_node_latency_s=0.0)  # bandwidth alone
+    within = _estimate(tp=8, pp=16, dp=8, gpu=gpu)
+    across = _estimate(tp=16, pp=8, dp=8, gpu=gpu)
     nvlink = A100.intra_node_bw * A100.intra_link_efficiency
     network = A100.inter_node_bw * A100.inter_link_efficiency
-    # Per byte, crossing nodes is as much slower as the network is narrower than NVLink.
+    # Per byte, crossing nodes is as much slower as a node's 8 NICs (tp fills the node: 8 members
+    # a node, one ring per NIC) are narrower than NVLink: 180 against 210 GB/s on an A100.
     ratio = (across["tp_s"] / across["tp_bytes"]) / (within["tp_s"] / within["tp_bytes"])
-    assert ratio == pytest.approx(nvlink / network, rel=0.05)
+    assert ratio == pytest.approx(nvlink / min(8 * network, nvlink), rel=1e-9)
 
 
 def test_pipeline_and_data_parallel_bytes():
