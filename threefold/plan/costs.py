@@ -1174,6 +1174,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         memory_bound_s = memory_bound_s + moe_last * (moe_block["memory"] - block["memory"])
     core_s = part["core"]
 
+    nvlink_bw = gpu.intra_node_bw * gpu.intra_link_efficiency
+
     def link(group_span, members_per_node=1):
         """(bandwidth, latency) of a group whose ranks span ``group_span`` consecutive ranks,
         ``members_per_node`` of them in each node. Across nodes NCCL runs a ring per NIC, so a group
@@ -1183,9 +1185,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         NVIDIA/nccl#812). k = 1 (one member a node: tp fills it) is one NIC a GPU."""
         intra = group_span <= gpu.gpus_per_node
         one_nic = gpu.inter_node_bw * gpu.inter_link_efficiency
-        nics = np.where(members_per_node > 1, np.minimum(members_per_node * one_nic,
-                                                         gpu.intra_node_bw * gpu.intra_link_efficiency), one_nic)
-        return (np.where(intra, gpu.intra_node_bw * gpu.intra_link_efficiency, nics),
+        nics = np.where(members_per_node > 1, np.minimum(members_per_node * one_nic, nvlink_bw), one_nic)
+        return (np.where(intra, nvlink_bw, nics),
                 np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
 
     # Each collective call and pipeline message also waits for members off their core where more
@@ -1316,7 +1317,6 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # (one NIC a GPU across nodes: a tenth of NVLink's rate on an A100) costs in proportion to
     # its rate, and one whose members share a node's NICs about as much as NVLink
     # (docs/planner.md §5).
-    nvlink_bw = gpu.intra_node_bw * gpu.intra_link_efficiency
     overlapped_dp_s = np.maximum(0, dp_s - dp_exposed_s) * np.minimum(1.0, dp_bw / nvlink_bw)
     contention_s = gpu.overlap_slowdown * overlapped_dp_s
 
