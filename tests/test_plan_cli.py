@@ -192,3 +192,25 @@ def test_commands_that_train_nothing_do_not_import_torch(args):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_sequence_parallel_at_tp_1_is_turned_off_with_a_note(capsys):
+    """As Megatron does (it disables SP when the tensor-parallel size is 1): a published run's
+    flags may carry it, and there is nothing to split the sequence over."""
+    layout = ["estimate", "--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "8", "--json"]
+    code, with_sp, err = run(capsys, *layout, "--sequence-parallel")
+    assert code == 0 and "no effect at --tp 1" in err
+    code, without, _ = run(capsys, *layout)
+    assert json.loads(with_sp) == json.loads(without)
+    assert json.loads(with_sp)["layout"]["sequence_parallel"] is False
+
+
+@pytest.mark.parametrize("spelling, name", [("A100-SXM4-80GB", "a100-80gb"), ("a100_40gb", "a100-40gb"),
+                                            ("H100 SXM5 80GB", "h100-sxm"), ("H200", "h200")])
+def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
+    common = ["estimate", "--model", "gpt3-175b", "--global-batch", "64", "--num-gpus", "64", "--tp", "8", "--pp", "8",
+              "--json"]
+    code, out, _ = run(capsys, *common, "--gpu", spelling)
+    assert code == 0
+    code, canonical, _ = run(capsys, *common, "--gpu", name)
+    assert json.loads(out) == json.loads(canonical)

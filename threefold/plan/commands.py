@@ -147,10 +147,14 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     schedule = _given(o, "schedule", "1f1b")
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
+    sequence_parallel = bool(o.get("sequence_parallel"))
+    if sequence_parallel and tp == 1:  # nothing to split the sequence over: Megatron turns it off too
+        click.echo("note: --sequence-parallel has no effect at --tp 1; estimating without it", err=True)
+        sequence_parallel = False
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
-                                virtual_stages=virtual, sequence_parallel=bool(o.get("sequence_parallel")))
+                                virtual_stages=virtual, sequence_parallel=sequence_parallel)
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus

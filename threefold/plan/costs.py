@@ -1182,12 +1182,15 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         with k members in a node sends over their k NICs at once: the node's network, not one
         GPU's, carries it, never faster than the members' own links (a DGX A100's all-reduce over
         nodes reaches 192 GB/s of bus bandwidth on its 8 × 25 GB/s HDR ports, NVIDIA's figure in
-        NVIDIA/nccl#812). k = 1 (one member a node: tp fills it) is one NIC a GPU."""
+        NVIDIA/nccl#812). k = 1 (one member a node: tp fills it) is one NIC a GPU. Latency: a ring
+        through k members a node crosses the network on one step in k and NVLink on the others
+        (NCCL's own ring model counts its inter-node steps apart: src/graph/tuning.cc)."""
         intra = group_span <= gpu.gpus_per_node
         one_nic = gpu.inter_node_bw * gpu.inter_link_efficiency
-        nics = np.where(members_per_node > 1, np.minimum(members_per_node * one_nic, nvlink_bw), one_nic)
-        return (np.where(intra, nvlink_bw, nics),
-                np.where(intra, gpu.intra_node_latency_s, gpu.inter_node_latency_s))
+        k = np.maximum(members_per_node, 1)
+        nics = np.where(k > 1, np.minimum(k * one_nic, nvlink_bw), one_nic)
+        across_latency = (gpu.inter_node_latency_s + (k - 1) * gpu.intra_node_latency_s) / k
+        return (np.where(intra, nvlink_bw, nics), np.where(intra, gpu.intra_node_latency_s, across_latency))
 
     # Each collective call and pipeline message also waits for members off their core where more
     # workers than cores compute (a CPU; 0 on GPUs): the pipeline's waiting ranks do not compete.

@@ -210,13 +210,23 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                    kind: (float(c["latency_s"]), float(c["bus_bw"]) * link) for kind, c in profile["collectives"].items()})
 
 
+# The names vendors and papers print for the catalog's parts (after lower-casing and '_' or ' ' to '-').
+GPU_ALIASES = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb", "a100-sxm4-80gb": "a100-80gb",
+               "a100-sxm-80gb": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-sxm5-80gb": "h100-sxm",
+               "h100-sxm-80gb": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200", "h200-141gb": "h200",
+               "b200-180gb": "b200", "mi300x-192gb": "mi300x"}
+
+
 def get_gpu(name: str, dtype: str | None = None) -> GPU:
-    """A catalog entry by name, or ``local``; ConfigError naming the known ones otherwise."""
+    """A catalog entry by name (or a vendor's spelling of it: ``A100-SXM4-80GB``), or ``local``;
+    ConfigError naming the known ones otherwise."""
     if name == "local":
         return local_gpu(dtype)
-    if name not in CATALOG:
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = GPU_ALIASES.get(key, key)
+    if key not in CATALOG:
         raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])})")
-    return CATALOG[name].with_dtype(dtype)
+    return CATALOG[key].with_dtype(dtype)
 
 
 # --------------------------------------------------------------------------------------------
