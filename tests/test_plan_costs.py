@@ -220,6 +220,13 @@ def test_an_uneven_split_is_priced_stage_by_stage():
     assert even["rank0_bubble_s"] > even["bubble_s"]  # rank 0 holds no head: it waits for the last stage
     front = costs.estimate(work, layout, A100, stage_split=(4, 2, 1, 1))
     assert front["rank0_bubble_s"] < even["rank0_bubble_s"] and front["step_time_s"] > even["step_time_s"]
+    # The breakdown is the busiest rank's: rank 0's 4 blocks (against 2 and the head), and its
+    # parts still add up to the step.
+    from threefold.plan.report import TIME_PARTS
+
+    assert front["compute_s"] > even["compute_s"] and front["memory_bound_s"] > even["memory_bound_s"]
+    for est in (even, front):
+        assert sum(est[f"{part}_s"] for part in TIME_PARTS) == pytest.approx(est["step_time_s"], rel=1e-12)
     for bad in [(2, 2, 2), (3, 3, 1, 0), (2, 2, 2, 3)]:
         with pytest.raises(ConfigError, match="does not split 8 blocks over 4 stages"):
             costs.estimate(work, layout, A100, stage_split=bad)

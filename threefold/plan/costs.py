@@ -1041,9 +1041,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     one layout). Without it each stage is priced as the busiest, ceil(L/p) blocks and the head,
     and the bubble is the registry's closed form for uniform stages; with it the schedule is
     played on each stage's own cost (``simulate.play_costs``): the step, the busiest rank's
-    compute and every rank's wait follow the split (``pipeline_split_time``). Memory and the
-    step's breakdown (compute_s, memory_bound_s, the exposed traffic per axis) keep the modelled
-    ceil(L/p) stage.
+    compute and every rank's wait follow the split (``pipeline_split_time``), and the step's
+    breakdown (compute_s, memory_bound_s, the exposed tp, cp and ep traffic) is the busiest rank's
+    time apportioned as the modelled stage's is, so the parts still add up to the step. Memory
+    keeps the modelled ceil(L/p) stage.
     """
     cfg = work.model
     L, h, s, V = cfg.layers, cfg.hidden, cfg.seq_len, _require_vocab(cfg)
@@ -1274,12 +1275,14 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
     rank0_bubble_s = bubble_s  # rank 0's wait for its neighbours: every rank's, with uniform stages
     compute_mb_s = math_s + memory_bound_s  # the busiest rank's compute per micro-batch
+    per_mb_scale = 1.0  # the per-micro-batch parts of the breakdown, as the busiest rank's share
     if stage_split is not None:
         split = pipeline_split_time(work, layout, stage_split, stage_layers_modelled=stage_layers,
                                     head_s=head["math"] + head["memory"], mb_s=mb_s,
                                     compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup)
         busy_s, bubble_s, rank0_bubble_s, compute_mb_s = (split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s",
                                                                             "compute_mb_s"))
+        per_mb_scale = (busy_s - 2 * busy_slots * p2p_s) / (m * mb_s)
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
@@ -1351,8 +1354,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
         dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes, ep_bytes=m * ep_sent_mb,
         dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
-        compute_s=m * math_s, memory_bound_s=m * memory_bound_s, tp_exposed_s=m * tp_exposed_mb,
-        cp_exposed_s=m * cp_exposed_mb, ep_exposed_s=m * ep_mb_s, pp_exposed_s=2 * busy_slots * p2p_s,
+        compute_s=m * math_s * per_mb_scale, memory_bound_s=m * memory_bound_s * per_mb_scale,
+        tp_exposed_s=m * tp_exposed_mb * per_mb_scale, cp_exposed_s=m * cp_exposed_mb * per_mb_scale,
+        ep_exposed_s=m * ep_mb_s * per_mb_scale, pp_exposed_s=2 * busy_slots * p2p_s,
         bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
         contention_s=contention_s,
     )
