@@ -40,7 +40,7 @@ def batch_lines(row: dict) -> list[dict]:
     zero = 3 if par.get("fsdp") else (par.get("zero_stage") or (1 if "megatron_core" in row["group"] else 0))
     base = {"arch": "llama" if llama else "gpt", "layers": m["layers"], "hidden": m["hidden"], "heads": m["heads"],
             "kv_heads": m["kv_heads"], "ffn": m["ffn"], "vocab": m["vocab"], "seq_len": m["seq_len"],
-            "tie_embeddings": False if llama else True, "global_batch": batch["global_batch_seqs"],
+            "tie_embeddings": not llama and "untied" not in (m.get("notes") or ""), "global_batch": batch["global_batch_seqs"],
             **GPUS[hw["gpu"]], "num_gpus": hw["num_gpus"], "gpus_per_node": hw.get("gpus_per_node") or 8,
             "tp": par["tp"], "pp": par["pp"], "dp": par["dp"], "zero": zero, "recompute": recompute,
             "sequence_parallel": bool(par["sequence_parallel"]) or (par["tp"] > 1 and "megatron_core" in row["group"]),
