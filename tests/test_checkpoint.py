@@ -283,3 +283,39 @@ def test_inspect_shows_which_rank_wrote_which_piece(distributed, tmp_path, capsy
     assert "saved by 2 ranks, dp=2 tp=1 pp=1 zero=3" in " ".join(capsys.readouterr().out.split())
     assert main(["inspect", str(tmp_path), "--tensor", "blocks.0.nothing"]) == 2
     assert "holds no tensor 'blocks.0.nothing'" in capsys.readouterr().err
+
+
+def save_while_rank_1_is_away(folder: str) -> str:
+    """Rank 0 saves; rank 1 never joins (stuck elsewhere). DCP's own gathers time out inside the
+    library, not in comm.py: the error must still be one line naming the missing rank."""
+    import datetime
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from threefold.config import ParallelConfig
+    from threefold.distributed.comm import Comm, CommError
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.placements import Shard
+
+    mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=2))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    if mesh.rank == 1:
+        return "away"
+    tmp = Path(folder) / "step_00000003.tmp"
+    tmp.mkdir(parents=True)
+    engine = SimpleNamespace(comm=Comm(mesh), is_main=True, world_size=2)
+    try:
+        checkpoint._write_and_publish(folder, 3, tmp, [Shard("w", (4,), (0,), torch.ones(4))], {}, engine, None, 2,
+                                      group)
+    except CommError as err:
+        return str(err)
+    return "saved without rank 1"
+
+
+def test_a_rank_missing_from_a_save_is_named_in_one_line(distributed, tmp_path):
+    message, away = distributed.run(2, save_while_rank_1_is_away, str(tmp_path))
+    assert away == "away" and "\n" not in message
+    assert message.startswith("saving the checkpoint of step 3 failed on rank 0 "), message
+    assert message.endswith("rank 1 of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), message

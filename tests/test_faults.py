@@ -139,8 +139,10 @@ def test_a_stuck_rank_is_named_at_the_timeout(tmp_path, corpus):  # noqa: F811
             job.kill()
     assert 4 <= named < 4 + 4 + 5  # the timeout, the roll call (at most the timeout), slack
     # whichever collective the stopped rank left its partner in (the step's all-reduce, most often;
-    # a barrier if it stopped between steps): named, and the rank that did not come
-    assert re.match(r"error: (all_reduce|barrier|all_gather|reduce_scatter|broadcast) of ", line) and line.rstrip().endswith(
+    # a barrier if it stopped between steps; DCP's own gathers if it stopped in a save): named,
+    # and the rank that did not come
+    collectives = r"(all_reduce|barrier|all_gather|reduce_scatter|broadcast) of |saving the checkpoint of step \d+ failed"
+    assert re.match(rf"error: ({collectives})", line) and line.rstrip().endswith(
         f"rank {rank} of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), err[-3000:]
     assert job.returncode == 1 and time.time() - stopped < 4 + 4 + 30 + 10
     assert "Traceback" not in err and "died of" not in err, err[-3000:]  # it was stuck, not dead

@@ -57,6 +57,10 @@ class CommError(RuntimeError):
     """A collective failed or timed out; the message names the operation, axis and rank."""
 
 
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 @dataclass
 class CommRecord:
     op: str
@@ -65,7 +69,8 @@ class CommRecord:
     bytes: float  # sent by this rank, ring convention
     started: float  # time.perf_counter() at launch
     group: tuple[int, ...] = ()  # the global ranks taking part
-    sequence: int = 0  # how many operations this rank had issued over that group before this one
+    sequence: int | str = 0  # how many operations this rank had issued over that group before this one
+    # (or a label every rank gives alike: library_error)
     peer: int | None = None  # send, recv: the global rank at the other end
     seconds: float | None = None  # launch to completion; None while in flight
     waited: float = 0.0  # time the caller spent blocked on it
@@ -240,10 +245,17 @@ class Comm:
         except RuntimeError as err:
             raise self.error(record, err) from err
 
+    def library_error(self, what: str, err: Exception, label: str) -> CommError:
+        """A CommError for collectives that a library runs over the whole job outside this module
+        (DCP's gathers and scatters of a checkpoint's plan), naming the ranks that did not take
+        part: ``label`` keys the roll call and must be the same on every rank (the step saved)."""
+        record = CommRecord(what, "world", None, 0.0, time.perf_counter(), tuple(range(self.mesh.world_size)), label)
+        return CommError(f"{what} failed on rank {self.mesh.rank} ({self.mesh!r}): {_first_line(err)}"
+                         f"{self._who_is_missing(record)}")
+
     def error(self, record: CommRecord, err: Exception) -> CommError:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return CommError(f"{record.op} of {record.bytes:.0f} bytes over mesh axis {record.axis!r} failed on rank "
-                         f"{self.mesh.rank} ({self.mesh!r}): {first_line}{self._who_is_missing(record)}")
+                         f"{self.mesh.rank} ({self.mesh!r}): {_first_line(err)}{self._who_is_missing(record)}")
 
     def _who_is_missing(self, record: CommRecord) -> str:
         """Name the ranks that did not take part. A point-to-point operation has one peer. For a

@@ -249,6 +249,8 @@ def _write_and_publish(root, step: int, tmp: Path, shards: list[Shard], meta: di
                                   f"{kept}") from None
         first = str(errors[0]).strip().splitlines()[-1] if str(errors[0]).strip() else type(errors[0]).__name__
         raise CheckpointError(f"checkpoint: writing {tmp} failed ({first[:160]}); {kept}") from None
+    except RuntimeError as err:  # DCP's own collectives timed out or broke: a rank is gone or stuck
+        raise engine.comm.library_error(f"saving the checkpoint of step {step}", err, f"checkpoint-{step}") from None
 
 
 def checkpoint_bytes(model: ModelConfig, shards: list[Shard], world: int) -> int:
