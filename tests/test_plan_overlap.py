@@ -1,6 +1,7 @@
 """Issue 16's planner inputs: the overlap switches, your own cluster (link bandwidths, a cluster
 file), products timed by their shapes, and the pictures."""
 import dataclasses
+import math
 import json
 
 import pytest
@@ -259,3 +260,27 @@ def test_tensor_parallel_across_nodes_uses_a_nodes_nics():
     eight_nics = 8 * gpu.inter_node_bw * gpu.inter_link_efficiency
     assert across["tp_s"] == pytest.approx(inside["tp_s"] * gpu.intra_node_bw * gpu.intra_link_efficiency / eight_nics,
                                            rel=1e-9)
+
+
+@pytest.mark.parametrize("tp, dp, gpus_per_node", [(8, 128, 8), (1, 64, 8), (2, 16, 8), (8, 2, 8), (1, 8, 8)])
+def test_ddp_all_reduce_latency_is_the_ring_or_nccls_tree_whichever_is_shorter(tp, dp, gpus_per_node):
+    """A DDP all-reduce over k members in each of n/k nodes: the ring pays 2(n − 1) steps (a
+    network hop on one step in k), NCCL's double binary tree 2(log2(n/k) network hops + k − 1
+    NVLink hops), and NCCL takes the shorter (src/graph/tuning.cc). dp_s is the bytes at the
+    link's rate plus, per bucket, that latency: measured here as the difference between the GPU
+    with its latencies and without them."""
+    model = costs.ModelConfig(layers=8, hidden=4096, heads=32, ffn=14336, vocab_size=32_000, seq_len=4096)
+    work = costs.Workload(model, 8 * dp)
+    layout = costs.Layout.named(tp=tp, dp=dp, zero=0, micro_batch=1, sequence_parallel=tp > 1)
+    gpu = A100.with_gpus_per_node(gpus_per_node)
+    without = costs.estimate(work, layout, dataclasses.replace(gpu, intra_node_latency_s=0.0, inter_node_latency_s=0.0))
+    est = costs.estimate(work, layout, gpu)
+    numel = est["dp_bytes"] / (2 * (dp - 1) / dp * work.grad_bytes)  # DDP sends 2(n−1)/n of its gradients
+    buckets = -(-numel * work.grad_bytes // costs.BUCKET_BYTES)
+    k = min(max(gpus_per_node // tp, 1), dp)
+    nodes, intra, inter = dp / k, gpu.intra_node_latency_s, gpu.inter_node_latency_s
+    ring = 2 * (dp - 1) * (intra if nodes == 1 else (inter + (k - 1) * intra) / k)
+    tree = 2 * (math.log2(nodes) * inter + (k - 1) * intra)
+    assert est["dp_s"] - without["dp_s"] == pytest.approx(buckets * (min(ring, tree) if nodes > 1 else ring), rel=1e-9)
+    if nodes >= 8:  # at scale the tree is the one taken: a ring's latency grows with n, the tree's with log n
+        assert tree < ring / 4

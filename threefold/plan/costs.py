@@ -887,9 +887,21 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     return parts
 
 
+def all_reduce_call_latency(gpu, ranks, members_per_node, ring_step_latency):
+    """Seconds of latency of one all-reduce over ``ranks`` ranks, ``members_per_node`` of them in
+    each node: the ring's 2(n − 1) steps, or across nodes NCCL's double binary tree where that is
+    shorter (NCCL picks the faster by the same latency model: src/graph/tuning.cc), up and down a
+    chain through the node's members and log2(nodes) network hops. Equal to the ring in one node."""
+    k = np.minimum(np.maximum(members_per_node, 1), ranks)
+    nodes = np.maximum(ranks / k, 1)
+    ring = 2 * (ranks - 1) * ring_step_latency
+    tree = 2 * (np.log2(nodes) * gpu.inter_node_latency_s + (k - 1) * gpu.intra_node_latency_s)
+    return np.where(nodes > 1, np.minimum(ring, tree), ring)
+
+
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
                    drain_s, gpu, intra, wait=0.0, also: dict | None = None, root_numel=0, unit_numel=0,
-                   head=True, embedding=True) -> dict:
+                   head=True, embedding=True, members_per_node=1) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -906,7 +918,8 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     wait for members off their core (a GPU may time each kind of collective by its own measured
     line: ``_collective_time``). ``root_numel``: the stage's parameters outside its blocks (the
     embedding, the final norm and head), gathered as one unit; ``unit_numel``: one block's;
-    ``head``, ``embedding``: whether the stage computes them."""
+    ``head``, ``embedding``: whether the stage computes them. ``members_per_node``: the group's
+    ranks in one node (DDP's all-reduce may take NCCL's tree across nodes: ``all_reduce_call_latency``)."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -916,8 +929,8 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     # DDP all-reduces the gradients; ZeRO reduce-scatters them and all-gathers the parameters.
     grad_bytes = sent - gather_bytes
     grad_s = np.where(zero == 0,
-                      _collective_time(gpu, ("all_reduce",), grad_bytes, reductions, 2 * (replicas - 1), bw, latency, intra,
-                                       wait),
+                      _collective_time(gpu, ("all_reduce",), grad_bytes, reductions, 1, bw,
+                                       all_reduce_call_latency(gpu, replicas, members_per_node, latency), intra, wait),
                       _collective_time(gpu, ("reduce_scatter",), grad_bytes, reductions, replicas - 1, bw, latency, intra,
                                        wait))
     gather_s = _collective_time(gpu, ("all_gather",), gather_bytes, gathers, replicas - 1, bw, latency, intra, wait)
@@ -1286,12 +1299,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    dp_bw, dp_lat = link(t * c * d, members_per_node=np.clip(gpu.gpus_per_node // (t * c), 1, d))
+    dp_members_per_node = np.clip(gpu.gpus_per_node // (t * c), 1, d)
+    dp_bw, dp_lat = link(t * c * d, members_per_node=dp_members_per_node)
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait)
+    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait, members_per_node=dp_members_per_node)
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
                              mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
