@@ -7,6 +7,7 @@ the command line are the defaults every line starts from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import click
@@ -129,6 +130,12 @@ def check_positive(o: dict, keys) -> None:
             raise ConfigError(f"--{key.replace('_', '-')}: must be a positive integer, got {o[key]}")
 
 
+@functools.cache
+def _note_once(line: str) -> None:
+    """Print a note on stderr once per process (a --batch file may give it on every line)."""
+    click.echo(line, err=True)
+
+
 LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "num_gpus")
 
 
@@ -149,7 +156,7 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
     sequence_parallel = bool(o.get("sequence_parallel"))
     if sequence_parallel and tp == 1:  # nothing to split the sequence over: Megatron turns it off too
-        click.echo("note: --sequence-parallel has no effect at --tp 1; estimating without it", err=True)
+        _note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
         sequence_parallel = False
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
