@@ -311,3 +311,19 @@ def test_a_profile_measured_beside_busy_processes_is_flagged(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert f"warning: other processes kept 1.9 of the {profile['gpus_per_node']} cores busy" in err
     assert calibrate.load_profile(out)["other_processes_cores"] == 1.9
+
+
+@pytest.mark.parametrize("at_end, warned", [(0.85, True), (1.15, True), (0.95, False), (None, False)])
+def test_a_profile_whose_speed_drifted_is_flagged(tmp_path, monkeypatch, capsys, at_end, warned):
+    """calibrate measures the fp32 matmul rate again at its end: a VM whose speed moved by more
+    than 10% meanwhile gave every rate of the profile at some other speed."""
+    profile = {k: v for k, v in recorded_profile().items() if k not in calibrate.FITTED_KEYS}
+    profile.pop("peak_flops_fp32_at_end", None)
+    if at_end is not None:  # a profile written before the second measurement has no such key
+        profile["peak_flops_fp32_at_end"] = at_end * profile["peak_flops_fp32"]
+    monkeypatch.setattr(calibrate, "measure_profile", lambda settings, on_step: dict(profile))
+    assert cli.main(["calibrate", "--quick", "--out", str(tmp_path / "profile.json")]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: the machine's speed drifted" in err) == warned
+    if warned:
+        assert f"{at_end - 1:+.0%}" in err

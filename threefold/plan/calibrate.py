@@ -500,10 +500,13 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
     on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
+    on_step(f"fp32 matmul again, {threads} thread(s): did the machine's speed drift?")
+    fp32_at_end = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds / 2)
     return {
         "name": "local",
         "peak_flops_fp32": fp32,
         "peak_flops_bf16": bf16,
+        "peak_flops_fp32_at_end": fp32_at_end,
         "hbm_bytes": ram_bytes(),
         "hbm_bw": memory_bw,
         "attention_flops_fp32": attention_fp32,
@@ -557,6 +560,10 @@ def own_cpu_seconds() -> float:
 
 
 BUSY_CORES = 0.25  # above this share of the cores used by others, a profile is flagged
+# Above this change of the fp32 matmul rate between calibrate's first and last measurement, a
+# profile is flagged: on this VM two calibrations ten minutes apart measured 85.0 and 99.8
+# GFLOP/s, and the demo's predicted step moved from +19% to +9% of the measured one.
+DRIFT_WARNING = 0.10
 
 
 # --- the command ----------------------------------------------------------------------------
@@ -567,6 +574,7 @@ def profile_table(profile: dict, path: Path) -> Table:
     rows = [
         ("fp32 matmul peak", f"{profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s"),
         ("bf16 matmul peak", f"{profile['peak_flops_bf16'] / 1e9:,.1f} GFLOP/s"),
+        ("fp32 matmul again, at the end", f"{profile.get('peak_flops_fp32_at_end', float('nan')) / 1e9:,.1f} GFLOP/s"),
         ("memory", f"{profile['hbm_bytes'] / 2**30:,.1f} GiB"),
         ("memory bandwidth (copy)", f"{profile['hbm_bw'] / 1e9:,.1f} GB/s"),
         ("fp32 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_fp32', float('nan')) / 1e9:,.1f} GFLOP/s"),
@@ -626,6 +634,12 @@ def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, run
         click.echo(json.dumps(profile))
     else:
         Console().print(profile_table(profile, path))
+    drift = profile.get("peak_flops_fp32_at_end", profile["peak_flops_fp32"]) / profile["peak_flops_fp32"] - 1
+    if abs(drift) > DRIFT_WARNING:  # a VM's speed moves by itself; every rate above moved with it
+        click.echo(f"warning: the machine's speed drifted while calibrate measured (fp32 matmul "
+                   f"{profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s at the start, "
+                   f"{profile['peak_flops_fp32_at_end'] / 1e9:,.1f} at the end, {drift:+.0%}): predictions from "
+                   "this profile may be off by as much; run `threefold calibrate` again", err=True)
     if others.cores is not None and others.cores > BUSY_CORES * profile["gpus_per_node"]:
         click.echo(f"warning: other processes kept {others.cores:.1f} of the {profile['gpus_per_node']} cores busy "
                    f"while calibrate measured (fp32 matmul {profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s): the "
