@@ -375,6 +375,8 @@ def _read(path: Path, state: dict[str, list[Shard]], no_dist: bool) -> None:
         with _single_process_is_meant():
             load_pieces(path, state, no_dist=no_dist)
     except (Exception, CheckpointException) as err:  # a truncated or missing piece file, on any rank: one line on every rank
+        if isinstance(err, RuntimeError) and not no_dist:
+            raise  # among ranks DCP reports a bad piece as CheckpointException: this is a collective that failed
         first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
         raise ConfigError(f"checkpoint: {str(path)!r} is unreadable: reading its pieces failed ({first[:160]})") from None
 
@@ -394,9 +396,18 @@ def load(path: Path, engine, cfg: Config) -> dict:
     rng = torch.get_rng_state()  # a rank the saving layout did not have takes rank r mod its size
     name = f"rng/rank{engine.rank % saved_world}"
     state[name] = [Shard(name, tuple(rng.shape), (0,), rng)]
-    _read(path, state, no_dist=_no_dist())
+    _read_on_every_rank(path, state, engine)
     torch.set_rng_state(rng)
     return meta
+
+
+def _read_on_every_rank(path: Path, state: dict[str, list[Shard]], engine) -> None:
+    """``_read`` by every rank of the job; a collective of DCP's that times out or breaks (a rank
+    gone or stuck) is one line naming the ranks that did not come, as a save's is."""
+    try:
+        _read(path, state, no_dist=_no_dist())
+    except RuntimeError as err:
+        raise engine.comm.library_error(f"loading the checkpoint {path.name}", err, f"load-{path.name}") from None
 
 
 def check_weight_versions(path: Path, meta: dict, cfg: Config, state: dict) -> None:
