@@ -176,8 +176,8 @@ def test_the_dry_run_splits_on_the_planner_and_predicts_the_same_split():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.stage_costs=planner", "parallel.stage_costs_gpu=h100"],
-     "parallel.stage_costs_gpu: unknown GPU 'h100' (known: a100-40gb, "),
+    (["parallel.stage_costs=planner", "parallel.stage_costs_gpu=v100"],
+     "parallel.stage_costs_gpu: unknown GPU 'v100' (known: a100-40gb, "),
     (["parallel.stage_costs_gpu=h100-sxm"],
      "parallel.stage_costs_gpu: 'h100-sxm' is used only with parallel.stage_costs = \"planner\", got 'measured'"),
     (["parallel.stage_costs=flops", "parallel.stage_costs_gpu=h100-sxm"],
@@ -195,7 +195,17 @@ def test_bad_planner_stage_costs_are_one_line(overrides, message):
 def test_an_unknown_planned_gpu_exits_2_before_any_process_starts():
     args = [sys.executable, "-m", "threefold.cli", "train", "--nproc", "2", "--no-progress"]
     args += [f"--set={o}" for o in TINY + ["parallel.pp=2", "parallel.stage_costs=planner",
-                                           "parallel.stage_costs_gpu=h100"]]
+                                           "parallel.stage_costs_gpu=v100"]]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().count("\n") == 0 and "parallel.stage_costs_gpu: unknown GPU 'h100'" in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "parallel.stage_costs_gpu: unknown GPU 'v100'" in done.stderr
+
+
+def test_the_planned_gpu_is_named_as_estimate_names_it():
+    """parallel.stage_costs_gpu takes what `threefold estimate --gpu` takes, vendor spellings too."""
+    from threefold.plan.stage_costs import planned_gpu
+
+    def gpu(name):
+        return planned_gpu(load_config(None, TINY + ["parallel.pp=2", "parallel.stage_costs=planner",
+                                                     f"parallel.stage_costs_gpu={name}"]))
+    assert gpu("H100-SXM5-80GB") == gpu("h100-sxm") and gpu("h100-sxm").name == "h100-sxm"

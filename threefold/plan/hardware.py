@@ -217,14 +217,20 @@ GPU_ALIASES = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb", "a10
                "b200-180gb": "b200", "mi300x-192gb": "mi300x"}
 
 
-def get_gpu(name: str, dtype: str | None = None) -> GPU:
-    """A catalog entry by name (or a vendor's spelling of it: ``A100-SXM4-80GB``), or ``local``;
-    ConfigError naming the known ones otherwise."""
-    if name == "local":
-        return local_gpu(dtype)
+def catalog_name(name: str) -> str | None:
+    """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``), or None."""
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     key = GPU_ALIASES.get(key, key)
-    if key not in CATALOG:
+    return key if key in CATALOG else None
+
+
+def get_gpu(name: str, dtype: str | None = None) -> GPU:
+    """A catalog entry by name (or a vendor's spelling of it), or ``local``; ConfigError naming
+    the known ones otherwise."""
+    if name == "local":
+        return local_gpu(dtype)
+    key = catalog_name(name)
+    if key is None:
         raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])})")
     return CATALOG[key].with_dtype(dtype)
 

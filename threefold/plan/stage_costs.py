@@ -18,15 +18,16 @@ from threefold.config import Config, ConfigError
 from threefold.models.sizes import is_moe_layer
 from threefold.parallel.pipeline.schedule import LayerCosts
 from threefold.plan import costs
-from threefold.plan.hardware import CATALOG, GPU
+from threefold.plan.hardware import CATALOG, GPU, catalog_name
 
 
 def planned_gpu(cfg: Config) -> GPU:
     """The catalog GPU of ``parallel.stage_costs_gpu`` computing in the run's ``train.dtype``;
     ConfigError (one line) for a name the catalog lacks or a dtype it has no peak for."""
-    name, dtype = cfg.parallel.stage_costs_gpu, cfg.train.dtype
-    if name not in CATALOG:
-        raise ConfigError(f"parallel.stage_costs_gpu: unknown GPU {name!r} (known: {', '.join(CATALOG)})")
+    given, dtype = cfg.parallel.stage_costs_gpu, cfg.train.dtype
+    name = catalog_name(given)
+    if name is None:
+        raise ConfigError(f"parallel.stage_costs_gpu: unknown GPU {given!r} (known: {', '.join(CATALOG)})")
     gpu = CATALOG[name]
     if dtype == "float32" and gpu.peak_flops_fp32 is None:
         raise ConfigError(f"parallel.stage_costs_gpu: the catalog has no float32 peak for {name} (train.dtype = "
