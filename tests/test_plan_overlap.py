@@ -9,7 +9,7 @@ import pytest
 from threefold.cli import main
 from threefold.models.presets import get_preset
 from threefold.plan import costs
-from threefold.plan.hardware import CATALOG, load_cluster
+from threefold.plan.hardware import CATALOG, load_cluster, power_clock_scale
 
 A100 = CATALOG["a100-80gb"]
 GPT3 = ["--model", "gpt3-175b", "--global-batch", "1536", "--gpu", "a100-80gb", "--num-gpus", "1024"]
@@ -148,6 +148,44 @@ def test_hopper_times_the_attention_core_at_flashattention2s_rate(tmp_path):
     assert slow > fast
 
 
+def test_a_power_limit_slows_the_products_by_the_clock_it_allows(tmp_path):
+    """Dynamic power goes as the cube of the clock, so a 500 W limit on a part whose efficiency
+    holds at 700 W runs its products at (5/7)^(1/3) = 0.894 of the rate; HBM and links keep theirs."""
+    assert power_clock_scale(500, 700) == pytest.approx(0.8939, abs=1e-4)
+    assert power_clock_scale(800, 700) == 1.0  # no faster than the rated clock
+    path = tmp_path / "cluster.toml"
+    efficiency = "[efficiency]\nmatmul = 0.55\n"
+    path.write_text(CLUSTER + efficiency)
+    rated = load_cluster(path)
+    path.write_text(CLUSTER.replace("hbm_tb_s = 3.35", 'hbm_tb_s = 3.35\npower_limit_w = "0.5 kW"\nrated_power_w = 700')
+                    + efficiency)
+    capped = load_cluster(path)
+    assert capped.matmul_efficiency == pytest.approx(0.55 * (500 / 700) ** (1 / 3))
+    assert (capped.hbm_efficiency, capped.inter_link_efficiency) == (rated.hbm_efficiency, rated.inter_link_efficiency)
+    work = costs.Workload(get_preset("llama3-8b"), 16)
+    layout = costs.Layout.named(dp=8, zero=3, micro_batch=2)
+    slow, fast = (costs.estimate(work, layout, gpu) for gpu in (capped, rated))
+    assert slow["compute_s"] == pytest.approx(fast["compute_s"] / power_clock_scale(500, 700), rel=0.02)
+    assert slow["step_time_s"] > fast["step_time_s"]
+
+
+def test_power_limit_flag_holds_a_catalog_gpu_at_a_lower_clock(capsys):
+    """--power-limit-w (batch key power_limit_w) on a catalog part uses its datasheet power: an
+    H100 SXM at 500 W is the 700 W part's products at (5/7)^(1/3); bad watts are one line."""
+    line = ["--model", "llama3-8b", "--global-batch", "16", "--dp", "8", "--zero", "3", "--micro-batch", "2"]
+    full = estimate(capsys, *line, "--gpu", "h100-sxm")
+    capped = estimate(capsys, *line, "--gpu", "h100-sxm", "--power-limit-w", "500")
+    assert capped["step_time_s"] > full["step_time_s"]
+    assert estimate(capsys, *line, "--gpu", "h100-sxm", "--power-limit-w", "700") == full
+    h100 = CATALOG["h100-sxm"]
+    assert h100.with_power_limit(500).matmul_efficiency == pytest.approx(0.55 * power_clock_scale(500, 700))
+    assert h100.with_power_limit(500).with_power_limit(700).matmul_efficiency == pytest.approx(0.55)
+    for watts, message in (("0", "--power-limit-w: must be a positive number of watts"),
+                           ("-300", "--power-limit-w: must be a positive number of watts")):
+        code, _, err = run(capsys, "estimate", *line, "--gpu", "h100-sxm", "--power-limit-w", watts)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda t: t.replace('hbm_gib = 96\n', ''), "missing key gpu.hbm_gib"),
     (lambda t: t.replace('"800 TFLOP/s"', '"800 furlongs"'), "unknown unit in '800 furlongs'"),
@@ -157,6 +195,9 @@ def test_hopper_times_the_attention_core_at_flashattention2s_rate(tmp_path):
     (lambda t: t + "[efficiency]\nattention = 1.5\n", "efficiency.attention: must be in (0, 1]"),
     (lambda t: t + "[rack]\n", "unknown section [rack]"),
     (lambda t: t.replace("[gpu]", "[gpu"), "is not valid TOML"),
+    (lambda t: t.replace("hbm_tb_s = 3.35", "hbm_tb_s = 3.35\npower_limit_w = 500"), "gpu.power_limit_w needs gpu.rated_power_w"),
+    (lambda t: t.replace("hbm_tb_s = 3.35", 'hbm_tb_s = 3.35\npower_limit_w = "500 V"\nrated_power_w = 700'),
+     "unknown unit in '500 V'"),
 ])
 def test_bad_cluster_files_are_one_line(capsys, tmp_path, edit, message):
     path = tmp_path / "cluster.toml"

@@ -56,6 +56,9 @@ def _model_options(command):
                      help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 "
                           "NDR); a collective with k members in a node uses their k NICs at once."),
         click.option("--intra-node-gbps", type=float, help="Link bandwidth per GPU inside a node in Gbit/s."),
+        click.option("--power-limit-w", type=float,
+                     help="Board power limit the GPUs run at, in watts (nvidia-smi -pl): below the rated power "
+                          "their products run at the clock it allows, (limit/rated)^(1/3)."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
                      help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
                           "on CPUs: use it with --gpu local for fp32 runs)."),
@@ -114,7 +117,7 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
                           tp_comm_overlap=bool(o.get("tp_comm_overlap")),
                           precision="fp32" if o.get("dtype") == "float32" else "mixed")
     gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
-    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
+    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps")).with_power_limit(o.get("power_limit_w"))
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
 
 

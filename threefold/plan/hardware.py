@@ -62,6 +62,10 @@ class GPU:
     collective_waits: tuple = ()
     core_share: float = 1.0
     block_overhead_s: float = 0.0
+    # The board power at which matmul_efficiency holds (the datasheet's TDP for the catalog's
+    # parts), and the limit the cluster runs at (None: the rated power); see power_clock_scale.
+    rated_power_w: float | None = None
+    power_limit_w: float | None = None
 
     @property
     def bubble_speedup(self) -> float:
@@ -97,6 +101,21 @@ class GPU:
                 raise ConfigError(f"{flag}: must be a positive number of Gbit/s per GPU, got {gbps}")
             changes[key] = gbps * 1e9 / 8
         return dataclasses.replace(self, **changes) if changes else self
+
+    def with_power_limit(self, watts: float | None, flag: str = "--power-limit-w") -> "GPU":
+        """The GPU held at a board power limit of ``watts``: its products (and attention core)
+        run at the clock that power allows (power_clock_scale), HBM and links as before."""
+        if watts is None:
+            return self
+        if not (isinstance(watts, (int, float)) and math.isfinite(watts) and watts > 0):
+            raise ConfigError(f"{flag}: must be a positive number of watts, got {watts}")
+        if self.rated_power_w is None:
+            raise ConfigError(f"{flag}: no rated power known for {self.name}; a --cluster file gives it "
+                              "(gpu.rated_power_w)")
+        now = power_clock_scale(self.power_limit_w or self.rated_power_w, self.rated_power_w)
+        efficiency = self.matmul_efficiency * power_clock_scale(watts, self.rated_power_w) / now
+        return dataclasses.replace(self, matmul_efficiency=efficiency, power_limit_w=float(watts),
+                                   description=f"{self.description}; at {watts:.0f} W of {self.rated_power_w:.0f}")
 
     def with_gpus_per_node(self, gpus_per_node: int | None) -> "GPU":
         if gpus_per_node is None:
@@ -142,17 +161,17 @@ def _fa2_on_hopper(matmul_efficiency: float) -> dict:
 
 
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
-    GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA,
+    GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA, rated_power_w=400,
         description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA,
+    GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA, rated_power_w=400,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55),
+    GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
         description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
-    GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57),
+    GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
         description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
-    GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55),
+    GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55), rated_power_w=1000,
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node"),
-    GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9,
+    GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9, rated_power_w=750,
         **dict(_NVIDIA, matmul_efficiency=0.45, intra_link_efficiency=0.60),
         description="MI300X 192GB; Infinity Fabric mesh, 400 Gb/s NICs"),
 ]}
@@ -243,6 +262,8 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
 #   peak_tflops_bf16 = 800          # or "800 TFLOP/s"; peak_tflops_fp32 optional
 #   hbm_gib = 96                    # or "96 GiB" / "103 GB"
 #   hbm_tb_s = 3.35                 # or "3350 GB/s"
+#   power_limit_w = 500             # optional, with rated_power_w: the board power the cluster runs at
+#   rated_power_w = 700             # the power at which efficiency.matmul holds
 #   [node]
 #   gpus_per_node = 8
 #   intra_node_gbps = 3600          # per GPU, one direction, or "450 GB/s"
@@ -261,16 +282,28 @@ _UNITS = {  # unit, spelt as vendors do (GB/s bytes, Gb/s bits) → (quantity, f
     "TB/s": ("bandwidth", 1e12), "GB/s": ("bandwidth", 1e9), "MB/s": ("bandwidth", 1e6),
     "Tb/s": ("bandwidth", 1e12 / 8), "Gb/s": ("bandwidth", 1e9 / 8), "Gbit/s": ("bandwidth", 1e9 / 8),
     "s": ("time", 1.0), "ms": ("time", 1e-3), "us": ("time", 1e-6), "µs": ("time", 1e-6), "ns": ("time", 1e-9),
+    "W": ("power", 1.0), "kW": ("power", 1e3),
 }
 _CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, required)
     ("gpu", "peak_tflops_bf16"): ("flops", 1e12, True), ("gpu", "peak_tflops_fp32"): ("flops", 1e12, False),
     ("gpu", "hbm_gib"): ("bytes", 2**30, True), ("gpu", "hbm_tb_s"): ("bandwidth", 1e12, True),
+    ("gpu", "power_limit_w"): ("power", 1, False), ("gpu", "rated_power_w"): ("power", 1, False),
     ("node", "gpus_per_node"): ("count", 1, True),
     ("node", "intra_node_gbps"): ("bandwidth", 1e9 / 8, True), ("node", "inter_node_gbps"): ("bandwidth", 1e9 / 8, True),
     ("node", "intra_node_latency_us"): ("time", 1e-6, False), ("node", "inter_node_latency_us"): ("time", 1e-6, False),
     **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link",
                                                          "overlap_slowdown", "attention")},
 }
+
+
+def power_clock_scale(power_limit_w: float, rated_power_w: float) -> float:
+    """How fast compute-bound kernels run at a board power limit below the one their efficiency
+    was measured at. A GPU holds its limit by lowering its clock, and dynamic power goes as
+    C·V²·f with the voltage following the clock (DVFS), so as f³: the clock, and the products'
+    rate, scale as (limit / rated)^(1/3). Static power is left out, so this is the least the
+    rate can drop (an H100 SXM at 500 W instead of 700: 0.89). Above the rated power: 1 (the
+    clock is at its boost already). HBM and the links keep their own clocks."""
+    return min(1.0, (power_limit_w / rated_power_w) ** (1 / 3))
 
 
 def _quantity(where: str, value, quantity: str, factor: float) -> float:
@@ -323,15 +356,20 @@ def load_cluster(path: str | Path) -> GPU:
         if required and (section, key) not in values:
             raise ConfigError(f"--cluster: {path}: missing key {section}.{key}")
     get = lambda section, key, default: values.get((section, key), default)  # noqa: E731
-    return GPU(name, values["gpu", "peak_tflops_bf16"], values["gpu", "hbm_gib"], values["gpu", "hbm_tb_s"],
-               values["node", "intra_node_gbps"], values["node", "inter_node_gbps"],
-               intra_node_latency_s=get("node", "intra_node_latency_us", _NVIDIA["intra_node_latency_s"]),
-               inter_node_latency_s=get("node", "inter_node_latency_us", _NVIDIA["inter_node_latency_s"]),
-               gpus_per_node=int(values["node", "gpus_per_node"]),
-               matmul_efficiency=get("efficiency", "matmul", _NVIDIA["matmul_efficiency"]),
-               hbm_efficiency=get("efficiency", "hbm", _NVIDIA["hbm_efficiency"]),
-               intra_link_efficiency=get("efficiency", "intra_link", _NVIDIA["intra_link_efficiency"]),
-               inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
-               description=f"from {path}", peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
-               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]),
-               attention_efficiency=get("efficiency", "attention", 1.0))
+    if ("gpu", "power_limit_w") in values and ("gpu", "rated_power_w") not in values:
+        raise ConfigError(f"--cluster: {path}: gpu.power_limit_w needs gpu.rated_power_w (the power at which "
+                          "efficiency.matmul holds)")
+    gpu = GPU(name, values["gpu", "peak_tflops_bf16"], values["gpu", "hbm_gib"], values["gpu", "hbm_tb_s"],
+              values["node", "intra_node_gbps"], values["node", "inter_node_gbps"],
+              intra_node_latency_s=get("node", "intra_node_latency_us", _NVIDIA["intra_node_latency_s"]),
+              inter_node_latency_s=get("node", "inter_node_latency_us", _NVIDIA["inter_node_latency_s"]),
+              gpus_per_node=int(values["node", "gpus_per_node"]),
+              matmul_efficiency=get("efficiency", "matmul", _NVIDIA["matmul_efficiency"]),
+              hbm_efficiency=get("efficiency", "hbm", _NVIDIA["hbm_efficiency"]),
+              intra_link_efficiency=get("efficiency", "intra_link", _NVIDIA["intra_link_efficiency"]),
+              inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
+              description=f"from {path}", rated_power_w=values.get(("gpu", "rated_power_w")),
+              peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
+              overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]),
+              attention_efficiency=get("efficiency", "attention", 1.0))
+    return gpu.with_power_limit(values.get(("gpu", "power_limit_w")), flag=f"--cluster: {path}: gpu.power_limit_w")
