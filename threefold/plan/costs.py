@@ -840,7 +840,10 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     hbm = gpu.elementwise_rate  # the memory-bound kernels' bytes/s
     coef = activation_coefficients(cfg, work.attention, a_bytes)
     attention_executed = 4 * s * q * (0.5 if work.attention == "flash" else 1.0)  # flash skips the causal half
-    attention_rate = gpu.peak_flops * gpu.matmul_efficiency * gpu.attention_efficiency
+    # a fused attention kernel's rate (hardware.GPU.attention_efficiency); eager attention's core
+    # is two batched products and a softmax, at the GEMM rate
+    fused = gpu.attention_efficiency if work.attention == "flash" else 1.0
+    attention_rate = gpu.peak_flops * gpu.matmul_efficiency * fused
     core_s = tokens / t * attention_executed / attention_rate  # one layer's forward
     recomputed_core = np.where(selective, 0.5 * tokens * coef["core"] / t, 0)  # selective: the core's tensors again
 

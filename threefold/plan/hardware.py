@@ -149,10 +149,14 @@ _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficienc
 # not use Hopper's asynchronous tensor cores (FlashAttention-3, Shah et al. 2024, does, at 1.5-2×).
 # The flash-attn benchmarks count a backward as 2.5 forwards (it recomputes the scores), the
 # planner as 2, so the same seconds are 335·3/3.5 = 287 TFLOP/s in the planner's count. On an A100
-# the kernel runs at 50-73% of the peak (the paper's abstract), GEMM-like: 1 there. Megatron-Core's
-# Transformer Engine attention (cuDNN) is faster on Hopper than this; a --cluster file's
-# efficiency.attention says so for a cluster that runs it.
+# the kernel reaches at most 73% of the peak (the paper's abstract: 50-73%), 195 TFLOP/s in the
+# planner's count, 0.80 of the 0.78·312 its GEMMs reach. Megatron-Core's Transformer Engine
+# attention (cuDNN) is faster on Hopper than this; a --cluster file's efficiency.attention says
+# so for a cluster that runs it. Eager attention (two batched GEMMs and a softmax) is not this
+# kernel: costs.part_seconds times its core at the GEMM rate.
 _FA2_H100_FLOPS = 335e12 * 3 / 3.5
+_FA2_A100_FLOPS = 0.73 * 312e12 * 3 / 3.5
+_FA2_ON_AMPERE = dict(_NVIDIA, attention_efficiency=_FA2_A100_FLOPS / (312e12 * _NVIDIA["matmul_efficiency"]))
 
 
 def _fa2_on_hopper(matmul_efficiency: float) -> dict:
@@ -161,9 +165,9 @@ def _fa2_on_hopper(matmul_efficiency: float) -> dict:
 
 
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
-    GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_NVIDIA, rated_power_w=400,
+    GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_NVIDIA, rated_power_w=400,
+    GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
         description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
