@@ -8,7 +8,7 @@ import torch
 
 from threefold import cli
 from threefold.config import ConfigError
-from threefold.plan import calibrate, costs
+from threefold.plan import calibrate, costs, fit
 from threefold.plan.hardware import CATALOG, local_gpu
 from threefold.plan.profile import MEASURED_SINCE_KEYS
 
@@ -170,6 +170,22 @@ def test_from_runs_refuses_bad_runs_in_one_line(tmp_path, capsys, runs, message)
     code = cli.main(["calibrate", "--from-runs", *runs(tmp_path), "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_targets_of_another_vocabulary_are_read_apart_from_the_fit(tmp_path):
+    """bench/planner_runs.py predicts the demo (4,608 tokens) from a fit on runs of 4,096: it reads
+    every run without the one-model rule and checks the rule on the runs it fits."""
+    recorded = json.loads((RUNS / "manifest.json").read_text())
+    manifest = {name: dict(recorded[name], config=str(RUNS / recorded[name]["config"]),
+                           metrics=str(RUNS / recorded[name]["metrics"])) for name in ("ddp", "tp")}
+    manifest["tp"]["set"] = [*manifest["tp"]["set"], "model.vocab_size=4608"]
+    (tmp_path / "two.json").write_text(json.dumps(manifest))
+    runs = fit.read_runs([str(tmp_path / "two.json")], one_model=False)
+    assert [r.cfg.model.vocab_size for r in runs] == [4096, 4608]
+    with pytest.raises(ConfigError, match="trains another model"):
+        fit.check_one_model(runs)
+    with pytest.raises(ConfigError, match="trains another model"):
+        fit.read_runs([str(tmp_path / "two.json")])
 
 
 # ---- what the planner makes of the measurements ---------------------------------------------

@@ -50,8 +50,9 @@ class Run:
     stage_layers: tuple[int, ...] | None = None  # the run's pipeline split, from its timeline
 
 
-def read_runs(specs) -> list[Run]:
-    """The runs named by ``--from-runs`` arguments; ConfigError, one line, for a bad one."""
+def read_runs(specs, one_model: bool = True) -> list[Run]:
+    """The runs named by ``--from-runs`` arguments; ConfigError, one line, for a bad one, and
+    (``one_model``) for runs of different models (``check_one_model``)."""
     runs = []
     for spec in specs:
         if spec.endswith(".json"):
@@ -74,12 +75,19 @@ def read_runs(specs) -> list[Run]:
             runs.append(_run(Path(metrics).stem, Path(config), Path(metrics), []))
     if len(runs) < 2:
         raise ConfigError(f"--from-runs: needs at least two runs to fit and cross-validate, got {len(runs)}")
+    if one_model:
+        check_one_model(runs)
+    return runs
+
+
+def check_one_model(runs: list[Run]) -> None:
+    """ConfigError, one line, unless every run trains the same model (``_block``): a fit's
+    efficiencies are the machine's, but only runs of one model tell them apart from the model's."""
     first = runs[0]
     for run in runs[1:]:
         if _block(run.cfg) != _block(first.cfg):
             raise ConfigError(f"--from-runs: run {run.name!r} trains another model than {first.name!r} "
                               f"({_describe(run.cfg)} against {_describe(first.cfg)}): fit on runs of one model")
-    return runs
 
 
 def _block(cfg: Config) -> tuple:
