@@ -1,6 +1,7 @@
 """`threefold estimate` and `threefold plan` as a user runs them: flags, JSON, errors, batch mode."""
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -141,6 +142,8 @@ def test_list_gpus(capsys):
     assert code == 0
     for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi300x"):
         assert name in out
+    h100 = next(line for line in out.splitlines() if line.startswith("│ h100-sxm"))
+    assert re.search(r"│ +700 │", h100)  # the rated power --power-limit-w scales from
 
 
 def test_batch_mode_one_line_per_input_in_order(capsys, tmp_path):
