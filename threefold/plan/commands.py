@@ -117,7 +117,8 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
                           tp_comm_overlap=bool(o.get("tp_comm_overlap")),
                           precision="fp32" if o.get("dtype") == "float32" else "mixed")
     gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
-    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps")).with_power_limit(o.get("power_limit_w"))
+    gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
+    gpu = gpu.with_power_limit(o.get("power_limit_w"))
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
 
 
