@@ -213,6 +213,28 @@ def test_sequence_parallel_at_tp_1_is_turned_off_with_a_note(capsys):
     assert json.loads(with_sp)["layout"]["sequence_parallel"] is False
 
 
+def test_virtual_stages_read_as_megatron_reads_them(capsys):
+    """1F1B with virtual stages is Megatron's interleaved 1F1B, and interleaved with one chunk a
+    rank is 1F1B: a published run may state either; each is estimated as the other, with a note."""
+    from threefold.plan import commands
+
+    commands._note_once.cache_clear()
+    layout = ["estimate", "--model", "gpt3-175b", "--global-batch", "512", "--gpu", "a100-80gb", "--num-gpus", "64",
+              "--tp", "8", "--pp", "8", "--json"]
+    code, stated, err = run(capsys, *layout, "--schedule", "1f1b", "--virtual-stages", "4")
+    assert code == 0 and err.count("Megatron's interleaved 1F1B") == 1
+    code, interleaved, _ = run(capsys, *layout, "--schedule", "interleaved", "--virtual-stages", "4")
+    assert json.loads(stated) == json.loads(interleaved)
+    assert json.loads(stated)["layout"]["schedule"] == "interleaved"
+    code, one_chunk, err = run(capsys, *layout, "--schedule", "interleaved", "--virtual-stages", "1")
+    assert code == 0 and "one model chunk a rank is 1F1B" in err
+    code, plain, _ = run(capsys, *layout, "--schedule", "1f1b")
+    assert json.loads(one_chunk) == json.loads(plain)
+    # gpipe and zb-h1 have no chunked form: one line and exit 2, as before
+    code, _, err = run(capsys, *layout, "--schedule", "gpipe", "--virtual-stages", "2")
+    assert code == 2 and "only interleaved takes virtual_stages > 1" in err
+
+
 @pytest.mark.parametrize("spelling, name", [("A100-SXM4-80GB", "a100-80gb"), ("a100_40gb", "a100-40gb"),
                                             ("H100 SXM5 80GB", "h100-sxm"), ("H200", "h200")])
 def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):

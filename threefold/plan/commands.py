@@ -156,6 +156,14 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
             raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
         dp = num_gpus // (tp * pp * cp)
     schedule = _given(o, "schedule", "1f1b")
+    # Megatron's 1F1B with virtual stages is its interleaved schedule, and interleaved with one
+    # chunk a rank is 1F1B: a published run may state either, as Megatron reads it
+    if schedule == "1f1b" and (o.get("virtual_stages") or 1) > 1 and pp > 1:
+        _note_once("note: 1f1b with --virtual-stages > 1 is Megatron's interleaved 1F1B; estimating interleaved")
+        schedule = "interleaved"
+    elif schedule == "interleaved" and o.get("virtual_stages") == 1:
+        _note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
+        schedule = "1f1b"
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
     sequence_parallel = bool(o.get("sequence_parallel"))
