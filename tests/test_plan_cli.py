@@ -235,6 +235,25 @@ def test_virtual_stages_read_as_megatron_reads_them(capsys):
     assert code == 2 and "only interleaved takes virtual_stages > 1" in err
 
 
+def test_choices_are_read_in_any_case(capsys, tmp_path):
+    """A published run's row may spell a schedule or a recomputation as its paper does."""
+    common = ["--model", "gpt3-175b", "--global-batch", "512", "--gpu", "a100-80gb", "--num-gpus", "64", "--tp", "8",
+              "--pp", "8", "--json"]
+    code, shouted, err = run(capsys, "estimate", *common, "--schedule", "ZB-H1", "--recompute", "Selective",
+                             "--attention", "EAGER")
+    assert code == 0, err
+    code, plain, _ = run(capsys, "estimate", *common, "--schedule", "zb-h1", "--recompute", "selective",
+                         "--attention", "eager")
+    assert json.loads(shouted) == json.loads(plain)
+    line = {"model": "gpt3-175b", "global_batch": 512, "gpu": "a100-80gb", "num_gpus": 64, "tp": 8, "pp": 8,
+            "schedule": "1F1B", "recompute": "FULL"}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(line) + "\n")
+    code, out, err = run(capsys, "estimate", "--batch", str(tmp_path / "rows.jsonl"))
+    result = json.loads(out)
+    assert code == 0 and "error" not in result, out
+    assert (result["layout"]["schedule"], result["layout"]["recompute"]) == ("1f1b", "full")
+
+
 @pytest.mark.parametrize("spelling, name", [("A100-SXM4-80GB", "a100-80gb"), ("a100_40gb", "a100-40gb"),
                                             ("H100 SXM5 80GB", "h100-sxm"), ("H200", "h200")])
 def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):

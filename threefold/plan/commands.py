@@ -30,10 +30,14 @@ MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "m
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
+def _choice(values) -> click.Choice:
+    """A flag's choices, in any case: a published run's row may say "1F1B" or "Selective"."""
+    return click.Choice(list(values), case_sensitive=False)
+
 def _model_options(command):
     options = [
-        click.option("--model", type=click.Choice(list(PRESETS)), help="A named model; the shape flags below override it."),
-        click.option("--arch", type=click.Choice(["llama", "gpt"]),
+        click.option("--model", type=_choice(PRESETS), help="A named model; the shape flags below override it."),
+        click.option("--arch", type=_choice(["llama", "gpt"]),
                      help="llama: RMSNorm, SwiGLU, rotary (default). gpt: LayerNorm, GELU MLP, learned positions."),
         click.option("--layers", type=int), click.option("--hidden", type=int), click.option("--heads", type=int),
         click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention); default: --heads."),
@@ -59,16 +63,16 @@ def _model_options(command):
         click.option("--power-limit-w", type=float,
                      help="Board power limit the GPUs run at, in watts (nvidia-smi -pl): below the rated power "
                           "their products run at the clock it allows, (limit/rated)^(1/3)."),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
+        click.option("--dtype", type=_choice(["bfloat16", "float32"]), default=None,
                      help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
                           "on CPUs: use it with --gpu local for fp32 runs)."),
         click.option("--overlap-dp/--no-overlap-dp", default=True, show_default=True,
                      help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
                      help="Tensor-parallel collectives pipelined with the GEMMs (Megatron-Core's option)."),
-        click.option("--attention", type=click.Choice(costs.ATTENTION), default="flash", show_default=True,
+        click.option("--attention", type=_choice(costs.ATTENTION), default="flash", show_default=True,
                      help="flash never stores the s×s scores; eager stores them (Megatron 2021-22)."),
-        click.option("--grad-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+        click.option("--grad-dtype", type=_choice(["fp32", "bf16"]), default="fp32", show_default=True,
                      help="Gradients kept in fp32 (18 bytes of model state per parameter) or bf16 (16)."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
     ]
@@ -237,7 +241,7 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
 @click.option("--dp", type=int, help="Data-parallel size; default: --num-gpus / (tp·pp·cp).")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel size.")
-@click.option("--cp-method", type=click.Choice(costs.CP_METHODS), default="ring", show_default=True,
+@click.option("--cp-method", type=_choice(costs.CP_METHODS), default="ring", show_default=True,
               help="Attention over the split sequence: ring, allgather (Llama 3) or ulysses (DeepSpeed).")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
@@ -245,11 +249,11 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--recompute", type=click.Choice(costs.RECOMPUTE), default="none", show_default=True,
+@click.option("--recompute", type=_choice(costs.RECOMPUTE), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
-@click.option("--schedule", type=click.Choice(costs.SCHEDULES), default="1f1b", show_default=True)
+@click.option("--schedule", type=_choice(costs.SCHEDULES), default="1f1b", show_default=True)
 @click.option("--stage-layers", metavar="N,N,…",
               help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
                    "e.g. 3,2; the schedule is then played on each stage's own cost. Default: ceil(layers/pp) "
@@ -305,14 +309,14 @@ def _fixed_knobs(command):
         click.option("--pp", type=int, help="Fix the pipeline stages."),
         click.option("--dp", type=int, help="Fix the data-parallel size."),
         click.option("--cp", type=int, help="Fix the context-parallel size."),
-        click.option("--cp-method", type=click.Choice(costs.CP_METHODS), help="Fix the context-parallel method."),
+        click.option("--cp-method", type=_choice(costs.CP_METHODS), help="Fix the context-parallel method."),
         click.option("--ep", type=int, help="Fix the expert-parallel size."),
         click.option("--micro-batch", type=int, help="Fix the micro-batch."),
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
-        click.option("--recompute", type=click.Choice(costs.RECOMPUTE), help="Fix the recomputation."),
-        click.option("--schedule", type=click.Choice(costs.SCHEDULES), help="Fix the pipeline schedule."),
+        click.option("--recompute", type=_choice(costs.RECOMPUTE), help="Fix the recomputation."),
+        click.option("--schedule", type=_choice(costs.SCHEDULES), help="Fix the pipeline schedule."),
     ]
     for option in reversed(options):
         command = option(command)
