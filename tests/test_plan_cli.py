@@ -252,6 +252,11 @@ def test_choices_are_read_in_any_case(capsys, tmp_path):
     result = json.loads(out)
     assert code == 0 and "error" not in result, out
     assert (result["layout"]["schedule"], result["layout"]["recompute"]) == ("1f1b", "full")
+    # dtypes as papers print them: fp16 and bf16 at the 16-bit peak, fp32 at the fp32 one
+    by_dtype = {d: json.loads(run(capsys, "estimate", *common, "--dtype", d)[1])["step_time_s"]
+                for d in ("bfloat16", "BF16", "fp16", "float16", "float32", "FP32")}
+    assert by_dtype["bfloat16"] == by_dtype["BF16"] == by_dtype["fp16"] == by_dtype["float16"]
+    assert by_dtype["float32"] == by_dtype["FP32"] > by_dtype["bfloat16"]
 
 
 @pytest.mark.parametrize("spelling, name", [("A100-SXM4-80GB", "a100-80gb"), ("a100_40gb", "a100-40gb"),

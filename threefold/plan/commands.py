@@ -30,6 +30,11 @@ MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "m
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
+# --dtype's spellings and what each is priced as: a 16-bit type at the 16-bit tensor peak
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
+          "float32": "float32", "fp32": "float32"}
+
+
 def _choice(values) -> click.Choice:
     """A flag's choices, in any case: a published run's row may say "1F1B" or "Selective"."""
     return click.Choice(list(values), case_sensitive=False)
@@ -63,9 +68,10 @@ def _model_options(command):
         click.option("--power-limit-w", type=float,
                      help="Board power limit the GPUs run at, in watts (nvidia-smi -pl): below the rated power "
                           "their products run at the clock it allows, (limit/rated)^(1/3)."),
-        click.option("--dtype", type=_choice(["bfloat16", "float32"]), default=None,
-                     help="Compute type: the GPU's 16-bit peak (default) or its fp32 peak (the engine's default "
-                          "on CPUs: use it with --gpu local for fp32 runs)."),
+        click.option("--dtype", type=_choice(DTYPES), default=None,
+                     help="Compute type: the GPU's 16-bit peak (default; bf16, or fp16 as the 2021-22 runs trained, "
+                          "at the same tensor-core peak) or its fp32 peak (the engine's default on CPUs: use it with "
+                          "--gpu local for fp32 runs)."),
         click.option("--overlap-dp/--no-overlap-dp", default=True, show_default=True,
                      help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
@@ -115,6 +121,7 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
         raise ConfigError(f"--gpu: required (or --cluster FILE.toml), one of {', '.join([*CATALOG, 'local'])}")
     if o.get("gpu") is not None and o.get("cluster") is not None:
         raise ConfigError("--cluster: describes the GPU itself; give --gpu or --cluster, not both")
+    o = dict(o, dtype=DTYPES.get(o.get("dtype"), o.get("dtype")))
     work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
                           grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
                           overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
