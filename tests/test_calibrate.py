@@ -111,8 +111,6 @@ def recorded_profile() -> dict:
 
 
 def test_recorded_runs_replay_without_training():
-    from threefold.plan import fit
-
     runs = fit.read_runs([str(RUNS / "manifest.json")])
     assert len(runs) >= 6 and {"demo", "ddp", "tp", "pp", "zero3", "dp-pp"} <= {r.name for r in runs}
     assert all(r.measured_s > 0 and r.cfg.model.vocab_size == 4096 for r in runs)
@@ -121,8 +119,6 @@ def test_recorded_runs_replay_without_training():
 def test_fitting_lowers_the_error_and_cross_validates():
     """The fitted fractions predict the runs better than the plain profile (in the fit's own
     measure, the mean squared log-ratio), and every run is also predicted by a fit on the others."""
-    from threefold.plan import fit
-
     runs = fit.read_runs([str(RUNS / "manifest.json")])
     profile = recorded_profile()
     report = fit.cross_validate(runs, profile)  # 8 runs: one fit on all, 8 left-out fits
