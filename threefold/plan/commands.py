@@ -17,7 +17,7 @@ from threefold.config import ConfigError, ModelConfig
 from threefold.models.presets import PRESETS, get_preset
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
-from threefold.plan.hardware import CATALOG, get_gpu, load_cluster
+from threefold.plan.hardware import CATALOG, DTYPES, compute_dtype, get_gpu, load_cluster
 from threefold.plan.pictures import check_picture_path, draw_breakdown
 
 # Flag → ModelConfig field, for the model's shape.
@@ -30,14 +30,10 @@ MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "m
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
-# --dtype's spellings and what each is priced as: a 16-bit type at the 16-bit tensor peak
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
-          "float32": "float32", "fp32": "float32"}
-
-
 def _choice(values) -> click.Choice:
     """A flag's choices, in any case: a published run's row may say "1F1B" or "Selective"."""
     return click.Choice(list(values), case_sensitive=False)
+
 
 def _model_options(command):
     options = [
@@ -121,13 +117,13 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
         raise ConfigError(f"--gpu: required (or --cluster FILE.toml), one of {', '.join([*CATALOG, 'local'])}")
     if o.get("gpu") is not None and o.get("cluster") is not None:
         raise ConfigError("--cluster: describes the GPU itself; give --gpu or --cluster, not both")
-    o = dict(o, dtype=DTYPES.get(o.get("dtype"), o.get("dtype")))
+    dtype = compute_dtype(o.get("dtype"))
     work = costs.Workload(build_model(o), o["global_batch"], attention=o.get("attention") or "flash",
                           grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
                           overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
                           tp_comm_overlap=bool(o.get("tp_comm_overlap")),
-                          precision="fp32" if o.get("dtype") == "float32" else "mixed")
-    gpu = load_cluster(o["cluster"]).with_dtype(o.get("dtype")) if o.get("cluster") else get_gpu(o["gpu"], o.get("dtype"))
+                          precision="fp32" if dtype == "float32" else "mixed")
+    gpu = load_cluster(o["cluster"]).with_dtype(dtype) if o.get("cluster") else get_gpu(o["gpu"], dtype)
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     gpu = gpu.with_power_limit(o.get("power_limit_w"))
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))

@@ -23,6 +23,22 @@ from threefold.config import ConfigError
 
 GiB = 2**30
 
+# Compute types as they are spelt, and the peak each trains at: a 16-bit type at the 16-bit tensor
+# peak (fp16, as the 2021-22 runs trained, runs at the same one as bf16), fp32 at the fp32 peak.
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
+          "float32": "float32", "fp32": "float32"}
+
+
+def compute_dtype(dtype: str | None) -> str:
+    """"bfloat16" or "float32", the peak ``dtype`` trains at (None: the 16-bit one); ConfigError
+    for a spelling DTYPES lacks."""
+    if dtype is None:
+        return "bfloat16"
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}") from None
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -79,11 +95,9 @@ class GPU:
         return (self.hbm_bw if self.elementwise_bw is None else self.elementwise_bw) * self.hbm_efficiency
 
     def with_dtype(self, dtype: str | None) -> "GPU":
-        """The GPU for training in ``dtype``: bfloat16 (the default, the 16-bit peak) or float32."""
-        if dtype in (None, "bfloat16", "bf16"):
+        """The GPU for training in ``dtype`` (``compute_dtype``): the 16-bit peak or the fp32 one."""
+        if compute_dtype(dtype) == "bfloat16":
             return self
-        if dtype not in ("float32", "fp32"):
-            raise ConfigError(f"--dtype: must be bfloat16 or float32, got {dtype!r}")
         if self.peak_flops_fp32 is None:
             raise ConfigError(f"--dtype: no float32 peak known for {self.name}; give it in a --cluster file "
                               "(gpu.peak_tflops_fp32)")
@@ -202,14 +216,12 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     slowdown = 1.0 + (float(profile.get("concurrent_slowdown", 1.0)) - 1.0) * (busy - 1) / max(1, cores - 1)
     share = share / slowdown
     ring_steps = 2 * (max(2, cores) - 1)
-    if dtype not in (None, "bfloat16", "bf16", "float32", "fp32"):
-        raise ConfigError(f"--dtype: must be bfloat16 or float32, got {dtype!r}")
-    peak = float(profile["peak_flops_fp32" if dtype in ("float32", "fp32") else "peak_flops_bf16"])
+    fp32 = compute_dtype(dtype) == "float32"
+    peak = float(profile["peak_flops_fp32" if fp32 else "peak_flops_bf16"])
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
     waits = {int(w): float(t) for w, t in profile.get("oversubscribed_wait_s", {}).items()}
-    fp32 = dtype in ("float32", "fp32")
     attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
     elementwise = profile.get("elementwise_bw")
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
