@@ -235,9 +235,10 @@ def test_bad_moe_and_cp_input_is_one_line_and_exit_2(capsys, args, message):
 
 
 def test_an_unknown_cp_method_is_refused(capsys):
-    """click's own choice check (the CLI shows its usage lines, as for every choice flag), exit 2."""
+    """click's own choice check, in one line like every other bad input, exit 2."""
     code, _, err = run(capsys, "estimate", *MIXTRAL_FLAGS, "--dp", "4", "--cp", "2", "--cp-method", "bogus")
     assert code == 2 and "Invalid value for '--cp-method': 'bogus' is not one of 'ring', 'allgather', 'ulysses'" in err
+    assert len(err.strip().splitlines()) == 1 and "threefold estimate --help" in err, err
 
 
 @pytest.mark.parametrize("flag", ["--moe-top-k", "--moe-ffn", "--moe-shared-experts"])

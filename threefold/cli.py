@@ -71,6 +71,10 @@ def main(argv=None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.UsageError as err:  # a bad flag or value: one line, as every other bad input
+        command = f"threefold {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "threefold --help"
+        click.echo(f"error: {err.format_message()} (see `{command}`)", err=True)
+        return 2
     except click.ClickException as err:
         err.show()
         return 2 if isinstance(err, click.UsageError) or err.exit_code == 2 else err.exit_code
