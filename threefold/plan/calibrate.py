@@ -444,33 +444,50 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        work, tiny, waited = torch.randn(256, 256), torch.zeros(1), 0.0
+        work, tiny, waited, compute_cpu = torch.randn(256, 256), torch.zeros(1), 0.0, 0.0
         for _ in range(5):
             dist.all_reduce(tiny)
+        process_cpu = time.process_time()  # every thread of the process: gloo's own included
         for _ in range(calls):
+            began = time.thread_time()
             for _ in range(10):  # a few milliseconds of compute between collectives, as a step has
                 work @ work
+            compute_cpu += time.thread_time() - began
             start = time.perf_counter()
             dist.all_reduce(tiny)
             waited += time.perf_counter() - start
-        mean = torch.tensor([waited / calls])
+        call_cpu = time.process_time() - process_cpu - compute_cpu
+        mean = torch.tensor([waited, call_cpu, compute_cpu]) / calls
         dist.all_reduce(mean)
         if rank == 0:
-            results.put(float(mean) / world)
+            results.put([float(x) / world for x in mean])
     finally:
         dist.destroy_process_group()
 
 
-def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float = 120.0) -> dict:
-    """Seconds a small collective takes when workers compute between calls, at 1, 2 and 4
-    workers per core: ``{"2": s, "4": s, "8": s}`` on 2 cores. At one per core it is the
-    collective's latency and the ranks' jitter (one arrives a little after the other). A collective finishes only when
-    every member has reached it, and with more workers than cores some member is usually off
-    its core, waiting for the scheduler; a GPU planner never sees this, a CPU run of 8 ranks on
-    2 cores pays it on every tp, dp and pp call."""
-    return {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
-                                          f"oversubscribed collectives ({world} processes)")
-            for world in sorted({max(2, cores), 2 * cores, 4 * cores})}
+def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float = 120.0) -> dict[str, dict]:
+    """What a small collective costs when workers compute between calls, at 1, 2 and 4 workers
+    per core, each ``{"2": …, "4": …, "8": …}`` on 2 cores:
+
+    - ``wait_s``: the seconds a call takes. At one worker per core it is the collective's
+      latency and the ranks' jitter (one arrives a little after the other). A collective
+      finishes only when every member has reached it, and with more workers than cores some
+      member is usually off its core, waiting for the scheduler; a GPU planner never sees this,
+      a CPU run of 8 ranks on 2 cores pays it on every tp, dp and pp call.
+    - ``call_cpu_s``: the CPU seconds a call costs its process beyond the compute (gloo's
+      threads waking and the socket's system calls; about half a millisecond here, several
+      times the call's latency on an idle machine). With every core busy, that CPU is taken
+      from the ranks that compute: costs.estimate counts it in the machine's work.
+    - ``compute_slowdown``: the compute's CPU seconds per call over those at one worker per
+      core (caches and branch predictors shared with the other workers switched in).
+    """
+    measured = {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
+                                              f"oversubscribed collectives ({world} processes)")
+                for world in sorted({max(2, cores), 2 * cores, 4 * cores})}
+    alone = measured[str(max(2, cores))][2]
+    return {"wait_s": {w: m[0] for w, m in measured.items()},
+            "call_cpu_s": {w: m[1] for w, m in measured.items()},
+            "compute_slowdown": {w: max(1.0, m[2] / alone) for w, m in measured.items()}}
 
 
 def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
@@ -518,7 +535,9 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "inter_node_bw": gloo["bus_bw"],
         "latency_s": gloo["latency_s"],
         "collectives": gloo["collectives"],
-        "oversubscribed_wait_s": waits,
+        "oversubscribed_wait_s": waits["wait_s"],
+        "oversubscribed_call_cpu_s": waits["call_cpu_s"],
+        "oversubscribed_compute_slowdown": waits["compute_slowdown"],
         "gpus_per_node": workers,
         "threads": threads,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -587,7 +606,11 @@ def profile_table(profile: dict, path: Path) -> Table:
         ("gloo all-reduce latency", f"{profile['latency_s'] * 1e3:,.3f} ms"),
         *((f"gloo {kind.replace('_', '-')} at 64 KB-4 MB", f"{c['latency_s'] * 1e3:,.3f} ms + bytes at {c['bus_bw'] / 1e9:,.2f} GB/s")
           for kind, c in profile.get("collectives", {}).items()),
-        *((f"a small collective, {w} processes computing", f"{t * 1e3:,.2f} ms")
+        *((f"a small collective, {w} processes computing", f"{t * 1e3:,.2f} ms"
+           + (f", {profile['oversubscribed_call_cpu_s'][w] * 1e3:,.2f} ms of CPU"
+              if w in profile.get("oversubscribed_call_cpu_s", {}) else "")
+           + (f", compute {profile['oversubscribed_compute_slowdown'][w]:.2f}× slower"
+              if w in profile.get("oversubscribed_compute_slowdown", {}) else ""))
           for w, t in profile.get("oversubscribed_wait_s", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
         *((("other processes meanwhile", f"{profile['other_processes_cores']:.2f} cores"),)

@@ -940,8 +940,11 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
     active = replicas > 1
-    parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active}
+    calls = np.where(replicas > 1, reductions + gathers, 0)
     if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
+        calls = calls + also["calls"]
+    parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active, "calls": calls}
+    if also is not None:
         sent, seconds, active = sent + also["bytes"], seconds + also["seconds"], active | also["active"]
         grad_s, gather_s = grad_s + also["grad_s"], gather_s + also["gather_s"]
         one_collective_s = np.maximum(one_collective_s, also["one_s"])
@@ -989,12 +992,46 @@ def call_wait(gpu, runnable):
     """Seconds each collective call or pipeline message waits for members off their core, with
     ``runnable`` workers computing on the node: the GPU's measured points (a CPU's: more workers
     than cores wait for the scheduler), linear between them and beyond the last; 0 on a GPU."""
-    if not gpu.collective_waits:
-        return np.zeros(np.shape(runnable))
-    (w0, s0), (w1, s1) = gpu.collective_waits[-2:]
-    workers, seconds = zip(*gpu.collective_waits)
-    beyond = s1 + (s1 - s0) / (w1 - w0) * (np.asarray(runnable, dtype=float) - w1)
-    return np.where(runnable > w1, beyond, np.interp(runnable, workers, seconds))
+    return _between_points(gpu.collective_waits, runnable)
+
+
+def call_cpu(gpu, runnable):
+    """CPU seconds a collective call or pipeline message costs its process beyond the compute,
+    with ``runnable`` workers computing (calibrate's points; before them, each kind's latency on
+    an idle machine, the least a call costs); 0 on a GPU, whose calls run on its own engines."""
+    if gpu.call_cpu:
+        return _between_points(gpu.call_cpu, runnable)
+    if gpu.collectives:
+        return np.full(np.shape(runnable), float(np.mean([latency for latency, _ in gpu.collectives.values()])))
+    return np.zeros(np.shape(runnable))
+
+
+def _between_points(points, x):
+    """Linear between measured (x, y) points and beyond the last two; 0 without points."""
+    if not points:
+        return np.zeros(np.shape(x))
+    if len(points) == 1:
+        return np.full(np.shape(x), float(points[0][1]))
+    (w0, s0), (w1, s1) = points[-2:]
+    xs, ys = zip(*points)
+    beyond = s1 + (s1 - s0) / (w1 - w0) * (np.asarray(x, dtype=float) - w1)
+    return np.where(np.asarray(x) > w1, beyond, np.interp(x, xs, ys))
+
+
+def _harmonic(x):
+    """H(x) = 1 + 1/2 + … + 1/x, continued to real x ≥ 1 (its asymptotic series, within 0.7%)."""
+    x = np.maximum(np.asarray(x, dtype=float), 1.0)
+    return np.log(x) + 0.5772156649 + 1 / (2 * x) - 1 / (12 * x * x)
+
+
+def group_wait(wait, members, runnable):
+    """``wait`` (call_wait: what a collective over all ``runnable`` workers waits each call) for
+    a group of ``members``: the call waits for the last of its members to reach a core, and with
+    each member's delay about exponential the last of n arrives after H(n) delays on average, so
+    a group of n waits H(n)/H(runnable) of the whole machine's wait (a tp pair among 8 workers:
+    0.55 of it). The calls calibrate times span every worker; the engine's groups do not."""
+    members = np.minimum(np.asarray(members, dtype=float), np.maximum(runnable, 1.0))
+    return wait * _harmonic(members) / _harmonic(np.maximum(runnable, 1.0))
 
 
 def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, latency, intra, wait=0.0):
@@ -1212,7 +1249,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # Each collective call and pipeline message also waits for members off their core where more
     # workers than cores compute (a CPU; 0 on GPUs): the pipeline's waiting ranks do not compete.
     bubble = bubble_fraction(schedule, p, m, v)
-    wait = call_wait(gpu, np.minimum(num_gpus, gpu.gpus_per_node) * (1 - bubble))
+    runnable = np.minimum(num_gpus, gpu.gpus_per_node) * (1 - bubble)
+    wait = call_wait(gpu, runnable)
 
     # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
@@ -1230,9 +1268,11 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
-                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node, wait),
+                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node,
+                                                             group_wait(wait, t, runnable)),
                                        _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
-                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node, wait)), 0)
+                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node,
+                                                        group_wait(wait, t, runnable))), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
     # products that produce and consume it). With tp_comm_overlap (Megatron-Core's
@@ -1282,7 +1322,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice
     pp_bw, pp_lat = link(num_gpus)
-    p2p_s = np.where(single_stage, 0, pp_lat + wait + pp_message / pp_bw)
+    p2p_s = np.where(single_stage, 0, pp_lat + group_wait(wait, 2, runnable) + pp_message / pp_bw)
     pp_bytes = np.where(single_stage, 0, 2 * m * v * pp_message)
     busy_slots = v * m  # a slot: one micro-batch through one model chunk
     mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
@@ -1308,7 +1348,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=wait, members_per_node=dp_members_per_node)
+    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=group_wait(wait, d * c, runnable), members_per_node=dp_members_per_node)
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
                              mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
@@ -1343,16 +1383,26 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     overlapped_dp_s = np.maximum(0, dp_s - dp_exposed_s) * np.minimum(1.0, dp_bw / nvlink_bw)
     contention_s = gpu.overlap_slowdown * overlapped_dp_s
 
+    # ---- the collectives' own CPU (a CPU's gloo; 0 on a GPU): every call this rank makes in a
+    # step (a pipeline's middle stage sends and receives both ways) and the bytes it sends
+    calls = (np.where(t > 1, m * tp_calls, 0) + np.where(single_stage, 0, np.where(p > 2, 4, 2) * m * v)
+             + dp_last["calls"] + np.where(c > 1, m * cp_messages, 0) + (m * all_to_alls * (e > 1) if moe else 0))
+    per_byte = float(np.mean([1 / bw for _, bw in gpu.collectives.values()])) if gpu.collectives else 0.0
+    collective_cpu_s = (calls * call_cpu(gpu, runnable)
+                        + (tp_bytes + pp_bytes + dp_bytes + cp_bytes + m * ep_sent_mb) * per_byte)
+
     step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
     if gpu.core_share < 1:
         # More workers than cores (a CPU): a rank waiting in a collective or the bubble gives its
-        # core to a rank that computes. The step takes at least the busiest rank's compute at its
-        # fair share of a core (``busy``: what it gets while every rank computes), and at least
+        # core to a rank that computes. The step takes at least the busiest rank's CPU work at
+        # its fair share of a core (``busy``: what it gets while every rank works), and at least
         # its own path, its compute at a whole core's speed and its waits (Brent's bounds); the
-        # larger holds. Not the machine's work over its cores: a pipeline's fill and drain leave
-        # cores idle, and the closed loop's oversubscribed pipelines run 18-22% slower than that
-        # (docs/planner.md, "The closed loop").
-        busy = m * compute_mb_s + optimizer_s + contention_s
+        # larger holds. The CPU work is the compute and the collectives' own: each call's CPU
+        # beyond the compute (gloo's threads waking, the socket's system calls: call_cpu) and
+        # its bytes at gloo's rate. With every core busy (8 ranks on 2 cores: /proc/stat reads
+        # 97% busy through the demo's step) the waits cost nothing but that CPU: another rank
+        # computes meanwhile, so the step is the machine's work, not compute plus waits.
+        busy = m * compute_mb_s + optimizer_s + contention_s + collective_cpu_s / gpu.core_share
         step_s = np.maximum(busy, busy * gpu.core_share + (step_s - busy))
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
@@ -1375,7 +1425,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         tp_exposed_s=m * tp_exposed_mb * per_mb_scale, cp_exposed_s=m * cp_exposed_mb * per_mb_scale,
         ep_exposed_s=m * ep_mb_s * per_mb_scale, pp_exposed_s=2 * busy_slots * p2p_s,
         bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
-        contention_s=contention_s,
+        contention_s=contention_s, collective_calls=calls, collective_cpu_s=collective_cpu_s,
     )
     result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
                            + result["pp_exposed_s"] + dp_exposed_s)

@@ -19,6 +19,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from threefold.config import ConfigError
 
 GiB = 2**30
@@ -76,6 +78,9 @@ class GPU:
     # workers where they outnumber the cores); and the fixed cost of a block's forward and backward
     # per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
+    # ((workers computing, CPU seconds a collective call costs its process beyond the compute), …):
+    # on a CPU whose cores are all busy, taken from the ranks that compute (costs.estimate).
+    call_cpu: tuple = ()
     core_share: float = 1.0
     block_overhead_s: float = 0.0
     # The board power at which matmul_efficiency holds (the datasheet's TDP for the catalog's
@@ -214,6 +219,12 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     # clocks): calibrate's measured slowdown with all cores busy, in proportion between one and all.
     busy = min(workers or 1, cores)
     slowdown = 1.0 + (float(profile.get("concurrent_slowdown", 1.0)) - 1.0) * (busy - 1) / max(1, cores - 1)
+    # Beyond one worker per core, the workers switched in and out share caches too: the slowdown
+    # calibrate measured at 2 and 4 workers a core (1 where the profile predates it).
+    beyond = {int(w): float(x) for w, x in profile.get("oversubscribed_compute_slowdown", {}).items()}
+    if beyond and workers and workers > cores:
+        points = sorted(beyond.items())
+        slowdown *= float(np.interp(workers, [w for w, _ in points], [x for _, x in points]))
     share = share / slowdown
     ring_steps = 2 * (max(2, cores) - 1)
     fp32 = compute_dtype(dtype) == "float32"
@@ -239,6 +250,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
                elementwise_bw=None if elementwise is None else float(elementwise) * share,
                collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
+               call_cpu=tuple(sorted((int(w), float(t)) for w, t in profile.get("oversubscribed_call_cpu_s", {}).items())),
                core_share=min(1.0, cores / workers) if workers else 1.0,
                block_overhead_s=float(profile.get("block_overhead_s", 0.0)) / share,
                collectives=None if "collectives" not in profile else {
