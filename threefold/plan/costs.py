@@ -940,11 +940,10 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     seconds = np.where(replicas > 1, grad_s + gather_s, 0)
     one_collective_s = grad_s / reductions
     active = replicas > 1
-    calls = np.where(replicas > 1, reductions + gathers, 0)
-    if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
-        calls = calls + also["calls"]
+    # the calls this rank makes: this group's, and the other group's (``also``) beside them
+    calls = np.where(replicas > 1, reductions + gathers, 0) + (0 if also is None else also["calls"])
     parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active, "calls": calls}
-    if also is not None:
+    if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
         sent, seconds, active = sent + also["bytes"], seconds + also["seconds"], active | also["active"]
         grad_s, gather_s = grad_s + also["grad_s"], gather_s + also["gather_s"]
         one_collective_s = np.maximum(one_collective_s, also["one_s"])
@@ -1348,7 +1347,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=group_wait(wait, d * c, runnable), members_per_node=dp_members_per_node)
+    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=group_wait(wait, d * c, runnable),
+                    members_per_node=dp_members_per_node)
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
                              mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
