@@ -1006,11 +1006,10 @@ def call_cpu(gpu, runnable):
 
 
 def _between_points(points, x):
-    """Linear between measured (x, y) points and beyond the last two; 0 without points."""
+    """Linear between measured (x, y) points (calibrate writes three or more) and beyond the
+    last two; 0 without points."""
     if not points:
         return np.zeros(np.shape(x))
-    if len(points) == 1:
-        return np.full(np.shape(x), float(points[0][1]))
     (w0, s0), (w1, s1) = points[-2:]
     xs, ys = zip(*points)
     beyond = s1 + (s1 - s0) / (w1 - w0) * (np.asarray(x, dtype=float) - w1)
