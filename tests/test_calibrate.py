@@ -14,7 +14,8 @@ from threefold.plan.profile import MEASURED_SINCE_KEYS
 
 # Sizes small enough for a test; the whole command then takes ~3 s, mostly spawning two processes.
 TINY = calibrate.Settings(matmul_size=256, matmul_seconds=0.05, copy_bytes=8 << 20, copy_seconds=0.05,
-                          gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0, wait_calls=5)
+                          gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0, wait_calls=5,
+                          shared_core_seconds=0.1, shared_core_rounds=1)
 
 
 def example_profile() -> dict:
@@ -304,6 +305,28 @@ def test_with_more_workers_than_cores_a_step_takes_the_larger_of_the_cpu_work_an
     assert est["collective_cpu_s"] > 0
     assert est["step_time_s"] == pytest.approx(max(busy, busy * 0.25 + terms - busy))
     assert est["step_time_s"] < terms  # the waits hand their cores to the computing ranks
+
+
+def test_an_unequal_split_on_shared_cores_costs_the_ranks_mean_work_not_the_heaviest_ranks():
+    """dp2·pp2 on 2 cores: the heavy stage's ranks take the cores their light partners leave
+    while they wait, so the machine's bound is the ranks' mean work at a fair share: the whole
+    model's compute (the pp = 1 run's, same micro-batches) over the 2 stages, whatever the split.
+    The recorded dp2·pp2 run (split 3-1) came out 0.952 s on the heaviest rank's work and 0.806 s
+    on the mean's, against 0.851 s measured."""
+    from threefold.config import ModelConfig
+
+    cfg = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    work = costs.Workload(cfg, 16, precision="fp32")
+    four = local_gpu("float32", workers=4, profile=measured_profile())
+    whole = costs.estimate(work, costs.Layout.named(dp=2, micro_batch=2), four)
+    for split in ((3, 1), (2, 2), (1, 3)):
+        est = costs.estimate(work, costs.Layout.named(pp=2, dp=2, micro_batch=2), four, stage_split=split)
+        overhead = est["optimizer_s"] + est["contention_s"] + est["collective_cpu_s"] / four.core_share
+        heaviest = est["compute_s"] + est["memory_bound_s"]  # the busiest rank's, as the breakdown reports it
+        mean = (whole["compute_s"] + whole["memory_bound_s"]) / 2
+        assert mean < heaviest
+        assert est["step_time_s"] == pytest.approx(mean + overhead)  # the machine's bound holds here
+        assert est["step_time_s"] < heaviest + overhead
 
 
 def test_a_collectives_cpu_is_its_calls_at_the_measured_cost_and_its_bytes_at_gloos_rate():

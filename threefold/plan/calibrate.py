@@ -42,12 +42,15 @@ class Settings:
     gloo_reps: int
     gloo_timeout_s: float
     wait_calls: int = 50
+    shared_core_seconds: float = 2.0  # each phase of measure_shared_core_slowdown
+    shared_core_rounds: int = 2
 
 
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20)
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, shared_core_seconds=0.6,
+                 shared_core_rounds=1)
 
 
 def cpu_cores() -> int:
@@ -478,16 +481,99 @@ def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float =
       threads waking and the socket's system calls; about half a millisecond here, several
       times the call's latency on an idle machine). With every core busy, that CPU is taken
       from the ranks that compute: costs.estimate counts it in the machine's work.
-    - ``compute_slowdown``: the compute's CPU seconds per call over those at one worker per
-      core (caches and branch predictors shared with the other workers switched in).
+
+    (The compute's own slowdown is measure_shared_core_slowdown's: these workers' bursts of
+    256-wide products fit a core's cache and slow 1.00-1.04×, a training step's operators
+    1.1-1.2× at 4 workers a core.)
     """
     measured = {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
                                               f"oversubscribed collectives ({world} processes)")
                 for world in sorted({max(2, cores), 2 * cores, 4 * cores})}
-    alone = measured[str(max(2, cores))][2]
-    return {"wait_s": {w: m[0] for w, m in measured.items()},
-            "call_cpu_s": {w: m[1] for w, m in measured.items()},
-            "compute_slowdown": {w: max(1.0, m[2] / alone) for w, m in measured.items()}}
+    return {"wait_s": {w: m[0] for w, m in measured.items()}, "call_cpu_s": {w: m[1] for w, m in measured.items()}}
+
+
+# A CPU training step's compute, for measure_shared_core_slowdown: the tiny preset's block (256
+# wide, 8 heads) three deep on 2 × 128 tokens, and an AdamW step every fourth micro-batch. Its
+# operators are small and many (dispatch, norms, thin products), as a CPU run's are.
+SHARED_CORE_MODEL = dict(layers=3, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=128)
+
+
+def _shared_core_worker(commands, results) -> None:
+    torch.set_num_threads(1)
+    from threefold.config import ModelConfig
+    from threefold.models.llama import Llama, cross_entropy
+
+    model = Llama(ModelConfig(**SHARED_CORE_MODEL))
+    model.init_weights(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, SHARED_CORE_MODEL["vocab_size"], (2, SHARED_CORE_MODEL["seq_len"] + 1),
+                           generator=torch.Generator().manual_seed(0))
+    calls = 0
+
+    def micro_batch():
+        nonlocal calls
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        calls += 1
+        if calls % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    micro_batch()
+    results.put(None)  # built and warm
+    while (command := commands.get()) is not None:
+        start, end = command  # time.monotonic() is the machine's clock: every worker starts together
+        time.sleep(max(0.0, start - time.monotonic()))
+        began, done = time.thread_time(), 0
+        while time.monotonic() < end or done == 0:
+            micro_batch()
+            done += 1
+        results.put((time.thread_time() - began) / done)
+
+
+def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int = 2,
+                                 timeout_s: float = 120.0) -> dict[str, float]:
+    """How much more CPU a training step's compute takes when 2 and 4 workers share each core
+    than at one worker a core, ``{"2": 1.0, "4": …, "8": …}`` on 2 cores (keyed as
+    measure_oversubscribed_waits): the workers switched in and out refill the caches and branch
+    predictors the others left. The compute is SHARED_CORE_MODEL's micro-batches, each worker's
+    CPU clock per micro-batch; the phases alternate, one worker a core between each crowded one,
+    and each crowded phase is taken against the mean of its two neighbours (the machine's speed
+    drifts over minutes), the median over ``rounds``."""
+    worlds = sorted({max(2, cores), 2 * cores, 4 * cores})
+    base, crowded = worlds[0], worlds[1:]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    commands = [ctx.Queue() for _ in range(worlds[-1])]
+    procs = [ctx.Process(target=_shared_core_worker, args=(queue_, results), daemon=True) for queue_ in commands]
+    for proc in procs:
+        proc.start()
+
+    def phase(workers: int) -> float:
+        start = time.monotonic() + 0.2
+        for queue_ in commands[:workers]:
+            queue_.put((start, start + seconds))
+        return statistics.mean(results.get(timeout=timeout_s) for _ in range(workers))
+
+    try:
+        for _ in procs:
+            results.get(timeout=timeout_s)
+        ratios = {w: [] for w in crowded}
+        before = phase(base)
+        for _ in range(rounds):
+            for workers in crowded:
+                during = phase(workers)
+                after = phase(base)
+                ratios[workers].append(during / ((before + after) / 2))
+                before = after
+    except queue.Empty:
+        raise RuntimeError(f"shared-core slowdown: no result within {timeout_s:.0f} s") from None
+    finally:
+        for queue_ in commands:
+            queue_.put(None)
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    return {str(base): 1.0, **{str(w): max(1.0, statistics.median(r)) for w, r in ratios.items()}}
 
 
 def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
@@ -517,6 +603,9 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
     on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
+    on_step(f"a training step's compute with 1, 2 and 4 processes per core, {workers} cores")
+    shared_core = measure_shared_core_slowdown(workers, settings.shared_core_seconds, settings.shared_core_rounds,
+                                               settings.gloo_timeout_s)
     on_step(f"fp32 matmul again, {threads} thread(s): did the machine's speed drift?")
     fp32_at_end = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds / 2)
     return {
@@ -537,7 +626,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "collectives": gloo["collectives"],
         "oversubscribed_wait_s": waits["wait_s"],
         "oversubscribed_call_cpu_s": waits["call_cpu_s"],
-        "oversubscribed_compute_slowdown": waits["compute_slowdown"],
+        "oversubscribed_compute_slowdown": shared_core,
         "gpus_per_node": workers,
         "threads": threads,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1056,7 +1056,8 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     closed form, and its forward, backward and weight gradient take 1/3, 2/3 and 1/3 of it (the
     closed form's F = B = W). The schedule is played on these costs: the busiest rank's compute
     (``busy_s``) and its idle time, rank 0's idle time, each over ``bubble_speedup``, and the
-    busiest rank's compute alone per micro-batch (``compute_mb_s``). At uniform costs this is
+    busiest rank's and the ranks' mean compute alone per micro-batch (``compute_mb_s``,
+    ``mean_compute_mb_s``). At uniform costs this is
     the closed form (the simulated bubble equals the registry's)."""
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import play_costs
@@ -1079,7 +1080,7 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     rank_compute = [sum(compute[k] for k in schedule.stages_of(r)) for r in range(p)]
     return {"busy_s": busiest, "bubble_s": (makespan - busiest) / bubble_speedup,
             "rank0_bubble_s": (makespan - busy[0]) / bubble_speedup,
-            "compute_mb_s": functools.reduce(np.maximum, rank_compute)}
+            "compute_mb_s": functools.reduce(np.maximum, rank_compute), "mean_compute_mb_s": sum(rank_compute) / p}
 
 
 def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] | None = None) -> dict:
@@ -1329,13 +1330,14 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
     rank0_bubble_s = bubble_s  # rank 0's wait for its neighbours: every rank's, with uniform stages
     compute_mb_s = math_s + memory_bound_s  # the busiest rank's compute per micro-batch
+    mean_compute_mb_s = compute_mb_s  # the ranks' mean: with uniform stages, every rank's
     per_mb_scale = 1.0  # the per-micro-batch parts of the breakdown, as the busiest rank's share
     if stage_split is not None:
         split = pipeline_split_time(work, layout, stage_split, stage_layers_modelled=stage_layers,
                                     head_s=head["math"] + head["memory"], mb_s=mb_s,
                                     compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup)
-        busy_s, bubble_s, rank0_bubble_s, compute_mb_s = (split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s",
-                                                                            "compute_mb_s"))
+        busy_s, bubble_s, rank0_bubble_s, compute_mb_s, mean_compute_mb_s = (
+            split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s", "compute_mb_s", "mean_compute_mb_s"))
         per_mb_scale = (busy_s - 2 * busy_slots * p2p_s) / (m * mb_s)
     pipeline_s = busy_s + bubble_s
 
@@ -1393,16 +1395,19 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
     if gpu.core_share < 1:
         # More workers than cores (a CPU): a rank waiting in a collective or the bubble gives its
-        # core to a rank that computes. The step takes at least the busiest rank's CPU work at
-        # its fair share of a core (``busy``: what it gets while every rank works), and at least
-        # its own path, its compute at a whole core's speed and its waits (Brent's bounds); the
+        # core to a rank that computes. Brent's bounds: the step takes at least the machine's CPU
+        # work over its cores (``machine``: every rank's work at its fair share of a core, the
+        # ranks' mean, so a light pipeline stage's idle core goes to a heavy one), and at least
+        # the busiest rank's own path, its compute at a whole core's speed and its waits; the
         # larger holds. The CPU work is the compute and the collectives' own: each call's CPU
         # beyond the compute (gloo's threads waking, the socket's system calls: call_cpu) and
         # its bytes at gloo's rate. With every core busy (8 ranks on 2 cores: /proc/stat reads
         # 97% busy through the demo's step) the waits cost nothing but that CPU: another rank
         # computes meanwhile, so the step is the machine's work, not compute plus waits.
-        busy = m * compute_mb_s + optimizer_s + contention_s + collective_cpu_s / gpu.core_share
-        step_s = np.maximum(busy, busy * gpu.core_share + (step_s - busy))
+        overhead = optimizer_s + contention_s + collective_cpu_s / gpu.core_share
+        machine = m * mean_compute_mb_s + overhead
+        busiest = m * compute_mb_s + overhead
+        step_s = np.maximum(machine, busiest * gpu.core_share + (step_s - busiest))
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
