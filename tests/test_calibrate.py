@@ -99,6 +99,23 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     assert printed["hbm_bytes"] > 1 << 30 and printed["hbm_bw"] > 1e8
 
 
+def test_the_shared_core_slowdown_is_each_crowded_phase_over_its_neighbours():
+    """The machine speeds up 10% a phase while it is measured: each crowded phase against the mean
+    of the one-a-core phases on either side still gives the 1.2x and 1.5x put in, and a phase at
+    one worker a core in the middle of a crowded one's round is refused."""
+    base = [1.0, 0.9, 0.8, 0.7, 0.6]
+    phases = [(2, base[0]), (4, 1.2 * (base[0] + base[1]) / 2), (2, base[1]), (8, 1.5 * (base[1] + base[2]) / 2),
+              (2, base[2]), (4, 1.2 * (base[2] + base[3]) / 2), (2, base[3]), (8, 1.5 * (base[3] + base[4]) / 2),
+              (2, base[4])]
+    assert calibrate.slowdown_from_phases(phases) == pytest.approx({"2": 1.0, "4": 1.2, "8": 1.5})
+    # the median of three rounds: one disturbed round does not move it
+    phases = [(2, 1.0), (8, 1.1), (2, 1.0), (8, 2.0), (2, 1.0), (8, 1.15), (2, 1.0)]
+    assert calibrate.slowdown_from_phases(phases)["8"] == pytest.approx(1.15)
+    assert calibrate.slowdown_from_phases([(2, 1.0), (4, 0.9), (2, 1.0)]) == {"2": 1.0, "4": 1.0}  # never below 1
+    with pytest.raises(ValueError, match="lacks a base phase"):
+        calibrate.slowdown_from_phases([(2, 1.0), (4, 1.1), (8, 1.2), (2, 1.0)])
+
+
 def test_measure_gloo_needs_two_processes():
     with pytest.raises(ValueError):
         calibrate.measure_gloo(1)

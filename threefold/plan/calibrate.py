@@ -556,14 +556,10 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     try:
         for _ in procs:
             results.get(timeout=timeout_s)
-        ratios = {w: [] for w in crowded}
-        before = phase(base)
+        phases = [(base, phase(base))]
         for _ in range(rounds):
             for workers in crowded:
-                during = phase(workers)
-                after = phase(base)
-                ratios[workers].append(during / ((before + after) / 2))
-                before = after
+                phases += [(workers, phase(workers)), (base, phase(base))]
     except queue.Empty:
         raise RuntimeError(f"shared-core slowdown: no result within {timeout_s:.0f} s") from None
     finally:
@@ -573,7 +569,22 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
-    return {str(base): 1.0, **{str(w): max(1.0, statistics.median(r)) for w, r in ratios.items()}}
+    return slowdown_from_phases(phases)
+
+
+def slowdown_from_phases(phases: list[tuple[int, float]]) -> dict[str, float]:
+    """``phases``: (workers, CPU seconds per micro-batch) in the order measured, the base count
+    (the first) before and after every crowded phase. Each crowded phase over the mean of its two
+    neighbours (so a drift of the machine's speed cancels to first order), the median per count
+    of workers, at least 1; the base's is 1."""
+    base = phases[0][0]
+    ratios: dict[int, list[float]] = {}
+    for (before_w, before), (workers, during), (after_w, after) in zip(phases, phases[1:], phases[2:]):
+        if workers != base:
+            if before_w != base or after_w != base:
+                raise ValueError(f"slowdown_from_phases: phase of {workers} workers lacks a base phase on each side")
+            ratios.setdefault(workers, []).append(during / ((before + after) / 2))
+    return {str(base): 1.0, **{str(w): max(1.0, statistics.median(r)) for w, r in sorted(ratios.items())}}
 
 
 def measure_profile(settings: Settings, on_step=lambda description: None) -> dict:
@@ -697,10 +708,10 @@ def profile_table(profile: dict, path: Path) -> Table:
           for kind, c in profile.get("collectives", {}).items()),
         *((f"a small collective, {w} processes computing", f"{t * 1e3:,.2f} ms"
            + (f", {profile['oversubscribed_call_cpu_s'][w] * 1e3:,.2f} ms of CPU"
-              if w in profile.get("oversubscribed_call_cpu_s", {}) else "")
-           + (f", compute {profile['oversubscribed_compute_slowdown'][w]:.2f}× slower"
-              if w in profile.get("oversubscribed_compute_slowdown", {}) else ""))
+              if w in profile.get("oversubscribed_call_cpu_s", {}) else ""))
           for w, t in profile.get("oversubscribed_wait_s", {}).items()),
+        *((f"a training step's compute, {w} processes", f"{x:.2f}× the CPU of one a core")
+          for w, x in profile.get("oversubscribed_compute_slowdown", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
         *((("other processes meanwhile", f"{profile['other_processes_cores']:.2f} cores"),)
           if "other_processes_cores" in profile else ()),
