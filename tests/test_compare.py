@@ -184,3 +184,17 @@ def test_compare_refuses_another_runs_metrics(tmp_path, corpus, capsys, monkeypa
                            (["model.hidden=128"], "was written by another model or layout")):
         code, _, err = _compare_cli(capsys, tmp_path, overrides + extra, metrics)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_whose_speed_moved_is_told_apart():
+    """Ten-step stretches: one 30% slower than the fastest is reported with its step numbers;
+    ±5% of noise is not; nor is a run shorter than two stretches."""
+    from threefold.plan.compare import step_time_drift
+
+    def steps(times):
+        return [{"step": i + 2, "step_time_s": t} for i, t in enumerate(times)]
+    drift = step_time_drift(steps([1.0] * 10 + [1.3] * 10 + [1.05] * 10))
+    assert drift == {"fast_s": pytest.approx(1.0), "fast_steps": (2, 11), "slow_s": pytest.approx(1.3),
+                     "slow_steps": (12, 21)}
+    assert step_time_drift(steps([1.0, 1.05, 0.95] * 10)) is None
+    assert step_time_drift(steps([1.0] * 10 + [2.0] * 9)) is None  # one whole stretch only

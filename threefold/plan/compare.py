@@ -189,6 +189,27 @@ def measured_step_time(steps: list[dict]) -> float:
     return statistics.median(step["step_time_s"] for step in steps)
 
 
+DRIFT_WINDOW = 10  # consecutive steps in one stretch of step_time_drift
+DRIFT_APART = 0.15  # stretches further apart than this: the machine's speed moved during the run
+
+
+def step_time_drift(steps: list[dict], window: int = DRIFT_WINDOW) -> dict | None:
+    """The fastest and the slowest stretch of ``window`` consecutive steps (their mean step
+    times and first and last step numbers) when the slowest is more than DRIFT_APART slower,
+    else None (and for runs shorter than two stretches). A shared machine's speed moves over
+    minutes, and the prediction's profile was measured at one of them: ``make demo`` on
+    2026-12-03 ran 1.86 s a step over steps 2-11 and 2.46 s over steps 52-61."""
+    stretches = [steps[i:i + window] for i in range(0, len(steps) - window + 1, window)]
+    if len(stretches) < 2:
+        return None
+    means = [statistics.mean(step["step_time_s"] for step in stretch) for stretch in stretches]
+    fast, slow = means.index(min(means)), means.index(max(means))
+    if means[slow] <= (1 + DRIFT_APART) * means[fast]:
+        return None
+    span = [(stretch[0].get("step"), stretch[-1].get("step")) for stretch in stretches]
+    return {"fast_s": means[fast], "fast_steps": span[fast], "slow_s": means[slow], "slow_steps": span[slow]}
+
+
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
     from threefold.plan.hardware import CATALOG, local_gpu
@@ -383,3 +404,9 @@ def compare(config_path, overrides, metrics_file, as_json):
     p = cfg.parallel
     Console().print(rows_table(rows, f"rank 0 of dp={p.dp} × tp={p.tp} × pp={p.pp}: predicted vs measured "
                                      f"(median of steps after the first)"))
+    drift = step_time_drift(read_steps(metrics_file))
+    if drift:
+        (a, b), (c, d) = drift["fast_steps"], drift["slow_steps"]
+        click.echo(f"the machine's speed moved during the run: {drift['fast_s']:.3f} s a step over steps {a}-{b}, "
+                   f"{drift['slow_s']:.3f} s over steps {c}-{d} ({drift['slow_s'] / drift['fast_s'] - 1:.0%} slower); "
+                   "the profile describes one moment of it")
