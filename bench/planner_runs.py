@@ -7,8 +7,8 @@
    and pp benchmark configs (the runs ``threefold compare`` must predict), and runs of other
    layouts to fit on (one process, ZeRO-3 on 2 ranks, dp2·pp2, 1F1B on 2 stages);
 3. the comparison: each run's step time and its exposed communication per axis (the seconds
-   blocked in waits: on dp and tp the least any rank of the group waited, the metrics'
-   ``comm_exposed_least_s``; on pp rank 0's, bubble included) against the planner's
+   blocked in waits: on dp and tp, call by call, the least any rank of the group waited, the
+   metrics' ``comm_exposed_call_least_s``; on pp rank 0's, bubble included) against the planner's
    prediction on the plain profile, and the cross-validation: the profile's efficiencies
    fitted (``calibrate --from-runs``) on the runs of other layouts, then the four targets predicted.
 
@@ -169,8 +169,8 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
     table.caption = "\n".join(caption)
     console.print(table)
 
-    exposed = Table(title="exposed communication per step (s): measured (dp, tp: the group's least wait; pp: "
-                          "rank 0's) and the planner's")
+    exposed = Table(title="exposed communication per step (s): measured (dp, tp: the group's least wait, "
+                          "call by call; pp: rank 0's) and the planner's")
     for column in ("run", "axis", "predicted", "measured", "within 25% or 20 ms"):
         exposed.add_column(column, justify="left" if column in ("run", "axis") else "right")
     for name, r in runs.items():

@@ -17,7 +17,7 @@ COMPUTE_S = 0.25  # rank 0's "compute" between issuing a collective and waiting 
 
 def late_partner() -> dict:
     from threefold.distributed.comm import Comm
-    from threefold.train.metrics import least_exposed
+    from threefold.train.metrics import least_exposed, least_exposed_per_call
 
     mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=30))
     comm = Comm(mesh)
@@ -36,6 +36,17 @@ def late_partner() -> dict:
     out["sync"] = comm.ledger.take_step()
     out["least"] = least_exposed(comm, out["sync"][1])  # the late rank's wait, on both ranks
     out["least_counted"] = comm.ledger.take()
+
+    # The late rank alternates: each rank waits once, so each rank's step total holds one
+    # partner's lateness, and only the call-by-call least is the transfers alone.
+    for late in (1, 0):
+        comm.barrier()
+        if mesh.rank == late:
+            time.sleep(LATE_S)
+        comm.all_reduce(x, "dp")
+    out["alternating"] = sent, blocked, calls = comm.ledger.take_step_calls()
+    out["alternating_least"] = least_exposed(comm, blocked), least_exposed_per_call(comm, calls)
+    out["alternating_counted"] = comm.ledger.take()
 
     # Asynchronous, hidden in part: rank 0 issues, computes COMPUTE_S, then waits the rest.
     partner_late()
@@ -76,3 +87,18 @@ def test_exposed_time_is_the_wait_not_the_flight(distributed):
     # Nothing to wait for: exposed near zero, under its own key.
     sent, blocked = rank0["hidden"]
     assert set(blocked) == {"dp.scalar"} and blocked["dp.scalar"] < 0.5 * COMPUTE_S, blocked
+
+
+def test_the_call_by_call_least_leaves_out_a_skew_that_alternates(distributed):
+    rank0, rank1 = distributed.run(2, late_partner)
+    for out in (rank0, rank1):
+        sent, blocked, calls = out["alternating"]
+        assert sent == {"dp": 8000} and len(calls["dp"]) == 2 and blocked["dp"] == pytest.approx(sum(calls["dp"]))
+        assert blocked["dp"] > 0.8 * LATE_S  # each rank waited once for its partner
+    per_step, per_call = rank0["alternating_least"]
+    assert rank1["alternating_least"] == (per_step, per_call)
+    assert per_step["dp"] > 0.8 * LATE_S  # the least of the totals still holds one lateness
+    expected = sum(min(a, b) for a, b in zip(rank0["alternating"][2]["dp"], rank1["alternating"][2]["dp"]))
+    assert per_call["dp"] == pytest.approx(expected) and per_call["dp"] < 0.25 * LATE_S
+    # one float for the totals' least, then the count (2 floats) and the 2 calls' waits
+    assert rank0["alternating_counted"] == {"dp.metrics": 8 + 16 + 16}

@@ -109,14 +109,21 @@ class CommLedger:
         """Bytes per key since the last call, and the seconds this rank was blocked per key: in
         synchronous calls and in ``wait()``, the communication compute did not hide (the
         exposed time); forget those records. A wait after this call is not counted."""
+        sent, blocked, _ = self.take_step_calls()
+        return sent, blocked
+
+    def take_step_calls(self) -> tuple[dict[str, int], dict[str, float], dict[str, list[float]]]:
+        """``take_step``'s bytes and seconds blocked per key, and per key each call's seconds
+        blocked in the order this rank issued them (every member of a group issues its calls in
+        the same order, so the lists of a group's ranks line up call by call)."""
         with self._lock:
             records, self.records = self.records, []
         sent: dict[str, float] = {}
-        blocked: dict[str, float] = {}
+        calls: dict[str, list[float]] = {}
         for r in records:
             sent[r.key] = sent.get(r.key, 0.0) + r.bytes
-            blocked[r.key] = blocked.get(r.key, 0.0) + r.waited
-        return {k: round(v) for k, v in sent.items()}, blocked
+            calls.setdefault(r.key, []).append(r.waited)
+        return {k: round(v) for k, v in sent.items()}, {k: sum(v) for k, v in calls.items()}, calls
 
 
 class Pending:

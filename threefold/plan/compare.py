@@ -306,9 +306,11 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
 
 def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str | None) -> list[Row]:
     """Exposed communication per axis beside estimate()'s exposed time of that axis. Measured:
-    the seconds a rank was blocked in its collectives and waits; on dp, tp and cp the least any
-    rank of the group waited (``comm_exposed_least_s``: the first to arrive also waits for the
-    slowest, which a model of balanced ranks leaves out), on pp rank 0's (``comm_exposed_s``),
+    the seconds a rank was blocked in its collectives and waits; on dp, tp and cp, call by call,
+    the least any rank of the group waited, summed over the step's calls
+    (``comm_exposed_call_least_s``: the first to arrive also waits for the slowest, which a
+    model of balanced ranks leaves out; a metrics file from before it was measured gives the
+    least of the ranks' step totals, ``comm_exposed_least_s``), on pp rank 0's (``comm_exposed_s``),
     which waits for its neighbours' compute as well as for the transfers: the schedule's bubble
     is part of what it measured, and of the prediction."""
     if not all("comm_exposed_s" in step for step in steps):
@@ -317,10 +319,10 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
     def rank_zero(keys) -> float:
         return statistics.median(sum(step["comm_exposed_s"].get(key, 0.0) for key in keys) for step in steps)
 
-    def least(key: str) -> float | None:
-        if not all(key in step.get("comm_exposed_least_s", {}) for step in steps):
+    def least(key: str, field: str) -> float | None:
+        if not all(key in step.get(field, {}) for step in steps):
             return None
-        return statistics.median(step["comm_exposed_least_s"][key] for step in steps)
+        return statistics.median(step[field][key] for step in steps)
 
     p = cfg.parallel
     # The gradient reduction runs over dp × cp: counted under "dp+cp", or with dp = 1 under "cp"
@@ -342,9 +344,19 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
         if size == 1:
             continue
         predicted = None if est is None else sum(est[key] for key in predicted_keys)
-        measured, on_rank_zero = (None if axis == "pp" else least(ledger_keys[0])), rank_zero(ledger_keys)
-        note = (f"; measured: the least any rank of the group waited (rank 0 {on_rank_zero:.3f} s)"
-                if measured is not None else "; measured: rank 0's waits")
+        on_rank_zero = rank_zero(ledger_keys)
+        per_call, per_step = ((None, None) if axis == "pp" else
+                              (least(ledger_keys[0], "comm_exposed_call_least_s"),
+                               least(ledger_keys[0], "comm_exposed_least_s")))
+        measured = per_call if per_call is not None else per_step
+        if per_call is not None:
+            totals = f"the least rank's step total {per_step:.3f} s, " if per_step is not None else ""
+            note = (f"; measured: call by call, the least any rank of the group waited ({totals}"
+                    f"rank 0's {on_rank_zero:.3f} s)")
+        elif per_step is not None:
+            note = f"; measured: the least any rank of the group waited (rank 0 {on_rank_zero:.3f} s)"
+        else:
+            note = "; measured: rank 0's waits"
         rows.append(Row(f"exposed comm: {axis}", predicted, on_rank_zero if measured is None else measured,
                         why or formula + note, unit="s"))
     return rows

@@ -446,10 +446,10 @@ class Engine:
         """Bytes this rank sent per mesh axis since the last call."""
         return self.comm.ledger.take()
 
-    def comm_step(self) -> tuple[dict[str, int], dict[str, float]]:
-        """Bytes this rank sent, and seconds it was blocked waiting on communication (exposed),
-        per ledger key since the last call."""
-        return self.comm.ledger.take_step()
+    def comm_step(self) -> tuple[dict[str, int], dict[str, float], dict[str, list[float]]]:
+        """Bytes this rank sent, seconds it was blocked waiting on communication (exposed), and
+        each call's seconds blocked, per ledger key since the last call."""
+        return self.comm.ledger.take_step_calls()
 
     def barrier(self) -> None:
         self.comm.barrier()
