@@ -229,7 +229,9 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     assert all(0 <= idle < 1 for idle in report["measured_idle"] + report["simulated_idle"])
     assert report["mean_measured_idle"] == pytest.approx(report["measured_idle"]) and report["mean_steps"] == 1
     assert main(["schedule", "--from-metrics", str(metrics)]) == 0
-    assert "over 1 step(s) after the first" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "over 1 step(s) after the first" in printed and "replayed at each action's measured time" in printed
+    assert all(0 <= idle < 1 for idle in report["mean_replayed_idle"])
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
     assert main(["schedule", "--from-metrics", str(empty)]) == 2
@@ -373,3 +375,27 @@ def test_dp_reduction_overlaps_the_drain(distributed):
                 assert r["launches"][0] < last_backward_end(0)
             else:
                 assert r["launches"][0] > last_backward_end(1)
+
+
+def test_a_replay_plays_each_action_at_its_own_measured_time():
+    """1F1B, pp 2, m 4, forwards 1 and backwards 2: replayed at those durations the idle shares
+    are the simulator's at the same costs; a step whose every micro-batch 2 took twice as long
+    on stage 1 makes rank 0 wait longer, which the stage's mean cost smooths over."""
+    from threefold.plan.measured import replayed_idle
+    from threefold.plan.simulate import ActionCosts, simulate
+
+    schedule = build_schedule("1f1b", 2, 4)
+    played = simulate(schedule, ActionCosts(forward=1.0, backward=2.0, weight_grad=0.0))
+
+    def timeline(slow_factor):
+        ranks = [[(t.start, t.start + (t.end - t.start) * (slow_factor if (t.action.stage, t.action.microbatch) == (1, 2)
+                                                          else 1), t.action.kind.value, t.action.microbatch,
+                   t.action.stage) for t in rank if t.action.kind.is_compute] for rank in played.timelines]
+        return {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "ranks": ranks}
+
+    uniform = replayed_idle(timeline(1))
+    assert uniform == pytest.approx([1 - busy / played.makespan for busy in played.busy])
+    slow = replayed_idle(timeline(2))
+    # micro-batch 2 on stage 1 costs 3 more (its forward 1 and backward 2 doubled): the step 3 longer
+    assert slow[0] == pytest.approx(1 - played.busy[0] / (played.makespan + 3))
+    assert slow[1] == pytest.approx(1 - (played.busy[1] + 3) / (played.makespan + 3))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Kind, build_schedule
-from threefold.plan.simulate import ActionCosts, SimResult, simulate
+from threefold.plan.simulate import ActionCosts, SimResult, replay, simulate
 
 
 def measured_segments(timeline: dict) -> list[list[tuple]]:
@@ -71,12 +71,31 @@ def simulate_measured(timeline: dict) -> SimResult:
     return simulate(schedule, measured_costs(timeline))
 
 
-def mean_idle(timelines: list[dict]) -> list[float]:
-    """Each rank's idle share averaged over the steps of ``timelines`` after the first (its
-    warm-up; the only one if there is one). One step's share swings with the moment it ran in:
-    on 2 cores, ten-step windows of the demo ranged 16-29% around a run's 21%."""
+def replayed_idle(timeline: dict) -> list[float]:
+    """Each rank's idle share when the step's schedule is played with each compute action at
+    the duration it measured and every message arriving as it is sent (``simulate.replay``).
+    The measured share less this one is what the messages cost: their transfers, and on shared
+    cores the wait for a receiving rank to be scheduled again."""
+    schedule = build_schedule(timeline["schedule"], timeline["pp"], timeline["microbatches"],
+                              timeline["virtual_stages"])
+    measured = {(Kind(kind), stage, mb): end - start for rank in timeline["ranks"]
+                for start, end, kind, mb, stage in rank if Kind(kind).is_compute}
+    played = replay(schedule, lambda action: measured[action.kind, action.stage, action.microbatch])
+    return idle_fractions([[(t.start, t.end) for t in rank if t.action.kind.is_compute] for rank in played])
+
+
+def measured_idle(timeline: dict) -> list[float]:
+    """Each rank's idle share of one measured step."""
+    return idle_fractions(measured_segments(timeline))
+
+
+def mean_idle(timelines: list[dict], idle=measured_idle) -> list[float]:
+    """Each rank's idle share (``idle`` of a step: measured_idle, or replayed_idle) averaged over
+    the steps of ``timelines`` after the first (its warm-up; the only one if there is one). One
+    step's share swings with the moment it ran in: on 2 cores, ten-step windows of the demo
+    ranged 16-29% around a run's 21%."""
     steps = timelines[1:] or timelines
-    shares = [idle_fractions(measured_segments(timeline)) for timeline in steps]
+    shares = [idle(timeline) for timeline in steps]
     return [sum(step[rank] for step in shares) / len(shares) for rank in range(len(shares[0]))]
 
 
@@ -112,5 +131,6 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
     return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
             "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
             "simulated_idle": idle_fractions(simulated_segs), "bottleneck": neck,
-            "mean_measured_idle": mean_idle(timelines), "mean_steps": max(1, len(timelines) - 1),
+            "mean_measured_idle": mean_idle(timelines), "mean_replayed_idle": mean_idle(timelines, replayed_idle),
+            "mean_steps": max(1, len(timelines) - 1),
             "out": str(out) if out else None}

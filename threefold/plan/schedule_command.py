@@ -50,9 +50,11 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
         report = measured_vs_simulated(metrics_file, out)
         click.echo(json.dumps(report) if as_json else "\n".join(
             [f"rank {rank}: idle {got:.1%} measured in the last step, {want:.1%} simulated on its costs; "
-             f"{mean:.1%} over {report['mean_steps']} step(s) after the first"
-             for rank, (got, want, mean) in enumerate(zip(report["measured_idle"], report["simulated_idle"],
-                                                          report["mean_measured_idle"]))]
+             f"{mean:.1%} over {report['mean_steps']} step(s) after the first, {replayed:.1%} replayed at each "
+             f"action's measured time ({100 * (mean - replayed):+.1f} points from the messages: transfers, waking)"
+             for rank, (got, want, mean, replayed) in enumerate(zip(
+                 report["measured_idle"], report["simulated_idle"], report["mean_measured_idle"],
+                 report["mean_replayed_idle"]))]
             + [report["bottleneck"]["line"]]))
         return
     check_picture_path("--out", out)

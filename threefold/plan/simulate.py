@@ -104,6 +104,17 @@ def _timed(schedule: Schedule, forward, backward, weight_grad, p2p, maximum) -> 
         Kind.BACKWARD: [b - w for b, w in zip(backward, weight_grad)] if split else backward,
         Kind.WEIGHT_GRAD: weight_grad,
     }
+    return _played(schedule, lambda action: duration[action.kind][action.stage], p2p, maximum)
+
+
+def replay(schedule: Schedule, duration_of) -> list[list[TimedAction]]:
+    """Every rank's actions played with each compute action's own duration
+    (``duration_of(action)``: a measured step's, micro-batch by micro-batch) and messages that
+    arrive as they are sent: the idle time the schedule and those durations alone leave."""
+    return _played(schedule, duration_of, 0.0, max)
+
+
+def _played(schedule: Schedule, duration_of, p2p, maximum) -> list[list[TimedAction]]:
     clock = [0.0] * schedule.pp
     sent_at: dict[tuple[int, int], float] = {}
     timelines: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
@@ -111,7 +122,7 @@ def _timed(schedule: Schedule, forward, backward, weight_grad, p2p, maximum) -> 
         action, rank = step.action, step.rank
         start = end = clock[rank]
         if action.kind.is_compute:
-            end = start + duration[action.kind][action.stage]
+            end = start + duration_of(action)
         elif action.kind.is_send:
             sent_at[rank, step.index] = start
         else:
