@@ -17,7 +17,7 @@ COMPUTE_S = 0.25  # rank 0's "compute" between issuing a collective and waiting 
 
 def late_partner() -> dict:
     from threefold.distributed.comm import Comm
-    from threefold.train.metrics import least_exposed, least_exposed_per_call
+    from threefold.train.metrics import least_exposed
 
     mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=30))
     comm = Comm(mesh)
@@ -33,8 +33,9 @@ def late_partner() -> dict:
     comm.ledger.take_step()
     partner_late()
     comm.all_reduce(x, "dp")
-    out["sync"] = comm.ledger.take_step()
-    out["least"] = least_exposed(comm, out["sync"][1])  # the late rank's wait, on both ranks
+    sent, blocked, calls = comm.ledger.take_step_calls()
+    out["sync"] = sent, blocked
+    out["least"] = least_exposed(comm, calls)  # the late rank's wait, on both ranks
     out["least_counted"] = comm.ledger.take()
 
     # The late rank alternates: each rank waits once, so each rank's step total holds one
@@ -45,7 +46,7 @@ def late_partner() -> dict:
             time.sleep(LATE_S)
         comm.all_reduce(x, "dp")
     out["alternating"] = sent, blocked, calls = comm.ledger.take_step_calls()
-    out["alternating_least"] = least_exposed(comm, blocked), least_exposed_per_call(comm, calls)
+    out["alternating_least"] = least_exposed(comm, calls)
     out["alternating_counted"] = comm.ledger.take()
 
     # Asynchronous, hidden in part: rank 0 issues, computes COMPUTE_S, then waits the rest.
@@ -75,9 +76,11 @@ def test_exposed_time_is_the_wait_not_the_flight(distributed):
     assert blocked["dp"] > 0.8 * LATE_S, blocked  # blocked while its partner slept
     assert rank1["sync"][1]["dp"] < 0.5 * LATE_S, rank1  # the late rank found its partner waiting
 
-    # The group's least: the late rank's, the same on both; one float counted under dp.metrics.
-    assert rank0["least"] == rank1["least"] == {"dp": pytest.approx(rank1["sync"][1]["dp"])}
-    assert rank0["least_counted"] == {"dp.metrics": 8}
+    # The group's least, of the totals and call by call: the late rank's, the same on both; the
+    # calls' count, its negative and the total (3 floats), then the one call's wait, under dp.metrics.
+    late = {"dp": pytest.approx(rank1["sync"][1]["dp"])}
+    assert rank0["least"] == rank1["least"] == (late, late)
+    assert rank0["least_counted"] == {"dp.metrics": 24 + 8}
 
     # In flight about LATE_S, waited only what COMPUTE_S did not cover.
     assert rank0["async_seconds"] > 0.8 * LATE_S
@@ -100,5 +103,5 @@ def test_the_call_by_call_least_leaves_out_a_skew_that_alternates(distributed):
     assert per_step["dp"] > 0.8 * LATE_S  # the least of the totals still holds one lateness
     expected = sum(min(a, b) for a, b in zip(rank0["alternating"][2]["dp"], rank1["alternating"][2]["dp"]))
     assert per_call["dp"] == pytest.approx(expected) and per_call["dp"] < 0.25 * LATE_S
-    # one float for the totals' least, then the count (2 floats) and the 2 calls' waits
-    assert rank0["alternating_counted"] == {"dp.metrics": 8 + 16 + 16}
+    # the count, its negative and the total (3 floats), then the 2 calls' waits
+    assert rank0["alternating_counted"] == {"dp.metrics": 24 + 16}

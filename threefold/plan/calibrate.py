@@ -159,9 +159,10 @@ def measure_attention_flops(dtype: torch.dtype, threads: int, batch: int = 4, he
 REFERENCE_MODEL = dict(layers=2, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab_size=4096, seq_len=256)
 
 
-def reference_step(micro_batch: int = 4, **overrides):
+def reference_step(micro_batch: int = 4, optimizer_every: int = 0, **overrides):
     """The forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL (its
-    sizes changed by ``overrides``), as a function to time."""
+    sizes changed by ``overrides``), as a function to time; with ``optimizer_every``, the
+    gradients accumulate and an AdamW step follows every that many micro-batches, as in training."""
     from threefold.config import ModelConfig
     from threefold.models.llama import Llama, cross_entropy
 
@@ -170,10 +171,18 @@ def reference_step(micro_batch: int = 4, **overrides):
     tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), generator=gen)
     model = Llama(model_cfg)
     model.init_weights(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer_every else None
+    calls = 0
 
     def forward_backward():
+        nonlocal calls
         cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        model.zero_grad(set_to_none=True)
+        calls += 1
+        if optimizer is None:
+            model.zero_grad(set_to_none=True)
+        elif calls % optimizer_every == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     return forward_backward
 
 
@@ -460,7 +469,7 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
             dist.all_reduce(tiny)
             waited += time.perf_counter() - start
         call_cpu = time.process_time() - process_cpu - compute_cpu
-        mean = torch.tensor([waited, call_cpu, compute_cpu]) / calls
+        mean = torch.tensor([waited, call_cpu]) / calls
         dist.all_reduce(mean)
         if rank == 0:
             results.put([float(x) / world for x in mean])
@@ -488,35 +497,25 @@ def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float =
     """
     measured = {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
                                               f"oversubscribed collectives ({world} processes)")
-                for world in sorted({max(2, cores), 2 * cores, 4 * cores})}
+                for world in oversubscribed_worlds(cores)}
     return {"wait_s": {w: m[0] for w, m in measured.items()}, "call_cpu_s": {w: m[1] for w, m in measured.items()}}
 
 
-# A CPU training step's compute, for measure_shared_core_slowdown: the tiny preset's block (256
-# wide, 8 heads) three deep on 2 × 128 tokens, and an AdamW step every fourth micro-batch. Its
-# operators are small and many (dispatch, norms, thin products), as a CPU run's are.
-SHARED_CORE_MODEL = dict(layers=3, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=128)
+def oversubscribed_worlds(cores: int) -> list[int]:
+    """The workers the oversubscribed measurements run: 1, 2 and 4 a core (at least 2)."""
+    return sorted({max(2, cores), 2 * cores, 4 * cores})
+
+
+# A CPU training step's compute, for measure_shared_core_slowdown: REFERENCE_MODEL changed to the
+# tiny preset's block (256 wide, Llama's FFN) three deep on 2 × 128 tokens, and an AdamW step
+# every fourth micro-batch. Its operators are small and many (dispatch, norms, thin products),
+# as a CPU run's are.
+SHARED_CORE_MODEL = dict(layers=3, hidden=256, ffn=None, seq_len=128)
 
 
 def _shared_core_worker(commands, results) -> None:
     torch.set_num_threads(1)
-    from threefold.config import ModelConfig
-    from threefold.models.llama import Llama, cross_entropy
-
-    model = Llama(ModelConfig(**SHARED_CORE_MODEL))
-    model.init_weights(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, SHARED_CORE_MODEL["vocab_size"], (2, SHARED_CORE_MODEL["seq_len"] + 1),
-                           generator=torch.Generator().manual_seed(0))
-    calls = 0
-
-    def micro_batch():
-        nonlocal calls
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        calls += 1
-        if calls % 4 == 0:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    micro_batch = reference_step(2, optimizer_every=4, **SHARED_CORE_MODEL)
     micro_batch()
     results.put(None)  # built and warm
     while (command := commands.get()) is not None:
@@ -538,7 +537,7 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     CPU clock per micro-batch; the phases alternate, one worker a core between each crowded one,
     and each crowded phase is taken against the mean of its two neighbours (the machine's speed
     drifts over minutes), the median over ``rounds``."""
-    worlds = sorted({max(2, cores), 2 * cores, 4 * cores})
+    worlds = oversubscribed_worlds(cores)
     base, crowded = worlds[0], worlds[1:]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

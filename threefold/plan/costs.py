@@ -1266,12 +1266,11 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
+    tp_wait = group_wait(wait, t, runnable)
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
-                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node,
-                                                             group_wait(wait, t, runnable)),
+                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node, tp_wait),
                                        _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
-                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node,
-                                                        group_wait(wait, t, runnable))), 0)
+                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node, tp_wait)), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
     # products that produce and consume it). With tp_comm_overlap (Megatron-Core's

@@ -86,52 +86,39 @@ class ActivationMeter:
 EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss")), (("cp",), ("",)))
 
 
-def least_exposed(comm, exposed: dict[str, float]) -> dict[str, float]:
+def least_exposed(comm, calls: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
     """Per group of ``EXPOSED_GROUPS`` with more than one rank, keyed like the ledger ("dp",
-    "dp+cp", "tp", "cp"): the least seconds any rank of the group was blocked on the group's
-    traffic this step (``exposed``: this rank's ``CommLedger.take_step()`` times). A rank that
-    reaches a collective first also waits for its slowest partner; the last to arrive waits only
-    for the transfer itself, which is what a model of balanced ranks predicts. One MIN all-reduce
-    of one number per group, tagged ``"metrics"``; every rank must call it."""
+    "dp+cp", "tp", "cp"), two figures of the seconds its ranks were blocked on the group's traffic
+    this step (``calls``: this rank's ``CommLedger.take_step_calls()`` lists, each call's wait):
+
+    - the least of the ranks' step totals;
+    - call by call, the least any rank waited, summed over the step's calls.
+
+    A rank that reaches a collective first also waits for its slowest partner; the last to
+    arrive waits only for the transfer itself, which is what a model of balanced ranks predicts.
+    When the rank that arrives first changes from call to call (two ranks whose compute between
+    blocking calls varies by ±10%), every rank's total holds about half of that skew, and only
+    the call-by-call least is the transfers alone. Two MIN all-reduces per group, tagged
+    ``"metrics"``: (calls, −calls, total), then the calls' waits, left out (on every rank alike)
+    where the ranks counted different calls. Every rank must call it."""
     import torch.distributed as dist
 
-    least: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    per_call: dict[str, float] = {}
     for axes, suffixes in EXPOSED_GROUPS:
         key = comm.mesh.label(*axes)
-        if comm.mesh.size(*axes) == 1 or key in least:
-            continue
-        mine = torch.tensor([sum(exposed.get(key + suffix, 0.0) for suffix in suffixes)], dtype=torch.float64,
-                            device=comm.mesh.device)  # NCCL reduces device tensors only
-        comm.all_reduce(mine, axes, op=dist.ReduceOp.MIN, tag="metrics")
-        least[key] = mine.item()
-    return least
-
-
-def least_exposed_per_call(comm, calls: dict[str, list[float]]) -> dict[str, float]:
-    """Per group of ``EXPOSED_GROUPS`` with more than one rank: the sum over the group's calls
-    this step of the least any rank waited on each call (``calls``: this rank's
-    ``CommLedger.take_step_calls()`` lists). ``least_exposed`` takes the least of each rank's
-    step total; when the rank that arrives first changes from call to call (two ranks whose
-    compute between blocking calls varies by ±10%), every rank's total holds about half of the
-    skew, and only the call-by-call least is the transfer alone, what a model of balanced ranks
-    predicts. Two MIN all-reduces per group, tagged ``"metrics"``: the calls' count (a group
-    whose ranks counted different calls is left out), then the waits; every rank must call it."""
-    import torch.distributed as dist
-
-    least: dict[str, float] = {}
-    for axes, suffixes in EXPOSED_GROUPS:
-        key = comm.mesh.label(*axes)
-        if comm.mesh.size(*axes) == 1 or key in least:
+        if comm.mesh.size(*axes) == 1 or key in totals:
             continue
         mine = [wait for suffix in suffixes for wait in calls.get(key + suffix, [])]
-        count = torch.tensor([len(mine), -len(mine)], dtype=torch.float64, device=comm.mesh.device)
-        comm.all_reduce(count, axes, op=dist.ReduceOp.MIN, tag="metrics")
-        if count[0].item() != -count[1].item() or not mine:
-            continue
-        waits = torch.tensor(mine, dtype=torch.float64, device=comm.mesh.device)
-        comm.all_reduce(waits, axes, op=dist.ReduceOp.MIN, tag="metrics")
-        least[key] = waits.sum().item()
-    return least
+        summary = torch.tensor([len(mine), -len(mine), sum(mine)], dtype=torch.float64,
+                               device=comm.mesh.device)  # NCCL reduces device tensors only
+        comm.all_reduce(summary, axes, op=dist.ReduceOp.MIN, tag="metrics")
+        totals[key] = summary[2].item()
+        if mine and summary[0].item() == -summary[1].item():
+            waits = torch.tensor(mine, dtype=torch.float64, device=comm.mesh.device)
+            comm.all_reduce(waits, axes, op=dist.ReduceOp.MIN, tag="metrics")
+            per_call[key] = waits.sum().item()
+    return totals, per_call
 
 
 class MetricsWriter:

@@ -21,7 +21,7 @@ from threefold.distributed.launch import StopRequest, restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
-from threefold.train.metrics import ActivationMeter, MetricsWriter, least_exposed, least_exposed_per_call
+from threefold.train.metrics import ActivationMeter, MetricsWriter, least_exposed
 
 
 class TrainingError(RuntimeError):
@@ -192,8 +192,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             result.losses.append(loss)
             comm_bytes, comm_exposed, comm_calls = engine.comm_step()
             # collectives on every rank, for the metrics file only: no step without one pays for them
-            comm_exposed_least = least_exposed(engine.comm, comm_exposed) if metrics_file else {}
-            comm_call_least = least_exposed_per_call(engine.comm, comm_calls) if metrics_file else {}
+            comm_exposed_least, comm_call_least = least_exposed(engine.comm, comm_calls) if metrics_file else ({}, {})
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": tokens_per_step / step_time, "comm_bytes": comm_bytes,
                       "comm_exposed_s": comm_exposed, "comm_exposed_least_s": comm_exposed_least,
