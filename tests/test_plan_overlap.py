@@ -328,3 +328,39 @@ def test_ddp_all_reduce_latency_is_the_ring_or_nccls_tree_whichever_is_shorter(t
     assert est["dp_s"] - without["dp_s"] == pytest.approx(buckets * (min(ring, tree) if nodes > 1 else ring), rel=1e-9)
     if nodes >= 8:  # at scale the tree is the one taken: a ring's latency grows with n, the tree's with log n
         assert tree < ring / 4
+
+
+def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
+    """--dtype float8: the blocks' linear layers multiply fp8 operands at the fp8 peak (the same
+    fraction of it as 16-bit products of theirs), each paying its casts at 4 bytes an element; the
+    head, the router and the attention core stay 16-bit, and MFU still counts the 16-bit peak."""
+    h100 = CATALOG["h100-sxm"]
+    m = k = n = 8192
+    assert costs.matmul_seconds(m, k, n, h100, float8=True) == pytest.approx(math.hypot(
+        2 * m * k * n / (1979e12 * h100.matmul_efficiency), (2 * m * k + 2 * m * n) / (h100.hbm_bw * h100.hbm_efficiency)))
+    assert costs.matmul_seconds(m, k, n, h100) / costs.matmul_seconds(m, k, n, h100, float8=True) > 1.95
+    model, layout = get_preset("llama3-8b"), costs.Layout.named(dp=8, micro_batch=1)
+    mixed = costs.part_seconds(costs.Workload(model, 8), layout, h100)
+    fp8 = costs.part_seconds(costs.Workload(model, 8, precision="fp8"), layout, h100)
+    assert fp8["head"] == mixed["head"] and fp8["core"] == mixed["core"]
+    assert fp8["block"]["gemm"] < 0.6 * mixed["block"]["gemm"]
+    rows, hbm = 8192, h100.elementwise_rate
+    casts = sum(4 * (rows * k + k * n + rows * n) for k, n in costs.layer_products(model, 1)) / hbm
+    assert fp8["block"]["memory"] - mixed["block"]["memory"] == pytest.approx(casts)
+    common = ["--model", "llama3-8b", "--global-batch", "64", "--num-gpus", "8", "--zero", "1"]
+    bf16, f8 = (estimate(capsys, *common, "--gpu", "h100-sxm", "--dtype", d) for d in ("bf16", "fp8"))
+    assert 1.1 < bf16["step_time_s"] / f8["step_time_s"] < 1.9  # products are most of the step, not all
+    assert f8["mfu"] / bf16["mfu"] == pytest.approx(bf16["step_time_s"] / f8["step_time_s"])
+    # a part without fp8 tensor cores, or the CPU, is refused in one line
+    for gpu in ("a100-80gb", "local"):
+        code, _, err = run(capsys, "estimate", *common, "--gpu", gpu, "--dtype", "float8")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "float8" in err, err
+    # a cluster file gives its part's fp8 peak; a batch line its dtype
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER.replace("[node]", 'peak_tflops_fp8 = "1600 TFLOP/s"\n[node]'))
+    assert load_cluster(path).peak_flops_fp8 == 1600e12
+    assert estimate(capsys, *common, "--cluster", str(path), "--dtype", "fp8")["step_time_s"] < estimate(
+        capsys, *common, "--cluster", str(path))["step_time_s"]
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"dtype": "FP8", "gpu": "h100-sxm"}) + "\n")
+    code, out, _ = run(capsys, "estimate", *common, "--batch", str(tmp_path / "rows.jsonl"))
+    assert code == 0 and json.loads(out)["step_time_s"] == pytest.approx(f8["step_time_s"])

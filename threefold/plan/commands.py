@@ -67,7 +67,8 @@ def _model_options(command):
         click.option("--dtype", type=_choice(DTYPES), default=None,
                      help="Compute type: the GPU's 16-bit peak (default; bf16, or fp16 as the 2021-22 runs trained, "
                           "at the same tensor-core peak) or its fp32 peak (the engine's default on CPUs: use it with "
-                          "--gpu local for fp32 runs)."),
+                          "--gpu local for fp32 runs), or float8: the blocks' linear layers at the fp8 peak "
+                          "(Transformer Engine, torchao), MFU still against the 16-bit peak."),
         click.option("--overlap-dp/--no-overlap-dp", default=True, show_default=True,
                      help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
@@ -122,7 +123,7 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
                           grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
                           overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
                           tp_comm_overlap=bool(o.get("tp_comm_overlap")),
-                          precision="fp32" if dtype == "float32" else "mixed")
+                          precision={"float32": "fp32", "float8": "fp8"}.get(dtype, "mixed"))
     gpu = load_cluster(o["cluster"]).with_dtype(dtype) if o.get("cluster") else get_gpu(o["gpu"], dtype)
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     gpu = gpu.with_power_limit(o.get("power_limit_w"))

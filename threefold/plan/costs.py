@@ -535,6 +535,16 @@ PRECISIONS = {"mixed": dict(param_bytes=PARAM_BYTES, activation_bytes=ACTIVATION
                             optimizer_pass_bytes=26, loss_pass_bytes=12),
               "fp32": dict(param_bytes=4, activation_bytes=4, optimizer_bytes=8, optimizer_pass_bytes=24,
                            loss_pass_bytes=36)}
+# fp8: mixed precision whose blocks' linear layers multiply in float8 (Transformer Engine's and
+# torchao's float8 training): the same weights, master copy, moments and activations as mixed.
+# Its memory is counted as mixed's: the fp8 copies of weights and saved inputs that TE keeps are
+# left out (docs/planner.md, "What the planner does not know").
+PRECISIONS["fp8"] = dict(PRECISIONS["mixed"])
+# Bytes a float8 cast moves per element: Transformer Engine's fused cast-transpose reads the
+# 16-bit tensor once and writes its fp8 copy and the copy's transpose (2 + 1 + 1), the scale's
+# amax taken in the same pass. Each block product casts its input and weight in the forward and
+# the output's gradient in the backward.
+FLOAT8_CAST_BYTES = 4
 BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
 RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
 
@@ -553,7 +563,9 @@ class Workload:
     # gather and reduce-scatter reorders the whole tensor to and from rank-major order, a copy,
     # where a micro-batch holds more than one sequence; Megatron's (sequence, batch, hidden) needs none
     sequence_copies: bool = False
-    precision: str = "mixed"  # mixed: 16-bit weights and activations, fp32 master (GPUs); fp32: all fp32 (CPUs)
+    # mixed: 16-bit weights and activations, fp32 master (GPUs); fp8: mixed, the blocks' products in
+    # float8; fp32: all fp32 (CPUs)
+    precision: str = "mixed"
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
     param_bytes: int = field(init=False)
@@ -803,15 +815,22 @@ def op_recomputed_products(cfg: ModelConfig, tp, attention_only: bool = False) -
     return (products[:4] if attention_only and cfg.arch == "llama" else products)[1::2]
 
 
-def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES):
+def matmul_seconds(m, k, n, gpu, dtype_bytes: int = ACTIVATION_BYTES, float8: bool = False):
     """Seconds of one (m×k)·(k×n) product: a smooth roofline. Its arithmetic time 2mkn / (peak ·
     matmul efficiency) and its memory time (reading both operands, writing the result) / (HBM
     bandwidth · HBM efficiency) add as the sides of a right triangle, √(t_math² + t_memory²):
     far above the GPU's FLOP/byte ridge a product runs at the large-GEMM rate, at the ridge at
     1/√2 of it, below it at the memory's rate (the roofline of Williams et al. 2009, its corner
-    rounded as measured GEMM efficiency curves are)."""
-    math = 2.0 * m * k * n / (gpu.peak_flops * gpu.matmul_efficiency)
-    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw * gpu.hbm_efficiency)
+    rounded as measured GEMM efficiency curves are).
+
+    ``float8``: the operands are fp8 (one byte each, the result ``dtype_bytes``) and the product
+    runs at the GPU's fp8 peak, at the same fraction of it as a 16-bit product of its own."""
+    if float8 and gpu.peak_flops_fp8 is None:
+        raise ConfigError(f"--dtype: no float8 peak known for {gpu.name}")
+    peak = gpu.peak_flops_fp8 if float8 else gpu.peak_flops
+    operand_bytes = 1 if float8 else dtype_bytes
+    math = 2.0 * m * k * n / (peak * gpu.matmul_efficiency)
+    memory = (operand_bytes * (m * k + k * n) + dtype_bytes * m * n) / (gpu.hbm_bw * gpu.hbm_efficiency)
     return np.sqrt(math * math + memory * memory)
 
 
@@ -847,26 +866,39 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     core_s = tokens / t * attention_executed / attention_rate  # one layer's forward
     recomputed_core = np.where(selective, 0.5 * tokens * coef["core"] / t, 0)  # selective: the core's tensors again
 
-    def block(gemm_s, saved, op_gemm_s):
+    float8 = work.precision == "fp8"  # the blocks' products in fp8, the head's and the router's in 16 bits
+
+    def block(gemm_s, saved, op_gemm_s, casts=(0.0, 0.0)):
         """A block whose forward products take ``gemm_s`` and which saves ``saved`` bytes without recomputation:
         full recomputation runs its forward again (and its tensors' traffic half again); op-level
         SAC runs every memory-bound operator of the forward again, as full does, but of the
-        products only those it does not save (``op_gemm_s``) and not the attention core."""
+        products only those it does not save (``op_gemm_s``) and not the attention core.
+        ``casts``: the float8 casts' seconds in the forward and in the backward (``cast_seconds``)."""
         again = full | op  # the forward's memory-bound operators run twice
         math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s,
                                                                                  np.where(op, op_gemm_s, 0)))
         memory = ELEMENTWISE_PASSES * (saved * np.where(again, 1.5, 1.0) + recomputed_core) / hbm
+        memory = memory + casts[0] * np.where(again, 2, 1) + casts[1]
         # a CPU's fixed cost per block and micro-batch (0 on a GPU); a recomputed forward's again
         memory = memory + gpu.block_overhead_s * np.where(again, 4 / 3, 1.0)
         return {"math": math, "gemm": 3 * gemm_s, "memory": memory}
 
-    def products_s(products):
-        return sum(matmul_seconds(rows, k, n, gpu, a_bytes) for k, n in products)
+    def products_s(products, m=rows):
+        return sum(matmul_seconds(m, k, n, gpu, a_bytes, float8) for k, n in products)
+
+    def cast_seconds(products, m=rows):
+        """The float8 casts of products of ``m`` rows: (forward: the input and the weight; backward:
+        the output's gradient), at FLOAT8_CAST_BYTES an element; 0 without float8."""
+        if not float8:
+            return 0.0, 0.0
+        return (sum(FLOAT8_CAST_BYTES * (m * k + k * n) for k, n in products) / hbm,
+                sum(FLOAT8_CAST_BYTES * m * n for _, n in products) / hbm)
 
     layer_gemm_s = products_s(layer_products(cfg, t))
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, a_bytes)
     head_gemm_s = matmul_seconds(rows, h, V / t, gpu, a_bytes)
-    parts = {"block": block(layer_gemm_s, layer_all, products_s(op_recomputed_products(cfg, t))), "core": core_s,
+    parts = {"block": block(layer_gemm_s, layer_all, products_s(op_recomputed_products(cfg, t)),
+                            cast_seconds(layer_products(cfg, t))), "core": core_s,
              # the loss's passes over this rank's logits (PRECISIONS' loss_pass_bytes)
              "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s,
                       "memory": tokens * work.loss_pass_bytes * V / t / hbm}}
@@ -876,17 +908,16 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
         # T·k·ep/E rows each). The same 3× for backward as any product.
         k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
-        moe_gemm_s = (sum(matmul_seconds(rows, kk, n, gpu, a_bytes) for kk, n in layer_products(cfg, t)[:4])
-                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes))
-        if shared:
-            moe_gemm_s = moe_gemm_s + 2 * matmul_seconds(rows, h, shared * f_e, gpu, a_bytes) + matmul_seconds(
-                rows, shared * f_e, h, gpu, a_bytes)
+        dense = layer_products(cfg, t)[:4] + ([(h, shared * f_e)] * 2 + [(shared * f_e, h)] if shared else [])
+        expert = [(h, f_e), (h, f_e), (f_e, h)]
         expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
-        moe_gemm_s = moe_gemm_s + local_experts * (2 * matmul_seconds(expert_rows, h, f_e, gpu, a_bytes)
-                                                   + matmul_seconds(expert_rows, f_e, h, gpu, a_bytes))
+        moe_gemm_s = (products_s(dense) + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes)
+                      + local_experts * products_s(expert, expert_rows))
+        dense_casts, expert_casts = cast_seconds(dense), cast_seconds(expert, expert_rows)
+        moe_casts = tuple(d + local_experts * x for d, x in zip(dense_casts, expert_casts))
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes)
         parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all,
-                                   products_s(op_recomputed_products(cfg, t, attention_only=True)))
+                                   products_s(op_recomputed_products(cfg, t, attention_only=True)), moe_casts)
     return parts
 
 

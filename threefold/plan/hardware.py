@@ -26,13 +26,15 @@ from threefold.config import ConfigError
 GiB = 2**30
 
 # Compute types as they are spelt, and the peak each trains at: a 16-bit type at the 16-bit tensor
-# peak (fp16, as the 2021-22 runs trained, runs at the same one as bf16), fp32 at the fp32 peak.
+# peak (fp16, as the 2021-22 runs trained, runs at the same one as bf16), fp32 at the fp32 peak;
+# float8 is 16-bit training whose blocks' linear layers multiply in fp8 at the fp8 peak
+# (Transformer Engine's and torchao's float8 linears; costs.matmul_seconds).
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "bfloat16", "fp16": "bfloat16",
-          "float32": "float32", "fp32": "float32"}
+          "float32": "float32", "fp32": "float32", "float8": "float8", "fp8": "float8"}
 
 
 def compute_dtype(dtype: str | None) -> str:
-    """"bfloat16" or "float32", the peak ``dtype`` trains at (None: the 16-bit one); ConfigError
+    """"bfloat16", "float32" or "float8", the peak ``dtype`` trains at (None: the 16-bit one); ConfigError
     for a spelling DTYPES lacks."""
     if dtype is None:
         return "bfloat16"
@@ -59,6 +61,7 @@ class GPU:
     inter_link_efficiency: float
     description: str = ""
     peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
+    peak_flops_fp8: float | None = None  # dense fp8 tensor-core peak (Hopper and later): --dtype float8
     overlap_slowdown: float = 0.0  # seconds of compute lost per second of communication overlapped with it
     # The attention core's executed FLOPs run at this fraction of the matmul rate: for the catalog's
     # GPUs, FlashAttention-2's (the kernel behind PyTorch's SDPA and the flash-attn package; see
@@ -100,8 +103,16 @@ class GPU:
         return (self.hbm_bw if self.elementwise_bw is None else self.elementwise_bw) * self.hbm_efficiency
 
     def with_dtype(self, dtype: str | None) -> "GPU":
-        """The GPU for training in ``dtype`` (``compute_dtype``): the 16-bit peak or the fp32 one."""
-        if compute_dtype(dtype) == "bfloat16":
+        """The GPU for training in ``dtype`` (``compute_dtype``): the 16-bit peak or the fp32 one.
+        float8 keeps the 16-bit peak, which MFU counts against as torchtitan and Megatron report
+        it; the blocks' products run at ``peak_flops_fp8`` (costs.matmul_seconds)."""
+        dtype = compute_dtype(dtype)
+        if dtype == "bfloat16":
+            return self
+        if dtype == "float8":
+            if self.peak_flops_fp8 is None:
+                raise ConfigError(f"--dtype: no float8 peak known for {self.name} (fp8 tensor cores came with "
+                                  "Hopper); give it in a --cluster file (gpu.peak_tflops_fp8)")
             return self
         if self.peak_flops_fp32 is None:
             raise ConfigError(f"--dtype: no float32 peak known for {self.name}; give it in a --cluster file "
@@ -158,7 +169,9 @@ _NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficienc
                intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8, overlap_slowdown=0.5)
 
 # peak_flops_fp32: the datasheets' plain fp32 (not TF32: PyTorch's fp32 matmuls do not use TF32 by
-# default); left out where we have no datasheet figure at hand.
+# default); left out where we have no datasheet figure at hand. peak_flops_fp8: the datasheets'
+# dense fp8 figure, half the one "with sparsity" they headline (H100/H200 SXM 3,958 → 1,979
+# TFLOP/s; HGX B200 72 PFLOP/s for 8 → 4.5 each; MI300X 2,615); the A100 has no fp8 tensor cores.
 # Hopper and Blackwell reach a smaller fraction of a much higher peak in training (clocks drop at
 # the power limit; kernels are less tuned): ~55%, set from the llm-foundry MPT-7B and Megatron-Core
 # H100 runs (docs/planner.md). MI300X: ~45% of peak in published training GEMMs, and a ring over
@@ -189,14 +202,16 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
     GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
-        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
+        description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
+        peak_flops_fp8=1979e12),
     GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
-        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12),
+        description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
+        peak_flops_fp8=1979e12),
     GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55), rated_power_w=1000,
-        description="B200 180GB; NVLink5, 8x 400 Gb/s per node"),
+        description="B200 180GB; NVLink5, 8x 400 Gb/s per node", peak_flops_fp8=4.5e15),
     GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9, rated_power_w=750,
         **dict(_NVIDIA, matmul_efficiency=0.45, intra_link_efficiency=0.60),
-        description="MI300X 192GB; Infinity Fabric mesh, 400 Gb/s NICs"),
+        description="MI300X 192GB; Infinity Fabric mesh, 400 Gb/s NICs", peak_flops_fp8=2615e12),
 ]}
 
 
@@ -275,6 +290,9 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
     """A catalog entry by name (or a vendor's spelling of it), or ``local``; ConfigError naming
     the known ones otherwise."""
     if name == "local":
+        if compute_dtype(dtype) == "float8":
+            raise ConfigError("--dtype: the engine trains in float32 or bfloat16 on a CPU; float8 products need a GPU "
+                              "with fp8 tensor cores (h100-sxm, h200, b200, mi300x)")
         return local_gpu(dtype)
     key = catalog_name(name)
     if key is None:
@@ -287,7 +305,7 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
 #
 #   [gpu]
 #   name = "h100-500w"              # optional
-#   peak_tflops_bf16 = 800          # or "800 TFLOP/s"; peak_tflops_fp32 optional
+#   peak_tflops_bf16 = 800          # or "800 TFLOP/s"; peak_tflops_fp32, peak_tflops_fp8 optional
 #   hbm_gib = 96                    # or "96 GiB" / "103 GB"
 #   hbm_tb_s = 3.35                 # or "3350 GB/s"
 #   power_limit_w = 500             # optional, with rated_power_w: the board power the cluster runs at
@@ -314,6 +332,7 @@ _UNITS = {  # unit, spelt as vendors do (GB/s bytes, Gb/s bits) → (quantity, f
 }
 _CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, required)
     ("gpu", "peak_tflops_bf16"): ("flops", 1e12, True), ("gpu", "peak_tflops_fp32"): ("flops", 1e12, False),
+    ("gpu", "peak_tflops_fp8"): ("flops", 1e12, False),
     ("gpu", "hbm_gib"): ("bytes", 2**30, True), ("gpu", "hbm_tb_s"): ("bandwidth", 1e12, True),
     ("gpu", "power_limit_w"): ("power", 1, False), ("gpu", "rated_power_w"): ("power", 1, False),
     ("node", "gpus_per_node"): ("count", 1, True),
@@ -398,6 +417,7 @@ def load_cluster(path: str | Path) -> GPU:
               inter_link_efficiency=get("efficiency", "inter_link", _NVIDIA["inter_link_efficiency"]),
               description=f"from {path}", rated_power_w=values.get(("gpu", "rated_power_w")),
               peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
+              peak_flops_fp8=values.get(("gpu", "peak_tflops_fp8")),
               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]),
               attention_efficiency=get("efficiency", "attention", 1.0))
     return gpu.with_power_limit(values.get(("gpu", "power_limit_w")), flag=f"--cluster: {path}: gpu.power_limit_w")
