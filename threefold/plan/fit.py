@@ -1,8 +1,10 @@
 """``threefold calibrate --from-runs``: fit the local profile's efficiencies to measured runs.
 
-The profile ``threefold calibrate`` measures holds peak rates: the best matmul FLOP/s, the copy
-bandwidth, the gloo all-reduce bandwidth and latency. A training step reaches less of them (small
-products, Python between kernels, other processes on the cores). Given runs of the user's own
+The profile ``threefold calibrate`` measures holds typical rates: the median matmul FLOP/s and
+copy bandwidth over its trials, the gloo all-reduce bandwidth and latency. A training step
+usually reaches less of them (small products, Python between kernels, other processes on the
+cores), and sometimes more (the machine faster than while it was measured): each fraction
+ranges over [0.02, 1.5], up to half again as fast as measured. Given runs of the user's own
 machine (a config and its metrics file each, all of one model: the same block, vocabulary and
 sequence, any depth), this fits three fractions, one per kind of work,
 so that the planner's predicted step times match the measured ones:
@@ -126,6 +128,8 @@ def predict(run: Run, profile: dict, fractions: dict):
 
 
 PLAIN = {key: 1.0 for key in FRACTIONS}
+# The profile's rates are medians, not bursts (calibrate._typical_rate): a run may beat them.
+MAX_FRACTION = 1.5
 
 
 def loss(runs, profile, fractions):
@@ -134,11 +138,11 @@ def loss(runs, profile, fractions):
 
 
 def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> dict:
-    """The fractions, each in [0.02, 1], that minimise ``loss``: a grid of ``points`` values
+    """The fractions, each in [0.02, MAX_FRACTION], that minimise ``loss``: a grid of ``points`` values
     per fraction, evenly spaced in log, over all three at once (the cost model evaluates the
     whole grid in one call per run), then again around the best point on a grid 1/6 as wide,
     ``levels`` times: the last grid's step is 0.05% of the fraction."""
-    low, high = np.full(3, np.log(0.02)), np.zeros(3)
+    low, high = np.full(3, np.log(0.02)), np.full(3, np.log(MAX_FRACTION))
     best = None
     for _ in range(levels):
         axes = [np.linspace(low[k], high[k], points) for k in range(3)]
@@ -147,7 +151,7 @@ def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> di
         i = int(np.argmin(loss(runs, profile, values)))
         best = np.array([np.log(values[key][i]) for key in FRACTIONS])
         half = (high - low) / 12  # ±1/12 of this grid's span around the best point
-        low, high = np.maximum(best - half, np.log(0.02)), np.minimum(best + half, 0.0)
+        low, high = np.maximum(best - half, np.log(0.02)), np.minimum(best + half, np.log(MAX_FRACTION))
     return {key: float(np.exp(value)) for key, value in zip(FRACTIONS, best)}
 
 
