@@ -1,6 +1,8 @@
 """The mesh (coordinates and groups), counted communication, failures, and the torchrun relaunch."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -257,3 +259,34 @@ def test_a_user_error_in_the_ranks_is_one_line_and_exit_code_2(capfd):
     assert 1 <= lines.count("error: --config: file 'missing.toml' does not exist") <= 2
     assert all(line == "error: --config: file 'missing.toml' does not exist" for line in lines if line.strip())
     assert not any("Traceback" in line or "ChildFailedError" in line for line in lines)  # none from torchrun
+
+
+FAULTS_OF_LARGE_TENSORS = """
+import resource, sys, torch
+from threefold.distributed.launch import keep_large_blocks_in_the_heap
+kept = keep_large_blocks_in_the_heap() if sys.argv[1] == "kept" else None
+def step():  # 40 MB, above glibc's largest dynamic mmap threshold (32 MB), and a small tensor beside it
+    torch.empty(10 << 20).fill_(1.0)
+    return torch.ones(1000)
+for _ in range(10):  # the heap grows to what a step needs
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_tensors_reuse_the_heap_instead_of_fresh_pages():
+    """Without keep_large_blocks_in_the_heap every 40 MB tensor is a fresh mapping whose pages
+    fault in as they are first written; with it, once the heap has grown to what a step needs,
+    freed blocks are reused and (almost) nothing faults."""
+    faults = {}
+    for mode in ("kept", "default"):
+        out = subprocess.run([sys.executable, "-c", FAULTS_OF_LARGE_TENSORS, mode], capture_output=True, text=True,
+                             check=True).stdout.split()
+        faults[mode] = int(out[1])
+        assert out[0] == ("True" if mode == "kept" else "None")
+    assert faults["default"] >= 10 * 20  # at least one fault per 2 MB huge page, per tensor
+    assert faults["kept"] * 10 < faults["default"], faults

@@ -29,6 +29,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from threefold.config import ConfigError
+from threefold.distributed.launch import keep_large_blocks_in_the_heap
 from threefold.plan.profile import FITTED_KEYS, PROFILE_KEYS, load_profile, profile_path, save_profile  # noqa: F401
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +301,7 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
 
 
 def _reference_worker(threads: int, seconds: float, start, results) -> None:
+    keep_large_blocks_in_the_heap()  # as the engine's ranks do
     start.wait()  # every worker times at once: the machine full, as a run with a worker per core is
     results.put(reference_model_seconds(threads, seconds=seconds))
 
@@ -518,6 +520,7 @@ SHARED_CORE_MODEL = dict(layers=3, hidden=256, ffn=None, seq_len=128)
 
 def _shared_core_worker(commands, results) -> None:
     torch.set_num_threads(1)
+    keep_large_blocks_in_the_heap()  # as the engine's ranks do
     micro_batch = reference_step(2, optimizer_every=4, **SHARED_CORE_MODEL)
     micro_batch()
     results.put(None)  # built and warm
@@ -596,6 +599,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     """
     workers = cpu_cores()
     threads = cpu_cores() // workers
+    keep_large_blocks_in_the_heap()  # the engine's ranks do: time the work as they will run it
     on_step(f"fp32 matmul, {threads} thread(s)")
     fp32 = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds)
     on_step(f"bf16 matmul, {threads} thread(s)")

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from threefold.config import AUTO, Config, ConfigError
 from threefold.configure import resolve_world
 from threefold.data import BatchSampler, prepare_dataset, val_batches
-from threefold.distributed.launch import StopRequest, restart_count
+from threefold.distributed.launch import StopRequest, keep_large_blocks_in_the_heap, restart_count
 from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
@@ -110,6 +110,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         console.print(f"[yellow]train.checkpoint_dir held an earlier run's checkpoints (latest {found[-1].name}): "
                       f"moved them to {aside}; train.resume=true continues a run instead")
     set_threads(cfg)
+    keep_large_blocks_in_the_heap()
     torch.manual_seed(cfg.train.seed)
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=progress and _is_main_process())
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
