@@ -47,6 +47,8 @@ def batch_lines(row: dict) -> list[dict]:
             "attention": "eager" if row["group"].startswith("korthikanti") else "flash"}
     if "megatron_core" in row["group"]:
         base["tp_comm_overlap"] = True  # the runs' stated flags (--tp-comm-overlap)
+    if "fp8" in (row.get("precision") or "").lower():
+        base["dtype"] = "float8"  # the blocks' products in fp8 (Transformer Engine, torchao)
     v = par.get("virtual_stages") or 1
     if batch.get("micro_batch"):
         return [dict(base, micro_batch=batch["micro_batch"], virtual_stages=v,

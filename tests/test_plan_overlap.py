@@ -3,6 +3,8 @@ file), products timed by their shapes, and the pictures."""
 import dataclasses
 import math
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -364,3 +366,10 @@ def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"dtype": "FP8", "gpu": "h100-sxm"}) + "\n")
     code, out, _ = run(capsys, "estimate", *common, "--batch", str(tmp_path / "rows.jsonl"))
     assert code == 0 and json.loads(out)["step_time_s"] == pytest.approx(f8["step_time_s"])
+    # a published run scored through --batch says its precision: an fp8 run's lines ask for float8
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import published_score
+
+    row = next(r for r in published_score.json.loads(published_score.DATA.read_text()) if r["id"].startswith("mcore"))
+    assert "dtype" not in published_score.batch_lines(row)[0]
+    assert published_score.batch_lines(dict(row, precision="FP8 (Transformer Engine)"))[0]["dtype"] == "float8"

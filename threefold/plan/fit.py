@@ -141,7 +141,7 @@ def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> di
     """The fractions, each in [0.02, MAX_FRACTION], that minimise ``loss``: a grid of ``points`` values
     per fraction, evenly spaced in log, over all three at once (the cost model evaluates the
     whole grid in one call per run), then again around the best point on a grid 1/6 as wide,
-    ``levels`` times: the last grid's step is 0.05% of the fraction."""
+    ``levels`` times: the last grid's step is 0.05% of the fraction; PLAIN where that is no better."""
     low, high = np.full(3, np.log(0.02)), np.full(3, np.log(MAX_FRACTION))
     best = None
     for _ in range(levels):
@@ -152,7 +152,9 @@ def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> di
         best = np.array([np.log(values[key][i]) for key in FRACTIONS])
         half = (high - low) / 12  # ±1/12 of this grid's span around the best point
         low, high = np.maximum(best - half, np.log(0.02)), np.minimum(best + half, np.log(MAX_FRACTION))
-    return {key: float(np.exp(value)) for key, value in zip(FRACTIONS, best)}
+    fitted = {key: float(np.exp(value)) for key, value in zip(FRACTIONS, best)}
+    # the grids need not hold the profile as measured (every fraction 1): never end worse than it
+    return fitted if loss(runs, profile, fitted) <= loss(runs, profile, PLAIN) else dict(PLAIN)
 
 
 def cross_validate(runs: list[Run], profile: dict) -> dict:
