@@ -27,7 +27,7 @@ import threading
 # from the kernel, zeroed and faulted in on every call, and returns them on free. A CPU run's
 # logits cross it: micro-batch 8 × 256 tokens × 4,096 fp32 logits is 33.5 MB, and each
 # forward and backward allocates several such tensors. The one-process run (configs/single.toml)
-# measured 1.69-1.81 s a step without this and 1.52-1.53 s with it; the loss alone 6.5-8.7 ns a
+# measured 1.69-1.81 s a step without this and 1.47-1.62 s with it; the loss alone 6.5-8.7 ns a
 # logit against 2.6-3.5. PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for the same
 # reason; this keeps glibc and raises its thresholds instead.
 HEAP_THRESHOLD_BYTES = 1 << 30
