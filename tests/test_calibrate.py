@@ -292,6 +292,28 @@ def test_more_workers_than_cores_wait_on_every_call_and_run_the_bubble_faster():
         calls * 0.012)
 
 
+def test_without_skew_the_calls_wait_only_for_members_off_their_core():
+    """At one worker a core (calibrate's first point, 2 workers on 2 cores) a call's wait is its
+    latency and the ranks' skew: the least-waiting rank sees neither, so without_skew takes that
+    point's wait off every point (never below 0); the catalog's GPUs have none to take off."""
+    gpu = local_gpu("float32", workers=8, profile=measured_profile())
+    assert gpu.on_core_wait_s == 0.001
+    least = gpu.without_skew()
+    assert [w for w, _ in least.collective_waits] == [1, 2, 4, 8]
+    assert [t for _, t in least.collective_waits] == pytest.approx([0.0, 0.0, 0.003, 0.011])
+    assert least.on_core_wait_s == 0.0 and least.without_skew() == least
+    assert CATALOG["h100-sxm"].without_skew() == CATALOG["h100-sxm"]
+    # a ZeRO-3 pair on 2 cores: its exposed gathers lose the on-core wait, call by call
+    from threefold.config import ModelConfig
+
+    work = costs.Workload(ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256), 16,
+                          precision="fp32")
+    pair = local_gpu("float32", workers=2, profile=measured_profile())
+    layout = costs.Layout.named(dp=2, zero=3, micro_batch=2)
+    full, skewless = (costs.estimate(work, layout, g) for g in (pair, pair.without_skew()))
+    assert 0 < skewless["dp_exposed_s"] < full["dp_exposed_s"]
+
+
 def test_a_blocks_fixed_cost_is_paid_per_block_and_micro_batch():
     from threefold.config import ModelConfig
 

@@ -288,7 +288,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         rows.append(Row("bytes/step: other", None, sum(axis(key) for key in others),
                         "not modelled by the planner: " + ", ".join(f"{key} {axis(key):,.0f}" for key in others)))
 
-    rows += exposed_rows(cfg, steps, None if missing else est, missing)
+    rows += exposed_rows(cfg, steps, None if missing else est, missing,
+                         None if missing else estimate_run(cfg, gpu.without_skew()))
     if timeline:  # the stage the others wait for: predicted as the mean stage (balanced), measured the slowest
         from threefold.plan.measured import stage_bottleneck
 
@@ -304,7 +305,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     return rows
 
 
-def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str | None) -> list[Row]:
+def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str | None,
+                 est_least: dict | None = None) -> list[Row]:
     """Exposed communication per axis beside estimate()'s exposed time of that axis. Measured:
     the seconds a rank was blocked in its collectives and waits; on dp, tp and cp, call by call,
     the least any rank of the group waited, summed over the step's calls
@@ -312,7 +314,11 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
     model of balanced ranks leaves out; a metrics file from before it was measured gives the
     least of the ranks' step totals, ``comm_exposed_least_s``), on pp rank 0's (``comm_exposed_s``),
     which waits for its neighbours' compute as well as for the transfers: the schedule's bubble
-    is part of what it measured, and of the prediction."""
+    is part of what it measured, and of the prediction.
+
+    ``est_least``: the estimate on ``GPU.without_skew()``, beside a least-waiting rank's figure
+    (a CPU's calls less the ranks' skew; the same as ``est`` on a GPU); None: ``est``."""
+    est_least = est if est_least is None else est_least
     if not all("comm_exposed_s" in step for step in steps):
         return []  # a metrics file written before the engine measured it
 
@@ -343,18 +349,20 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
              "(the schedule played at the run's split)")):
         if size == 1:
             continue
-        predicted = None if est is None else sum(est[key] for key in predicted_keys)
         on_rank_zero = rank_zero(ledger_keys)
         per_call, per_step = ((None, None) if axis == "pp" else
                               (least(ledger_keys[0], "comm_exposed_call_least_s"),
                                least(ledger_keys[0], "comm_exposed_least_s")))
         measured = per_call if per_call is not None else per_step
+        beside = est if measured is None else est_least  # rank 0's waits hold the skew; the least's do not
+        predicted = None if beside is None else sum(beside[key] for key in predicted_keys)
+        skew = "" if beside is est else " (predicted without the ranks' skew: GPU.without_skew)"
         if per_call is not None:
             totals = f"the least rank's step total {per_step:.3f} s, " if per_step is not None else ""
             note = (f"; measured: call by call, the least any rank of the group waited ({totals}"
-                    f"rank 0's {on_rank_zero:.3f} s)")
+                    f"rank 0's {on_rank_zero:.3f} s){skew}")
         elif per_step is not None:
-            note = f"; measured: the least any rank of the group waited (rank 0 {on_rank_zero:.3f} s)"
+            note = f"; measured: the least any rank of the group waited (rank 0 {on_rank_zero:.3f} s){skew}"
         else:
             note = "; measured: rank 0's waits"
         rows.append(Row(f"exposed comm: {axis}", predicted, on_rank_zero if measured is None else measured,

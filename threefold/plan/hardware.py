@@ -81,6 +81,9 @@ class GPU:
     # workers where they outnumber the cores); and the fixed cost of a block's forward and backward
     # per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
+    # The wait of calibrate's first point, one worker a core: no member is off its core there, so
+    # it is the call's latency and the ranks' skew (one reaches the call before the other).
+    on_core_wait_s: float = 0.0
     # ((workers computing, CPU seconds a collective call costs its process beyond the compute), …):
     # on a CPU whose cores are all busy, taken from the ranks that compute (costs.estimate).
     call_cpu: tuple = ()
@@ -118,6 +121,17 @@ class GPU:
             raise ConfigError(f"--dtype: no float32 peak known for {self.name}; give it in a --cluster file "
                               "(gpu.peak_tflops_fp32)")
         return dataclasses.replace(self, peak_flops=self.peak_flops_fp32)
+
+    def without_skew(self) -> "GPU":
+        """The GPU whose calls wait only for members off their core: each measured wait less the
+        one at one worker a core. What the group's least-waiting rank sees, call by call (the
+        engine's exposed figure for dp, tp and cp): it reaches the call last, so the skew is not
+        its wait, and the call's latency is its kind's measured line's. The step keeps the skew
+        (costs.estimate with the GPU as measured): the ranks meet at every call."""
+        if not self.on_core_wait_s:
+            return self
+        waits = tuple((w, max(0.0, t - self.on_core_wait_s)) for w, t in self.collective_waits)
+        return dataclasses.replace(self, collective_waits=waits, on_core_wait_s=0.0)
 
     def with_links(self, intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> "GPU":
         """The GPU with its per-GPU link bandwidths overridden, in Gbit/s as vendors quote them
@@ -265,6 +279,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
                elementwise_bw=None if elementwise is None else float(elementwise) * share,
                collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
+               on_core_wait_s=waits.get(cores, 0.0),
                call_cpu=tuple(sorted((int(w), float(t)) for w, t in profile.get("oversubscribed_call_cpu_s", {}).items())),
                core_share=min(1.0, cores / workers) if workers else 1.0,
                block_overhead_s=float(profile.get("block_overhead_s", 0.0)) / share,
