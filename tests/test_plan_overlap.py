@@ -338,8 +338,9 @@ def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
     head, the router and the attention core stay 16-bit, and MFU still counts the 16-bit peak."""
     h100 = CATALOG["h100-sxm"]
     m = k = n = 8192
-    assert costs.matmul_seconds(m, k, n, h100, float8=True) == pytest.approx(math.hypot(
-        2 * m * k * n / (1979e12 * h100.matmul_efficiency), (2 * m * k + 2 * m * n) / (h100.hbm_bw * h100.hbm_efficiency)))
+    arithmetic = 2 * m * k * n / (1979e12 * h100.matmul_efficiency)
+    memory = (2 * m * k + 2 * m * n) / (h100.hbm_bw * h100.hbm_efficiency)  # one-byte operands, a 2-byte result
+    assert costs.matmul_seconds(m, k, n, h100, float8=True) == pytest.approx(math.hypot(arithmetic, memory))
     assert costs.matmul_seconds(m, k, n, h100) / costs.matmul_seconds(m, k, n, h100, float8=True) > 1.95
     model, layout = get_preset("llama3-8b"), costs.Layout.named(dp=8, micro_batch=1)
     mixed = costs.part_seconds(costs.Workload(model, 8), layout, h100)

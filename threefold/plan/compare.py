@@ -288,8 +288,9 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         rows.append(Row("bytes/step: other", None, sum(axis(key) for key in others),
                         "not modelled by the planner: " + ", ".join(f"{key} {axis(key):,.0f}" for key in others)))
 
+    least_gpu = gpu.without_skew()  # itself on a GPU and on a profile without waits: no second estimate
     rows += exposed_rows(cfg, steps, None if missing else est, missing,
-                         None if missing else estimate_run(cfg, gpu.without_skew()))
+                         None if missing or least_gpu is gpu else estimate_run(cfg, least_gpu))
     if timeline:  # the stage the others wait for: predicted as the mean stage (balanced), measured the slowest
         from threefold.plan.measured import stage_bottleneck
 

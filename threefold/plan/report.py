@@ -100,8 +100,8 @@ def _tflops(flops: float | None) -> str:
 def gpu_table(gpus) -> Table:
     table = Table(title="GPUs the planner knows (--gpu NAME)")
     table.add_column("name", no_wrap=True)
-    for column in ("TFLOP/s", "fp32 TFLOP/s", "fp8 TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node", "matmul eff",
-                   "W"):
+    for column in ("TFLOP/s", "fp32 TFLOP/s", "fp8 TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node",
+                   "matmul eff", "W"):
         table.add_column(column, justify="right")
     table.add_column("what", overflow="fold")
     for gpu in gpus:
@@ -110,8 +110,8 @@ def gpu_table(gpus) -> Table:
                       f"{gpu.hbm_bw / 1e12:.3g}", f"{gpu.intra_node_bw / 1e9:,.3g}", f"{gpu.inter_node_bw / 1e9:,.3g}",
                       str(gpu.gpus_per_node), f"{gpu.matmul_efficiency:.2f}",
                       "—" if gpu.rated_power_w is None else f"{gpu.rated_power_w:.0f}", gpu.description)
-    table.caption = ("TFLOP/s: dense 16-bit peak (--dtype float32 and float8: their columns); node/net: bandwidth per GPU, "
-                     "one direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs "
+    table.caption = ("TFLOP/s: dense 16-bit peak (--dtype float32 and float8: their columns); node/net: bandwidth "
+                     "per GPU, one direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs "
                      "reach; W: the board power that fraction holds at (--power-limit-w below it slows the products)")
     return table
 
