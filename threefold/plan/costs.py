@@ -15,7 +15,7 @@ import numpy as np
 from threefold.config import ConfigError, ModelConfig
 from threefold.models.sizes import (attention_width, block_param_count, count_parameters, moe_layer_count,
                                     moe_parameter_counts, rank_expert_param_count, tp_moe_block_param_count)
-from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names
+from threefold.parallel.pipeline.schedule import EQUAL_SHARES, SCHEDULE_REGISTRY, check_schedule, schedule_names
 from threefold.plan import context
 from threefold.plan.context import METHODS as CP_METHODS
 
@@ -753,26 +753,48 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
     return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), checkpoint, kept))
 
 
-def bubble_fraction(schedule, pp, microbatches, virtual_stages=1):
+def bubble_fraction(schedule, pp, microbatches, virtual_stages=1, shares=None):
     """Idle fraction of a pipeline step at uniform stage costs: each schedule's closed form from
     the registry (threefold/parallel/pipeline/schedule.py), 0 without a pipeline. ``schedule`` is
-    an index into SCHEDULES (or an array of them) or a name."""
+    an index into SCHEDULES (or an array of them) or a name. ``shares``: a slot's (F, B, W), B the
+    input gradient alone (``backward_shares``), for the schedules whose bubble depends on them
+    (ZB-H1); None: F = B = W."""
     if isinstance(schedule, str):
         schedule = _index(SCHEDULES, schedule, "--schedule")
-    return _scalar_or_array(_per_schedule("bubble", schedule, pp, microbatches, virtual_stages, single=0.0))
+    return _scalar_or_array(_per_schedule("bubble", schedule, pp, microbatches, virtual_stages, single=0.0,
+                                          shares=shares))
 
 
-def _per_schedule(form: str, schedule, p, m, v, single: float):
+def _per_schedule(form: str, schedule, p, m, v, single: float, shares=None):
     """The registry's closed form ``form`` of each layout's schedule, over arrays of layouts;
     ``single`` where pp = 1 (no pipeline). Each schedule's form is evaluated only on its rows."""
-    schedule, p, m, v = np.broadcast_arrays(np.asarray(schedule), np.asarray(p, dtype=float),
-                                            np.asarray(m, dtype=float), np.asarray(v, dtype=float))
+    shares = () if shares is None else tuple(np.asarray(x, dtype=float) for x in shares)
+    schedule, p, m, v, *shares = np.broadcast_arrays(np.asarray(schedule), np.asarray(p, dtype=float),
+                                                     np.asarray(m, dtype=float), np.asarray(v, dtype=float), *shares)
     out = np.full(schedule.shape, float(single))
     for index, spec in enumerate(SCHEDULE_REGISTRY.values()):
         rows = (schedule == index) & (p > 1)
-        if rows.any():  # a schedule that never flushes: a step in the middle of the run (it fills once)
+        if not rows.any():
+            continue
+        if form == "bubble" and shares and spec.bubble_at_shares is not None:
+            out[rows] = spec.bubble_at_shares(p[rows], m[rows], v[rows], tuple(x[rows] for x in shares))
+        else:  # a schedule that never flushes: a step in the middle of the run (it fills once)
             out[rows] = getattr(spec.steady or spec, form)(p[rows], m[rows], v[rows])
     return out
+
+
+def backward_shares(gemm_s, core_s, memory_s, total_s):
+    """A slot's (F, B, W) shares, B the input gradient alone, from its parts' seconds (a stage's
+    ``part_seconds``, added up): ``gemm_s`` its products forward and backward (3× the forward's),
+    ``core_s`` the attention cores' forward, ``memory_s`` the memory-bound kernels, ``total_s`` all
+    of its compute. A product's weight gradient is one product of the forward's shape, so W is a
+    third of the products; the forward runs the products once, the cores, and a third of the
+    memory-bound passes (a norm's or SwiGLU's backward reads and writes about twice its forward's
+    bytes); the input gradient is the rest: the products' input gradients, the cores' backward
+    (twice their forward), any recomputation. On this CPU's tiny model, measured: 46 : 62 : 39 ms."""
+    weight = gemm_s / 3 / total_s
+    forward = (gemm_s / 3 + core_s + memory_s / 3) / total_s
+    return forward, 1 - forward - weight, weight
 
 
 def weight_versions(schedule, pp, stage):
@@ -1078,14 +1100,14 @@ def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, lat
 
 
 def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_layers_modelled, head_s, mb_s,
-                        compute_mb_s, p2p_s, m, bubble_speedup) -> dict:
+                        compute_mb_s, p2p_s, m, bubble_speedup, shares=EQUAL_SHARES) -> dict:
     """The pipeline's time with the blocks split as ``stage_layers`` (one per model chunk), one
     layout (its costs may be arrays: many GPUs' rates). A block costs what the modelled stage's
     blocks cost each, ``(mb_s − head_s) / stage_layers_modelled`` per micro-batch (its products,
     memory-bound work and exposed tp/cp/ep traffic); the last stage adds the head and loss. A
     slot (one micro-batch through one chunk) also pays its two blocking p2p messages, as in the
-    closed form, and its forward, backward and weight gradient take 1/3, 2/3 and 1/3 of it (the
-    closed form's F = B = W). The schedule is played on these costs: the busiest rank's compute
+    closed form, and its forward, input gradient and weight gradient take ``shares`` of it
+    (``backward_shares``; F = B = W for a schedule whose closed form holds only there: DualPipeV). The schedule is played on these costs: the busiest rank's compute
     (``busy_s``) and its idle time, rank 0's idle time, each over ``bubble_speedup``, and the
     busiest rank's and the ranks' mean compute alone per micro-batch (``compute_mb_s``,
     ``mean_compute_mb_s``). At uniform costs this is
@@ -1106,7 +1128,8 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     last = schedule.num_stages - 1
     slot = [n * per_block + (head_s if k == last else 0) + 2 * p2p_s for k, n in enumerate(split)]
     compute = [n * compute_block + (head_s if k == last else 0) for k, n in enumerate(split)]
-    makespan, busy = play_costs(schedule, [c / 3 for c in slot], [2 * c / 3 for c in slot], [c / 3 for c in slot])
+    f, b, w = shares if SCHEDULE_REGISTRY[spec].bubble_at_shares or not schedule.split_backward else EQUAL_SHARES
+    makespan, busy = play_costs(schedule, [f * c for c in slot], [(b + w) * c for c in slot], [w * c for c in slot])
     busiest = functools.reduce(np.maximum, busy)
     rank_compute = [sum(compute[k] for k in schedule.stages_of(r)) for r in range(p)]
     return {"busy_s": busiest, "bubble_s": (makespan - busiest) / bubble_speedup,
@@ -1278,7 +1301,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
 
     # Each collective call and pipeline message also waits for members off their core where more
     # workers than cores compute (a CPU; 0 on GPUs): the pipeline's waiting ranks do not compete.
-    bubble = bubble_fraction(schedule, p, m, v)
+    shares = backward_shares(gemm_mb_s, stage_layers * core_s, memory_bound_s, math_s + memory_bound_s)
+    bubble = bubble_fraction(schedule, p, m, v, shares)
     runnable = np.minimum(num_gpus, gpu.gpus_per_node) * (1 - bubble)
     wait = call_wait(gpu, runnable)
 
@@ -1365,7 +1389,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     if stage_split is not None:
         split = pipeline_split_time(work, layout, stage_split, stage_layers_modelled=stage_layers,
                                     head_s=head["math"] + head["memory"], mb_s=mb_s,
-                                    compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup)
+                                    compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup,
+                                    shares=shares)
         busy_s, bubble_s, rank0_bubble_s, compute_mb_s, mean_compute_mb_s = (
             split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s", "compute_mb_s", "mean_compute_mb_s"))
         per_mb_scale = (busy_s - 2 * busy_slots * p2p_s) / (m * mb_s)

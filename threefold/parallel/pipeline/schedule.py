@@ -796,13 +796,27 @@ class ScheduleSpec:
     steady: "SteadyForms | None" = None
     weight_versions: Callable | None = None
     delay: Callable | None = None
+    # A split-backward schedule whose bubble depends on a slot's (F, B, W) shares (B: the input
+    # gradient alone) and has a form exact at any shares: ``bubble_at_shares(p, m, v, shares)``.
+    # DualPipeV has none (its closed form holds at F = B = W; the planner plays it there).
+    bubble_at_shares: Callable | None = None
 
 
-def _zb_h1_idle(p, m):
-    """ZB-H1's idle rank-time, in micro-batch slots (F + B + W): (p − 1)/3 when m ≥ p (Qi et al.
-    2023); with fewer micro-batches than ranks the deferred W cannot fill the drain and each
-    missing micro-batch adds a third of a slot, as the simulator shows (pp 8, m 4: 47.8%)."""
-    return (p - 1 + np.maximum(0, p - m)) / 3
+EQUAL_SHARES = (1 / 3, 1 / 3, 1 / 3)  # a slot's forward, input gradient and weight gradient, F = B = W
+
+
+def _zb_h1_idle(p, m, shares=EQUAL_SHARES):
+    """ZB-H1's idle rank-time, in micro-batch slots (F + B + W = 1, ``shares`` = (F, B, W)):
+    (p − 1)(F + B − W) when m ≥ p (Qi et al. 2023; (p − 1)/3 at F = B = W); with fewer
+    micro-batches than ranks the deferred W cannot fill the drain and each missing micro-batch
+    adds a W, as the simulator shows (pp 8, m 4: 47.8% at F = B = W)."""
+    f, b, w = shares
+    return (p - 1) * (f + b - w) + np.maximum(0, p - m) * w
+
+
+def _zb_h1_bubble(p, m, v, shares=EQUAL_SHARES):
+    idle = _zb_h1_idle(p, m, shares)
+    return idle / (m + idle)
 
 
 # 2bw and pipedream: one step alone (the first and last of a run) is 1F1B; in a run, steps follow
@@ -831,7 +845,7 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_last=lambda p, m, v: ((v - 1) * interleaved_group(p, m) + 1) / v,
                  summary="1F1B over v model chunks per rank (Narayanan et al. 2021)"),
     ScheduleSpec("zb-h1", _zb_h1_order, _one_chunk,
-                 bubble=lambda p, m, v: _zb_h1_idle(p, m) / (m + _zb_h1_idle(p, m)),
+                 bubble=_zb_h1_bubble, bubble_at_shares=_zb_h1_bubble,
                  # activations stay until W, deferred by r on rank r: every rank holds min(p, m)
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
