@@ -67,7 +67,11 @@ def test_zb_h1_with_fewer_microbatches_than_ranks_is_the_simulators_bubble(capsy
                        "--tp", "8", "--pp", "8", "--schedule", "zb-h1", "--json")
     estimate = json.loads(out)["bubble_fraction"]
     code, out, _ = run(capsys, "schedule", "--schedule", "zb-h1", "--pp", "8", "--microbatches", "4", "--json")
-    assert json.loads(out)["bubble_fraction"] == pytest.approx(estimate) == pytest.approx(11 / 23)
+    assert json.loads(out)["bubble_fraction"] == pytest.approx(11 / 23)  # the simulator at F = B = W
+    # The planner prices ZB-H1 at the model's own shares, where W is under a third of a slot (the
+    # attention cores and memory-bound kernels have none): more idle than at F = B = W, less than
+    # 1F1B's 7/11, and not the m ≥ p form's 36.8% it once used.
+    assert 11 / 23 < estimate < 7 / 11
 
 
 def test_estimate_dtype_picks_the_peak(capsys, tmp_path, monkeypatch):
