@@ -1107,10 +1107,10 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     memory-bound work and exposed tp/cp/ep traffic); the last stage adds the head and loss. A
     slot (one micro-batch through one chunk) also pays its two blocking p2p messages, as in the
     closed form, and its forward, input gradient and weight gradient take ``shares`` of it
-    (``backward_shares``; F = B = W for a schedule whose closed form holds only there: DualPipeV). The schedule is played on these costs: the busiest rank's compute
-    (``busy_s``) and its idle time, rank 0's idle time, each over ``bubble_speedup``, and the
-    busiest rank's and the ranks' mean compute alone per micro-batch (``compute_mb_s``,
-    ``mean_compute_mb_s``). At uniform costs this is
+    (``backward_shares``; F = B = W for a schedule whose closed form holds only there: DualPipeV).
+    The schedule is played on these costs: the busiest rank's compute (``busy_s``) and its idle
+    time, rank 0's idle time, each over ``bubble_speedup``, and the busiest rank's and the ranks'
+    mean compute alone per micro-batch (``compute_mb_s``, ``mean_compute_mb_s``). At uniform costs this is
     the closed form (the simulated bubble equals the registry's)."""
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import play_costs
