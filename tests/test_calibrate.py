@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from threefold import cli
-from threefold.config import ConfigError
+from threefold.config import ConfigError, ModelConfig
 from threefold.plan import calibrate, costs, fit
 from threefold.plan.hardware import CATALOG, local_gpu
 from threefold.plan.profile import MEASURED_SINCE_KEYS
@@ -454,3 +454,20 @@ def test_a_profile_whose_speed_drifted_is_flagged(tmp_path, monkeypatch, capsys,
     assert ("warning: the machine's speed drifted" in err) == warned
     if warned:
         assert f"{at_end - 1:+.0%}" in err
+
+
+def test_the_first_pipeline_rank_waits_while_the_others_compute():
+    """While rank 0 waits for a gradient the pp − 1 ranks after it compute: on shared cores they
+    run p/(p − 1) faster, never beyond a core each; at pp 2 this is the bubble's speedup, on a GPU
+    1. The estimate's rank-0 wait is the uniform bubble over it, so at pp 4 on 4 workers over 2
+    cores it is 3/2 of what the bubble's 2× would give."""
+    four = local_gpu("float32", workers=4, profile=measured_profile())
+    assert four.core_share <= 0.5
+    assert four.first_rank_wait_speedup(2) == pytest.approx(four.bubble_speedup) == pytest.approx(2.0)
+    assert four.first_rank_wait_speedup(4) == pytest.approx(4 / 3)
+    assert local_gpu("float32", workers=2, profile=measured_profile()).first_rank_wait_speedup(4) == 1.0
+    assert CATALOG["h100-sxm"].first_rank_wait_speedup(np.array([2, 8])) == pytest.approx([1.0, 1.0])
+    cfg = ModelConfig(layers=8, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    est = costs.estimate(costs.Workload(cfg, global_batch=16, precision="fp32"),
+                         costs.Layout.named(pp=4, micro_batch=2, schedule="1f1b"), four)
+    assert est["rank0_bubble_s"] == pytest.approx(est["bubble_s"] * four.bubble_speedup / (4 / 3))

@@ -1100,7 +1100,8 @@ def _collective_time(gpu, kinds, bytes_sent, calls, steps_per_call, link_bw, lat
 
 
 def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_layers_modelled, head_s, mb_s,
-                        compute_mb_s, p2p_s, m, bubble_speedup, shares=EQUAL_SHARES) -> dict:
+                        compute_mb_s, p2p_s, m, bubble_speedup, shares=EQUAL_SHARES,
+                        first_rank_speedup=None) -> dict:
     """The pipeline's time with the blocks split as ``stage_layers`` (one per model chunk), one
     layout (its costs may be arrays: many GPUs' rates). A block costs what the modelled stage's
     blocks cost each, ``(mb_s − head_s) / stage_layers_modelled`` per micro-batch (its products,
@@ -1109,8 +1110,9 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     closed form, and its forward, input gradient and weight gradient take ``shares`` of it
     (``backward_shares``; F = B = W for a schedule whose closed form holds only there: DualPipeV).
     The schedule is played on these costs: the busiest rank's compute (``busy_s``) and its idle
-    time, rank 0's idle time, each over ``bubble_speedup``, and the busiest rank's and the ranks'
-    mean compute alone per micro-batch (``compute_mb_s``, ``mean_compute_mb_s``). At uniform costs this is
+    time over ``bubble_speedup``, rank 0's idle time over ``first_rank_speedup`` (None: the same),
+    and the busiest rank's and the ranks' mean compute alone per micro-batch (``compute_mb_s``,
+    ``mean_compute_mb_s``). At uniform costs this is
     the closed form (the simulated bubble equals the registry's)."""
     from threefold.parallel.pipeline.schedule import build_schedule
     from threefold.plan.simulate import play_costs
@@ -1133,7 +1135,8 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     busiest = functools.reduce(np.maximum, busy)
     rank_compute = [sum(compute[k] for k in schedule.stages_of(r)) for r in range(p)]
     return {"busy_s": busiest, "bubble_s": (makespan - busiest) / bubble_speedup,
-            "rank0_bubble_s": (makespan - busy[0]) / bubble_speedup,
+            "rank0_bubble_s": (makespan - busy[0]) / (bubble_speedup if first_rank_speedup is None
+                                                      else first_rank_speedup),
             "compute_mb_s": functools.reduce(np.maximum, rank_compute), "mean_compute_mb_s": sum(rank_compute) / p}
 
 
@@ -1382,7 +1385,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
     bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
-    rank0_bubble_s = bubble_s  # rank 0's wait for its neighbours: every rank's, with uniform stages
+    # rank 0's wait for its neighbours: every rank's idle time with uniform stages, but while it
+    # waits the pp − 1 ranks after it compute (GPU.first_rank_wait_speedup)
+    first_rank_speedup = gpu.first_rank_wait_speedup(p)
+    rank0_bubble_s = busy_s * bubble / (1 - bubble) / first_rank_speedup
     compute_mb_s = math_s + memory_bound_s  # the busiest rank's compute per micro-batch
     mean_compute_mb_s = compute_mb_s  # the ranks' mean: with uniform stages, every rank's
     per_mb_scale = 1.0  # the per-micro-batch parts of the breakdown, as the busiest rank's share
@@ -1390,7 +1396,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         split = pipeline_split_time(work, layout, stage_split, stage_layers_modelled=stage_layers,
                                     head_s=head["math"] + head["memory"], mb_s=mb_s,
                                     compute_mb_s=compute_mb_s, p2p_s=p2p_s, m=m, bubble_speedup=gpu.bubble_speedup,
-                                    shares=shares)
+                                    shares=shares, first_rank_speedup=first_rank_speedup)
         busy_s, bubble_s, rank0_bubble_s, compute_mb_s, mean_compute_mb_s = (
             split[k] for k in ("busy_s", "bubble_s", "rank0_bubble_s", "compute_mb_s", "mean_compute_mb_s"))
         per_mb_scale = (busy_s - 2 * busy_slots * p2p_s) / (m * mb_s)
