@@ -1384,11 +1384,11 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
-    bubble_s = busy_s * bubble / (1 - bubble) / gpu.bubble_speedup
-    # rank 0's wait for its neighbours: every rank's idle time with uniform stages, but while it
-    # waits the pp − 1 ranks after it compute (GPU.first_rank_wait_speedup)
+    idle_s = busy_s * bubble / (1 - bubble)  # every rank's, with uniform stages
+    bubble_s = idle_s / gpu.bubble_speedup
+    # rank 0's wait for its neighbours: while it waits the pp − 1 ranks after it compute
     first_rank_speedup = gpu.first_rank_wait_speedup(p)
-    rank0_bubble_s = busy_s * bubble / (1 - bubble) / first_rank_speedup
+    rank0_bubble_s = idle_s / first_rank_speedup
     compute_mb_s = math_s + memory_bound_s  # the busiest rank's compute per micro-batch
     mean_compute_mb_s = compute_mb_s  # the ranks' mean: with uniform stages, every rank's
     per_mb_scale = 1.0  # the per-micro-batch parts of the breakdown, as the busiest rank's share

@@ -97,14 +97,15 @@ class GPU:
     @property
     def bubble_speedup(self) -> float:
         """How much faster the ranks still computing run while a pipeline's fill and drain leave
-        about half of them waiting: up to 2× where workers outnumber the cores, 1 on a GPU."""
-        return min(2.0, 1.0 / self.core_share)
+        about half of them waiting: up to 2× where workers outnumber the cores, 1 on a GPU (the
+        first rank's case at pp 2, where half the ranks wait)."""
+        return float(self.first_rank_wait_speedup(2))
 
     def first_rank_wait_speedup(self, pp):
         """How much faster the ranks still computing run while the pipeline's first rank waits:
         it waits for the pp − 1 ranks after it (a gradient on its way back), which then share the
         cores all pp shared, p/(p − 1) faster where workers outnumber the cores, never more than
-        a core each (1/core_share); 1 on a GPU. At pp 2 this is ``bubble_speedup``; at pp 4, 4/3
+        a core each (1/core_share); 1 on a GPU. At pp 2, 2 (``bubble_speedup``); at pp 4, 4/3
         (the closed loop's ZB-H1 run: its first rank's waits, predicted with 2, came out 0.19-0.34
         s against 0.26-0.53 s measured on every recording)."""
         pp = np.asarray(pp, dtype=float)
