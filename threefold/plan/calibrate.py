@@ -43,15 +43,17 @@ class Settings:
     gloo_reps: int
     gloo_timeout_s: float
     wait_calls: int = 50
+    curve_calls: int = 20  # each size of each kind in _measure_collective_curves
     shared_core_seconds: float = 2.0  # each phase of measure_shared_core_slowdown
     shared_core_rounds: int = 2
+    concurrent_rounds: int = 3  # measure_shared_core_slowdown's phases of a worker on every core
 
 
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, shared_core_seconds=0.6,
-                 shared_core_rounds=1)
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8,
+                 shared_core_seconds=0.6, shared_core_rounds=1, concurrent_rounds=1)
 
 
 def cpu_cores() -> int:
@@ -300,45 +302,13 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     return 1.0 / slope, fixed / REFERENCE_MODEL["layers"]
 
 
-def _reference_worker(threads: int, seconds: float, start, results) -> None:
-    keep_large_blocks_in_the_heap()  # as the engine's ranks do
-    start.wait()  # every worker times at once: the machine full, as a run with a worker per core is
-    results.put(reference_model_seconds(threads, seconds=seconds))
-
-
-def measure_concurrent_slowdown(workers: int, threads: int, alone_s: float, seconds: float = 1.0,
-                                timeout_s: float = 120.0) -> float:
-    """How much slower the reference model runs when ``workers`` processes run it at once, one
-    per core, than alone (≥ 1): the cores share the caches and the memory bus, and clock lower
-    when all are busy. A run with a worker per core sees this; a single process does not."""
-    if workers < 2:
-        return 1.0
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_reference_worker, args=(threads, seconds, start, results), daemon=True)
-             for _ in range(workers)]
-    for proc in procs:
-        proc.start()
-    try:
-        start.set()
-        times = [results.get(timeout=timeout_s) for _ in procs]
-    except queue.Empty:
-        raise RuntimeError(f"concurrent reference model: no result within {timeout_s:.0f} s") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-    return max(1.0, sum(times) / len(times) / alone_s)
-
-
 def _free_store() -> dist.TCPStore:
     """A rendezvous store on a port the OS picks, so no other process can take it in between."""
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int, timeout_s: float,
-                 results) -> None:
+def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int, curve_calls: int,
+                 timeout_s: float, results) -> None:
     torch.set_num_threads(max(1, cpu_cores() // world))
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -362,7 +332,7 @@ def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int
             start = time.perf_counter()
             dist.all_reduce(big)
             seconds = min(seconds, time.perf_counter() - start)
-        collectives = _measure_collective_curves(world, reps)
+        collectives = _measure_collective_curves(world, curve_calls)
         if rank == 0:
             algorithm_bw = message_bytes / seconds
             results.put({"bus_bw": algorithm_bw * 2 * (world - 1) / world, "latency_s": latency,
@@ -379,11 +349,20 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _measure_collective_curves(world: int, reps: int) -> dict:
+def _measure_collective_curves(world: int, calls: int) -> dict:
     """Per kind (all_reduce, all_gather, reduce_scatter): the least-squares line through each
-    call's best time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor for an
-    all-reduce, (n−1) chunks for the others), as ``{"latency_s": intercept, "bus_bw": 1/slope}``.
-    gloo's three differ at these sizes (its reduce-scatter runs slower than its all-reduce)."""
+    size's mean call time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor
+    for an all-reduce, (n−1) chunks for the others), as ``{"latency_s": intercept, "bus_bw": 1/slope}``.
+    gloo's three differ at these sizes (its reduce-scatter runs slower than its all-reduce).
+
+    The mean of ``calls`` calls, each after a barrier (so the ranks' skew is left out, as the
+    engine's least-waiting rank leaves it out), not the best: a step pays every call, and on a
+    shared machine their times have a long tail. Timed here at 1 MB a rank, the median
+    all-gather took 1.5-1.7× the best and one call in five over 1.6-3.7 ms (a wake-up missed,
+    a scheduler tick waited for); the mean, 1.6-1.9 ms for an all-gather and 3.2-3.6 ms for a
+    reduce-scatter, is what the tp benchmark's calls of that size waited in training (2.66 ms
+    the pair, the least-waiting rank's, 94 calls a step), where the best (0.6 and 1.3 ms) said
+    half of it."""
     curves = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         sent, seconds = [], []
@@ -394,14 +373,14 @@ def _measure_collective_curves(world: int, reps: int) -> dict:
                     "all_gather": lambda: ALL_GATHER(whole, part),
                     "reduce_scatter": lambda: REDUCE_SCATTER(part, whole)}[kind]
             call()
-            best = float("inf")
-            for _ in range(max(3, reps)):
+            total = 0.0
+            for _ in range(calls):
                 dist.barrier()
                 start = time.perf_counter()
                 call()
-                best = min(best, time.perf_counter() - start)
+                total += time.perf_counter() - start
             sent.append(chunk * (2 * (world - 1) / world if kind == "all_reduce" else world - 1))
-            seconds.append(best)
+            seconds.append(total / calls)
         mean_x, mean_y = sum(sent) / len(sent), sum(seconds) / len(seconds)
         slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sent, seconds))
                  / sum((x - mean_x) ** 2 for x in sent))
@@ -443,7 +422,8 @@ def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: s
                 worker.join()
 
 
-def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0) -> dict:
+def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0,
+                 curve_calls: int = 20) -> dict:
     """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
 
     Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce,
@@ -452,7 +432,8 @@ def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeo
     """
     if world < 2:
         raise ValueError(f"measure_gloo: world must be at least 2, got {world}")
-    return _run_gloo_workers(world, _gloo_worker, (message_bytes, reps, timeout_s), timeout_s, "gloo measurement")
+    return _run_gloo_workers(world, _gloo_worker, (message_bytes, reps, curve_calls, timeout_s), timeout_s,
+                             "gloo measurement")
 
 
 def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float, results) -> None:
@@ -534,17 +515,27 @@ def _shared_core_worker(commands, results) -> None:
         results.put((time.thread_time() - began) / done)
 
 
-def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int = 2,
-                                 timeout_s: float = 120.0) -> dict[str, float]:
-    """How much more CPU a training step's compute takes when 2 and 4 workers share each core
-    than at one worker a core, ``{"2": 1.0, "4": …, "8": …}`` on 2 cores (keyed as
-    measure_oversubscribed_waits): the workers switched in and out refill the caches and branch
-    predictors the others left. The compute is SHARED_CORE_MODEL's micro-batches, each worker's
-    CPU clock per micro-batch; the phases alternate, one worker a core between each crowded one,
-    and each crowded phase is taken against the mean of its two neighbours (the machine's speed
-    drifts over minutes), the median over ``rounds``."""
+def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int = 2, concurrent_rounds: int = 3,
+                                 timeout_s: float = 120.0) -> tuple[float, dict[str, float]]:
+    """How much more CPU a training step's compute takes with more workers than one, as
+    ``(concurrent, beyond)``:
+
+    - ``concurrent``: a worker on every core against one alone (≥ 1): the cores share the
+      caches and the memory bus, and clock lower when all are busy. A run with a worker per
+      core sees this; a single process does not.
+    - ``beyond``: 2 and 4 workers a core against one a core, ``{"2": 1.0, "4": …, "8": …}`` on
+      2 cores (keyed as measure_oversubscribed_waits): the workers switched in and out refill
+      the caches and branch predictors the others left.
+
+    The compute is SHARED_CORE_MODEL's micro-batches, each worker's CPU clock per micro-batch,
+    on workers built and warmed first. The phases alternate, the base count (one worker; one a
+    core) between each crowded one, and each crowded phase is taken against the mean of its two
+    neighbours (the machine's speed drifts over minutes), the median over the rounds. Timed
+    instead as the reference model on every core against its time alone a minute before, five
+    profiles of this idle machine said 1.00-1.12×, and the runs with a worker per core were
+    predicted 8-30% short when it said 1.00; interleaved, 2-second phases of this model gave
+    0.97-1.08× and the tiny preset's whole step 1.02-1.15×, medians of 1.02-1.07."""
     worlds = oversubscribed_worlds(cores)
-    base, crowded = worlds[0], worlds[1:]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     commands = [ctx.Queue() for _ in range(worlds[-1])]
@@ -558,13 +549,19 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
             queue_.put((start, start + seconds))
         return statistics.mean(results.get(timeout=timeout_s) for _ in range(workers))
 
-    try:
-        for _ in procs:
-            results.get(timeout=timeout_s)
+    def alternating(base: int, crowded: list[int], rounds: int) -> list[tuple[int, float]]:
         phases = [(base, phase(base))]
         for _ in range(rounds):
             for workers in crowded:
                 phases += [(workers, phase(workers)), (base, phase(base))]
+        return phases
+
+    try:
+        for _ in procs:
+            results.get(timeout=timeout_s)
+        concurrent = (1.0 if cores < 2 else
+                      slowdown_from_phases(alternating(1, [cores], concurrent_rounds))[str(cores)])
+        beyond = slowdown_from_phases(alternating(worlds[0], worlds[1:], rounds))
     except queue.Empty:
         raise RuntimeError(f"shared-core slowdown: no result within {timeout_s:.0f} s") from None
     finally:
@@ -574,7 +571,7 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
-    return slowdown_from_phases(phases)
+    return concurrent, beyond
 
 
 def slowdown_from_phases(phases: list[tuple[int, float]]) -> dict[str, float]:
@@ -609,20 +606,20 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     on_step(f"attention (fp32 and bf16), {threads} thread(s)")
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
-    on_step(f"a reference model, alone and {workers} at once, {threads} thread(s)")
+    on_step(f"a reference model's memory-bound work, {threads} thread(s)")
     # Interleaved rounds, quick or not: the fixed cost is the difference of timings, and short
     # or drifting ones leave it to noise (memory_bound_rounds).
-    elementwise_bw, block_overhead, reference_s = memory_bound_rounds(threads, settings.matmul_size, attention_fp32,
-                                                                      fp32, memory_bw)
-    alone_s = reference_s[4]
-    slowdown = measure_concurrent_slowdown(workers, threads, alone_s, settings.copy_seconds, settings.gloo_timeout_s)
+    elementwise_bw, block_overhead, _ = memory_bound_rounds(threads, settings.matmul_size, attention_fp32, fp32,
+                                                            memory_bw)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
-    gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s)
+    gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s,
+                        settings.curve_calls)
     on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
-    on_step(f"a training step's compute with 1, 2 and 4 processes per core, {workers} cores")
-    shared_core = measure_shared_core_slowdown(workers, settings.shared_core_seconds, settings.shared_core_rounds,
-                                               settings.gloo_timeout_s)
+    on_step(f"a training step's compute alone, on every core, and with 2 and 4 processes per core, {workers} cores")
+    slowdown, shared_core = measure_shared_core_slowdown(workers, settings.shared_core_seconds,
+                                                         settings.shared_core_rounds, settings.concurrent_rounds,
+                                                         settings.gloo_timeout_s)
     on_step(f"fp32 matmul again, {threads} thread(s): did the machine's speed drift?")
     fp32_at_end = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds / 2)
     return {

@@ -82,7 +82,7 @@ class GPU:
     # per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
     # The wait of calibrate's first point, one worker a core: no member is off its core there, so
-    # it is the call's latency and the ranks' skew (one reaches the call before the other).
+    # it is the ranks' skew (one reaches the call before the other).
     on_core_wait_s: float = 0.0
     # ((workers computing, CPU seconds a collective call costs its process beyond the compute), …):
     # on a CPU whose cores are all busy, taken from the ranks that compute (costs.estimate).
@@ -272,7 +272,11 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     # The workers of one machine share its RAM, as GPUs do not share HBM: each gets its part.
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
-    waits = {int(w): float(t) for w, t in profile.get("oversubscribed_wait_s", {}).items()}
+    # calibrate's waits are whole calls of a one-float all-reduce, whose own time (latency_s,
+    # timed alone) costs.estimate prices apart, as each collective's latency: what is left is
+    # the waiting for members (the ranks' skew, and members off their core), counted once.
+    own = float(profile["latency_s"]) if "collectives" in profile else 0.0
+    waits = {int(w): max(0.0, float(t) - own) for w, t in profile.get("oversubscribed_wait_s", {}).items()}
     attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
     elementwise = profile.get("elementwise_bw")
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
