@@ -272,6 +272,20 @@ def test_the_memory_bound_rate_and_fixed_cost_are_what_the_reference_model_leave
     assert calibrate.memory_bound_rates(measured, matmul, attention, copy, fixed_per_block=2 * overhead)[0] > 1.02 * true_bw
     too_busy = {b: 0.0 for b in measured}  # products longer than the whole: the copy's bandwidth, no fixed cost
     assert calibrate.memory_bound_rates(too_busy, matmul, attention, copy) == (copy, 0.0)
+    # calibrate fits on the narrow model, where the memory-bound work is a third of the step, not a twentieth
+    narrow = ModelConfig(**dict(calibrate.REFERENCE_MODEL, **calibrate.MEMORY_BOUND_MODEL))
+    shares = []
+    for cfg, micro_batches in ((ModelConfig(**calibrate.REFERENCE_MODEL), (1, 2, 4)),
+                               (narrow, calibrate.MEMORY_BOUND_MICRO_BATCHES)):
+        times = {mb: costs.estimate(costs.Workload(cfg, mb, precision="fp32"), costs.Layout.named(micro_batch=mb), gpu)
+                 for mb in micro_batches}
+        measured = {mb: float(e["compute_s"] + e["memory_bound_s"]) for mb, e in times.items()}
+        model = calibrate.MEMORY_BOUND_MODEL if cfg is narrow else calibrate.REFERENCE_MODEL
+        assert calibrate.memory_bound_rates(measured, matmul, attention, copy, overhead, model) == pytest.approx(
+            (true_bw, overhead))
+        big = times[max(micro_batches)]
+        shares.append(float(big["memory_bound_s"] / (big["compute_s"] + big["memory_bound_s"])))
+    assert shares[1] > 2 * shares[0]
 
 
 def test_the_reference_model_is_timed():

@@ -160,9 +160,21 @@ def measure_attention_flops(dtype: torch.dtype, threads: int, batch: int = 4, he
         return _typical_rate(forward_backward, 3 * 2.0 * batch * seq * seq * heads * head_dim, seconds)
 
 
-# The reference model calibrate times for the memory-bound work: threefold's own blocks, small
-# enough for a CPU, large enough that each activation (4 MB) is the size a CPU run streams.
+# The reference model calibrate times a block's fixed cost on (dispatch_seconds_per_block):
+# threefold's own blocks, small enough for a CPU, large enough that each activation (4 MB) is
+# the size a CPU run streams.
 REFERENCE_MODEL = dict(layers=2, hidden=512, heads=8, kv_heads=4, ffn=1408, vocab_size=4096, seq_len=256)
+# The narrow model the memory-bound rate is fitted on (memory_bound_rounds), at micro-batches of
+# MEMORY_BOUND_MICRO_BATCHES × 64 tokens: 1-4 MB activations, as a CPU run's. A product's
+# FLOPs grow as the width squared and the memory-bound bytes as the width, so at 64 wide the
+# norms, rotary, SwiGLU and residuals take about a third of the step (counted at 13 GB/s) where
+# at REFERENCE_MODEL's 512 they took a twentieth, and the rate was the small difference of two
+# large timings: fitted from it, rounds seconds apart gave 5.7-46 GB/s, and three profiles of
+# 2026-12-04 fell back to the copy's bandwidth (a round's products came out longer than the
+# whole). Its products run at the 2048-wide products' rate on this CPU (93 GFLOP/s at 4096 × 64
+# × 64 against 93); one head of 64 keeps the attention core at the head size calibrate times.
+MEMORY_BOUND_MODEL = dict(layers=2, hidden=64, heads=1, kv_heads=1, ffn=None, vocab_size=256, seq_len=64)
+MEMORY_BOUND_MICRO_BATCHES = (16, 32, 64)
 
 
 def reference_step(micro_batch: int = 4, optimizer_every: int = 0, **overrides):
@@ -235,7 +247,7 @@ def memory_bound_rounds(threads: int, matmul_size: int, attention_flops: float, 
                         rounds: int = 3, seconds: float = 0.3) -> tuple[float, float, dict[int, float]]:
     """``memory_bound_rates`` measured in ``rounds`` interleaved rounds, with the fixed cost per
     block measured apart (``dispatch_seconds_per_block``): each round times the matmul peak and
-    the reference model at micro-batches 1, 2 and 4 within a few seconds of each other and fits
+    MEMORY_BOUND_MODEL at MEMORY_BOUND_MICRO_BATCHES within a few seconds of each other and fits
     the rate; the round with the median rate gives (bytes/s, fixed seconds per block), with each
     micro-batch's median seconds. A shared machine's speed drifts by 20% over a minute (a VM's
     neighbours): timed one after another, with a line's intercept for the fixed cost, four
@@ -245,26 +257,28 @@ def memory_bound_rounds(threads: int, matmul_size: int, attention_flops: float, 
     size = matmul_size
     a, b, out = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen), torch.empty(size, size)
     fixed = dispatch_seconds_per_block(threads, matmul_flops, attention_flops, copy_bw)
-    fits, times = [], {mb: [] for mb in (1, 2, 4)}
+    fits, times = [], {mb: [] for mb in MEMORY_BOUND_MICRO_BATCHES}
     with intra_op_threads(threads):
-        steps = {mb: reference_step(mb) for mb in times}
+        steps = {mb: reference_step(mb, **MEMORY_BOUND_MODEL) for mb in times}
         for _ in range(rounds):
             peak = _typical_rate(lambda: torch.mm(a, b, out=out), 2.0 * size**3, seconds, trials=2)
             measured = {mb: 1.0 / _typical_rate(steps[mb], 1.0, seconds, trials=2) for mb in times}
             for mb, s in measured.items():
                 times[mb].append(s)
-            fits.append(memory_bound_rates(measured, peak, attention_flops * peak / matmul_flops, copy_bw, fixed))
+            fits.append(memory_bound_rates(measured, peak, attention_flops * peak / matmul_flops, copy_bw, fixed,
+                                           MEMORY_BOUND_MODEL))
     rate, fixed = sorted(fits)[len(fits) // 2]
     return rate, fixed, {mb: statistics.median(s) for mb, s in times.items()}
 
 
 def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attention_flops: float,
-                       copy_bw: float, fixed_per_block: float | None = None) -> tuple[float, float]:
+                       copy_bw: float, fixed_per_block: float | None = None,
+                       model: dict = REFERENCE_MODEL) -> tuple[float, float]:
     """(bytes/s of the memory-bound work, seconds of fixed cost per block and micro-batch) of
     threefold's own model, as the planner counts them.
 
-    ``measured``: the reference model's forward and backward, micro-batch size → seconds
-    (reference_model_seconds), at two sizes or more. From each, the matrix products and the attention
+    ``measured``: ``model``'s forward and backward (REFERENCE_MODEL's keys; reference_step),
+    micro-batch size → seconds, at two sizes or more. From each, the matrix products and the attention
     core, timed by the planner at the rates measured, are taken off; what is left is a line in
     the planner's count of memory-bound bytes (norms, rotary, SwiGLU, residuals, the loss): its
     slope is the rate those bytes stream at, its intercept the cost that does not grow with the
@@ -282,12 +296,12 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
     points = []
     for micro_batch, seconds in sorted(measured.items()):
-        predicted = costs.estimate(costs.Workload(ModelConfig(**REFERENCE_MODEL), micro_batch, precision="fp32"),
+        predicted = costs.estimate(costs.Workload(ModelConfig(**dict(REFERENCE_MODEL, **model)), micro_batch, precision="fp32"),
                                    costs.Layout.named(micro_batch=micro_batch), reference)
         # memory_bound_s is in bytes at 1 B/s
         points.append((float(predicted["memory_bound_s"]), seconds - float(predicted["compute_s"])))
     if fixed_per_block is not None:  # left − fixed = bytes / bandwidth, least squares through 0
-        fixed = fixed_per_block * REFERENCE_MODEL["layers"]
+        fixed = fixed_per_block * model["layers"]
         slope = sum(b * (t - fixed) for b, t in points) / sum(b * b for b, _ in points)
         return (1.0 / slope if slope > 0 else copy_bw), fixed_per_block
     # The least-squares line through the points: left = fixed + bytes / bandwidth
@@ -299,7 +313,7 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     if slope <= 0 or fixed < 0:  # noise beyond what the line can say: one rate, no fixed cost
         bytes_large, left_large = points[-1]
         return (bytes_large / left_large if left_large > 0 else copy_bw), 0.0
-    return 1.0 / slope, fixed / REFERENCE_MODEL["layers"]
+    return 1.0 / slope, fixed / model["layers"]
 
 
 def _free_store() -> dist.TCPStore:
@@ -606,7 +620,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     on_step(f"attention (fp32 and bf16), {threads} thread(s)")
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
-    on_step(f"a reference model's memory-bound work, {threads} thread(s)")
+    on_step(f"memory-bound work of a 64-wide model, {threads} thread(s)")
     # Interleaved rounds, quick or not: the fixed cost is the difference of timings, and short
     # or drifting ones leave it to noise (memory_bound_rounds).
     elementwise_bw, block_overhead, _ = memory_bound_rounds(threads, settings.matmul_size, attention_fp32, fp32,
@@ -701,7 +715,7 @@ def profile_table(profile: dict, path: Path) -> Table:
         ("memory bandwidth (copy)", f"{profile['hbm_bw'] / 1e9:,.1f} GB/s"),
         ("fp32 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_fp32', float('nan')) / 1e9:,.1f} GFLOP/s"),
         ("bf16 attention (causal SDPA, fwd+bwd)", f"{profile.get('attention_flops_bf16', float('nan')) / 1e9:,.1f} GFLOP/s"),
-        ("memory-bound work (reference model)", f"{profile.get('elementwise_bw', float('nan')) / 1e9:,.1f} GB/s"),
+        ("memory-bound work (64-wide reference model)", f"{profile.get('elementwise_bw', float('nan')) / 1e9:,.1f} GB/s"),
         ("fixed cost per block and micro-batch (reference model)",
          f"{profile.get('block_overhead_s', float('nan')) * 1e3:,.2f} ms"),
         ("slowdown with every core busy", f"{profile.get('concurrent_slowdown', float('nan')):.2f}×"),
