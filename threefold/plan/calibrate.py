@@ -296,8 +296,8 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
     points = []
     for micro_batch, seconds in sorted(measured.items()):
-        predicted = costs.estimate(costs.Workload(ModelConfig(**dict(REFERENCE_MODEL, **model)), micro_batch, precision="fp32"),
-                                   costs.Layout.named(micro_batch=micro_batch), reference)
+        work = costs.Workload(ModelConfig(**dict(REFERENCE_MODEL, **model)), micro_batch, precision="fp32")
+        predicted = costs.estimate(work, costs.Layout.named(micro_batch=micro_batch), reference)
         # memory_bound_s is in bytes at 1 B/s
         points.append((float(predicted["memory_bound_s"]), seconds - float(predicted["compute_s"])))
     if fixed_per_block is not None:  # left − fixed = bytes / bandwidth, least squares through 0
@@ -742,7 +742,9 @@ def profile_table(profile: dict, path: Path) -> Table:
 @click.command()
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
-@click.option("--quick", is_flag=True, help="Smaller, shorter measurements (about 40 s against 50); noisier numbers, the fixed cost per block above all.")
+@click.option("--quick", is_flag=True,
+              help="Smaller, shorter measurements (about 55 s against 105); noisier numbers, the fixed cost per block "
+                   "and the collectives' latencies above all.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
 @click.option("--from-runs", "from_runs", is_flag=True,
               help="Fit the profile's efficiencies to the measured RUNs instead of measuring: each RUN a "
