@@ -142,7 +142,7 @@ def test_cross_validation_fits_on_other_layouts_and_predicts_the_targets():
 # demo +3%, ddp −7%, tp +5%, pp −2% (bar 10%: met). Exposed communication: DDP dp 0.021 / 0.003
 # s, dp2·pp2 dp 0.015 / 0.003, within 20 ms; ZeRO-3 dp 0.067 / 0.043 and dp2·pp2's pp 0.074 /
 # 0.041 miss. The two recordings designated before it (21:12, 23:28; now
-# planner_runs_2026-12-04_2112/ and _2328/) missed all three bars and two; docs/planner.md,
+# planner_runs_2026-12-04_2112/ and _2328/) each missed all three bars; docs/planner.md,
 # "The closed loop", has every recording replayed.
 RECORDING_MISSES = "the 23:46 recording: {}; docs/planner.md, 'The closed loop'"
 
