@@ -206,12 +206,6 @@ def reference_step(micro_batch: int = 4, optimizer_every: int = 0, **overrides):
     return forward_backward
 
 
-def reference_model_seconds(threads: int, micro_batch: int = 4, seconds: float = 1.0) -> float:
-    """Seconds of the forward and backward, with its loss, of one fp32 micro-batch of REFERENCE_MODEL."""
-    with intra_op_threads(threads):
-        return 1.0 / _typical_rate(reference_step(micro_batch), 1.0, seconds)
-
-
 def _reference_gpu(matmul_flops: float, attention_flops: float, copy_bw: float):
     """A GPU of the measured rates whose memory-bound work runs at 1 B/s (its seconds are bytes)."""
     from threefold.plan.hardware import GPU
@@ -293,7 +287,6 @@ def memory_bound_rates(measured: dict[int, float], matmul_flops: float, attentio
     less that cost: an intercept fitted from three sizes is the difference of noisy timings."""
     from threefold.config import ModelConfig
     from threefold.plan import costs
-    from threefold.plan.hardware import GPU
 
     reference = _reference_gpu(matmul_flops, attention_flops, copy_bw)
     points = []
@@ -550,7 +543,7 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     instead as the reference model on every core against its time alone a minute before, five
     profiles of this idle machine said 1.00-1.12×, and the runs with a worker per core were
     predicted 8-30% short when it said 1.00; interleaved, 2-second phases of this model gave
-    0.97-1.08× and the tiny preset's whole step 1.02-1.15×, medians of 1.02-1.07."""
+    0.97-1.08× and the tiny preset's whole step 1.02-1.15×, medians of 1.03-1.07."""
     worlds = oversubscribed_worlds(cores)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -273,10 +273,11 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     memory_per_worker = float(profile["hbm_bytes"]) / max(cores, workers or 1)
     link = float(profile.get("link_efficiency", 1.0))  # fitted by `calibrate --from-runs`; else 1
     # calibrate's waits are whole calls of a one-float all-reduce, whose own time (latency_s,
-    # timed alone) costs.estimate prices apart, as each collective's latency: what is left is
-    # the waiting for members (the ranks' skew, and members off their core), counted once.
-    own = float(profile["latency_s"]) if "collectives" in profile else 0.0
-    waits = {int(w): max(0.0, float(t) - own) for w, t in profile.get("oversubscribed_wait_s", {}).items()}
+    # timed alone) costs.estimate prices apart, as each collective's latency (its kind's line, or
+    # the ring's steps at latency_s / ring_steps): what is left is the waiting for members (the
+    # ranks' skew, and members off their core), counted once.
+    waits = {int(w): max(0.0, float(t) - float(profile["latency_s"]))
+             for w, t in profile.get("oversubscribed_wait_s", {}).items()}
     attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
     elementwise = profile.get("elementwise_bw")
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
