@@ -1,7 +1,6 @@
 """`threefold estimate` and `threefold plan` as a user runs them: flags, JSON, errors, batch mode."""
 import dataclasses
 import json
-import re
 
 import pytest
 
@@ -142,8 +141,22 @@ def test_list_gpus(capsys):
     assert code == 0
     for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "mi300x"):
         assert name in out
-    h100 = next(line for line in out.splitlines() if line.startswith("│ h100-sxm"))
-    assert re.search(r"│ +700 │", h100)  # the rated power --power-limit-w scales from
+    h100 = next(line.split() for line in out.splitlines() if line.split()[:1] == ["h100-sxm"])
+    assert h100[1:3] == ["989", "67.0"] and h100[-1] == "700"  # the rated power --power-limit-w scales from
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_list_gpus_figures_whole_at_any_width(monkeypatch, capsys, columns):
+    """An 80-column terminal (or a pipe) gets every figure whole, the descriptions under the table;
+    a wide one gets them in a column."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, _ = run(capsys, "estimate", "--list-gpus")
+    assert code == 0 and "…" not in out
+    b200 = next(line.split() for line in out.splitlines() if line.split()[:1] == ["b200"])
+    assert b200[1] == "2,250" and b200[10] == "1000"
+    assert max(len(line) for line in out.splitlines()) <= columns
+    described_below = any(line.startswith("b200: B200") for line in out.splitlines())
+    assert described_below == (columns < 130)
 
 
 def test_batch_mode_one_line_per_input_in_order(capsys, tmp_path):

@@ -276,7 +276,7 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
             gpus.append(get_gpu("local"))
         except ConfigError:
             pass  # no calibrated profile: the table lists the catalog only
-        console.print(report.gpu_table(gpus))
+        console.print(report.gpu_table(gpus, console.width))
         if len(gpus) == len(CATALOG):
             console.print("local: not measured yet; run `threefold calibrate`")
         return

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+from rich import box
 from rich.table import Table
 
 from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout
@@ -97,22 +98,31 @@ def _tflops(flops: float | None) -> str:
     return f"{tflops:,.0f}" if tflops >= 100 else f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
 
 
-def gpu_table(gpus) -> Table:
-    table = Table(title="GPUs the planner knows (--gpu NAME)")
+def gpu_table(gpus, width: int = 200) -> Table:
+    """The catalog as a table for a console ``width`` columns wide: below 130 the descriptions
+    go under the table, one line each, so that the figures never wrap or lose digits."""
+    wide = width >= 130
+    table = Table(title="GPUs the planner knows (--gpu NAME)", box=box.SIMPLE_HEAD, padding=0,
+                  pad_edge=False)
     table.add_column("name", no_wrap=True)
-    for column in ("TFLOP/s", "fp32 TFLOP/s", "fp8 TFLOP/s", "HBM GiB", "HBM TB/s", "node GB/s", "net GB/s", "per node",
-                   "matmul eff", "W"):
-        table.add_column(column, justify="right")
-    table.add_column("what", overflow="fold")
+    for column in ("TFLOP/s", "fp32\nTFLOP/s", "fp8\nTFLOP/s", "HBM\nGiB", "HBM\nTB/s", "node\nGB/s", "net\nGB/s",
+                   "per\nnode", "matmul\neff", "W"):
+        table.add_column(column, justify="right", no_wrap=True)  # a header takes two lines; a figure one
+    if wide:
+        table.add_column("what", ratio=1)
     for gpu in gpus:
         table.add_row(gpu.name, _tflops(gpu.peak_flops), _tflops(gpu.peak_flops_fp32), _tflops(gpu.peak_flops_fp8),
                       f"{gpu.hbm_bytes / GiB:.0f}",
                       f"{gpu.hbm_bw / 1e12:.3g}", f"{gpu.intra_node_bw / 1e9:,.3g}", f"{gpu.inter_node_bw / 1e9:,.3g}",
                       str(gpu.gpus_per_node), f"{gpu.matmul_efficiency:.2f}",
-                      "—" if gpu.rated_power_w is None else f"{gpu.rated_power_w:.0f}", gpu.description)
-    table.caption = ("TFLOP/s: dense 16-bit peak (--dtype float32 and float8: their columns); node/net: bandwidth "
-                     "per GPU, one direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs "
-                     "reach; W: the board power that fraction holds at (--power-limit-w below it slows the products)")
+                      "—" if gpu.rated_power_w is None else f"{gpu.rated_power_w:.0f}",
+                      *([gpu.description] if wide else []))
+    lines = [] if wide else [f"{gpu.name}: {gpu.description}" for gpu in gpus]
+    table.caption = "\n".join(lines + [
+        "TFLOP/s: dense 16-bit peak (--dtype float32 and float8: their columns); node/net: bandwidth per GPU, one "
+        "direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs reach; W: the board "
+        "power that fraction holds at (--power-limit-w below it slows the products)"])
+    table.caption_justify = "left"
     return table
 
 
