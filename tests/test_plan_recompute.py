@@ -153,6 +153,28 @@ def test_selective_under_flash_at_zero_3_is_op_level_sac():
             == pytest.approx(core / GiB, rel=1e-9))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_moe_block_under_op_sac_keeps_its_feed_forward_whole(sequence_parallel):
+    """Op-level SAC on an MoE block: the attention as the dense block's policy, the experts'
+    feed-forward whole with its input (the norm's output). A dense FFN four times the experts'
+    width once made this negative (a fuzzed --batch line: -23 GiB of activations)."""
+    cfg = ModelConfig(layers=4, hidden=2048, heads=32, kv_heads=8, ffn=49152, vocab_size=50432, seq_len=2048,
+                      moe_experts=64, moe_top_k=1, moe_ffn=14336)
+    tokens, tp, d = 8 * 2048, 2, costs.ACTIVATION_BYTES
+    seq_split = tp if sequence_parallel else 1
+
+    def block(recompute):
+        return (costs.block_activation_bytes(cfg, tokens, tp, sequence_parallel, recompute)
+                + costs.moe_activation_bytes(cfg, tokens, tp, sequence_parallel, recompute))
+    op_dense = costs.op_checkpoint_bytes(cfg, tokens, tp, sequence_parallel)
+    none_moe_ffn = (costs.moe_activation_bytes(cfg, tokens, tp, sequence_parallel, "none")
+                    + tokens * 4 * d * cfg.ffn_hidden / tp)  # the MoE's own tensors, none taken off
+    # the dense block's FFN outputs under op (w_gate's, w_down's) give way to the MoE's whole FFN and its input
+    expected = op_dense - tokens * d * (cfg.ffn_hidden / tp + cfg.hidden) + none_moe_ffn + tokens * d * cfg.hidden / seq_split
+    assert block("op") == pytest.approx(expected, rel=1e-12)
+    assert 0 < block("full") < block("op") < block("none")
+
+
 def test_op_under_eager_attention_is_one_line():
     with pytest.raises(ConfigError, match="--recompute: op .* needs --attention flash"):
         _estimate(**GPT_22B, recompute="op", attention="eager")

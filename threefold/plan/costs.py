@@ -701,13 +701,18 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     under SP the gathered input (h); in fp32 and int64 whatever the dtype, the router's logits
     and scores (8·E bytes), the choices' indices and sort orders (32·k), their weights (8·k)
     and the renormalising sum (4). Expert parallelism's regrouping adds a few bytes (not
-    counted). Full recomputation keeps only the block's input, as for a dense block."""
-    d, k, f = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden
-    gathered = np.where(np.asarray(sequence_parallel, dtype=bool), model.hidden * d, 0)
-    whole = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * model.hidden * d + 8 * model.moe_experts
-             + 40 * k + 4)
-    return _scalar_or_array(np.where(_recompute_index(recompute) == RECOMPUTE.index("full"), 0,
-                                     tokens * (whole + gathered - 4 * d * model.ffn_hidden / np.asarray(tp))))
+    counted). Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
+    keeps an MoE block's feed-forward whole (``op_recomputed_products``: the policy predates MoE
+    blocks) where the dense block it replaces kept w_gate's and w_down's outputs, d·(f/tp + h),
+    and not the norm's output, which the experts' input then is."""
+    d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
+    t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
+    recompute = _recompute_index(recompute)
+    gathered = np.where(sp, h * d, 0)
+    whole = 4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 8 * model.moe_experts + 40 * k + 4
+    dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
+                         4 * d * model.ffn_hidden / t)
+    return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0, tokens * (whole + gathered - dense_ffn)))
 
 
 def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, tp_overlap=False,
