@@ -289,6 +289,8 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
                 result = evaluate(_batch_line(text, options, params))
             except ConfigError as err:
                 result = {"error": str(err)}
+            except Exception as err:  # a defect of ours: say so on this line, and answer the others
+                result = {"error": f"internal error, please report it: {type(err).__name__}: {err}"}
             click.echo(json.dumps(result))
         return
     check_picture_path("--out", out)
