@@ -138,6 +138,7 @@ def test_check_schedule_refuses_in_one_line(pp, m, v, layers, message):
     (["model.tie_embeddings=true"], "model.tie_embeddings: dualpipev puts the embedding and the head on"),
     (["parallel.dp=2", "parallel.zero=3", "train.global_batch=32"], "parallel.zero: ZeRO-3 with dualpipev"),
     (["train.global_batch=14"], "parallel.microbatches: dualpipev needs at least 2·pp = 8"),
+    (["train.recompute=full"], "train.recompute: full recomputation with dualpipev is not supported"),
 ])
 def test_layouts_it_refuses(overrides, message):
     with pytest.raises(ConfigError, match="^" + message):

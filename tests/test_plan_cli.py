@@ -281,3 +281,21 @@ def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
     assert code == 0
     code, canonical, _ = run(capsys, *common, "--gpu", name)
     assert json.loads(out) == json.loads(canonical)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipev"])
+def test_full_recomputation_under_a_split_backward_is_refused_and_never_searched(capsys, schedule):
+    """W apart from B would run each checkpointed block's forward again (the engine refuses it
+    too): estimate says so in one line, and plan leaves those layouts out."""
+    common = ["--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "16",
+              "--no-tie-embeddings"]
+    code, _, err = run(capsys, "estimate", *common, "--pp", "2", "--schedule", schedule, "--recompute", "full")
+    assert code == 2 and err.strip().count("\n") == 0
+    assert f"--recompute: full with --schedule {schedule} is not priced" in err
+    from threefold.plan import search
+
+    candidates = search.candidate_layouts(costs.Workload(get_preset("llama3-8b"), 64), 16, {"schedule": schedule})
+    split = candidates.pp > 1
+    recompute = candidates.recompute[split]
+    assert split.any() and costs.RECOMPUTE.index("none") in recompute
+    assert costs.RECOMPUTE.index("full") not in recompute  # left out of the search

@@ -4,6 +4,7 @@ bytes, a bubble below one, a finite JSON). A seeded generator, so a failure name
 It found an MoE block under op-level SAC counted at -23 GiB of activations."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -69,7 +70,9 @@ def test_random_layouts_give_physical_results_or_one_line_errors(seed):
         assert math.isclose(memory["total"], sum(v for k, v in memory.items() if k != "total"), rel_tol=1e-9), shown
         assert result["step_time_s"] > 0 and result["mfu"] > 0 and 0 <= result["bubble_fraction"] < 1, shown
         if line["recompute"] == "none":  # recomputing the forward never makes a step faster
-            assert estimate_line(dict(line, recompute="full"))["step_time_s"] >= result["step_time_s"] * (1 - 1e-9), shown
+            with contextlib.suppress(ConfigError):  # (a split-backward schedule refuses full)
+                full = estimate_line(dict(line, recompute="full"))
+                assert full["step_time_s"] >= result["step_time_s"] * (1 - 1e-9), shown
         if "inter_node_gbps" in line and "intra_node_gbps" in line:  # nor do faster links make it slower
             faster = dict(line, inter_node_gbps=2 * line["inter_node_gbps"], intra_node_gbps=2 * line["intra_node_gbps"])
             assert estimate_line(faster)["step_time_s"] <= result["step_time_s"] * (1 + 1e-9), shown

@@ -6,7 +6,7 @@ Each check raises ``ConfigError`` with one line that names the key and the reaso
 from __future__ import annotations
 
 from threefold.config import AUTO, Config, ConfigError, ModelConfig, ParallelConfig
-from threefold.parallel.pipeline.schedule import check_schedule, stage_counts
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, stage_counts
 
 
 def check_layout(cfg: Config) -> None:
@@ -90,6 +90,13 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"parallel.zero: ZeRO-3 with {p.schedule} is not supported: the deferred weight gradients "
                           "(W) would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
                           f"with {p.schedule}, or another schedule with zero 3")
+    if cfg.train.recompute == "full" and SCHEDULE_REGISTRY[p.schedule].split_backward:
+        # B and W are separate autograd passes, and a checkpointed block recomputes its forward in
+        # each pass that unpacks it: W's weight groups would run it again (3× the tp bytes measured)
+        raise ConfigError(f"train.recompute: full recomputation with {p.schedule} is not supported: its weight "
+                          "gradients (W) run apart from the input gradients (B), and each would recompute the "
+                          f"blocks' forward again; use recompute selective or none with {p.schedule}, or "
+                          "schedule 1f1b or interleaved with full")
     if p.schedule == "dualpipev" and cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings: dualpipev puts the embedding and the head on pipeline rank 0 as two "
                           "stages, which do not share one tied weight here; set model.tie_embeddings=false")
