@@ -23,6 +23,8 @@ LAYOUTS = {
     "dp4-ep2-zero1-expert-lr": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "model.moe_expert_lr_scale=3"],
     "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
     "dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],  # experts sharded over edp = 2
+    # the recomputed forward keeps the experts gathered for the backward that follows it
+    "dp4-ep2-zero3-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "train.recompute=full"],
     "dp4-ep2-zero2-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"] + BIAS,
     "dp2-ep2-zero2-full": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"],
     "dp2-ep2-zero3-selective": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "train.recompute=selective"],

@@ -26,6 +26,11 @@ gathered between forward and backward instead; we follow the formula). At most o
 reduce-scatter is in flight: the next unit's finishes it first, bounding the full gradients
 alive at any time to about two units'.
 
+Full recomputation runs a block's forward again inside the backward. A unit inside the block (an
+MoE block's experts: the block's own hooks sit outside the checkpoint) then gathers for that
+forward and stays gathered for the backward that follows, as torch's FSDP2 does: still two
+gathers a micro-batch (a dry run once counted three).
+
 The optimizer is torch's AdamW on this rank's chunks, exactly as in ZeRO-1/2
 (``chunk_optimizer_params``); gradient clipping all-reduces the squared norm of the chunks.
 
@@ -46,6 +51,12 @@ from threefold.distributed.comm import Comm, Pending
 from threefold.distributed.mesh import ParallelMesh
 from threefold.parallel.data_parallel import FlatLayout, chunk_optimizer_params, decay_first
 from threefold.parallel.placements import Placement, Shard, flat_layout_shards
+
+
+def in_backward() -> bool:
+    """Whether autograd's backward is running this forward: full recomputation re-running a block
+    whose units sit inside it (an MoE block's experts). torch's FSDP2 asks the same (``is_bw``)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ShardedUnit:
@@ -165,10 +176,12 @@ class ShardedGradSync:
             self.tag = None if torch.is_grad_enabled() else "eval"
         self._wait_gather(self.blocks[i])
         self.blocks[i].install()
-        if i + 1 < len(self.blocks):
+        if i + 1 < len(self.blocks) and not in_backward():  # a recompute's next unit has had its backward
             self._start_gather(self.blocks[i + 1])
 
     def _block_post_forward(self, i: int, out: torch.Tensor) -> None:
+        if in_backward():
+            return  # recomputed for the backward about to use these weights: keep them gathered
         self.blocks[i].free()
         if out.requires_grad:
             previous = self.blocks[i - 1] if i else None
