@@ -1,0 +1,68 @@
+"""Random layouts the config accepts, dry-run (one real step of a rank on fake tensors and a
+fake process group) against the planner's figures for that rank: every accepted layout runs,
+and its states and bytes per axis are the planner's, exactly. A seeded generator, so a failure
+names its layout. It found full recomputation under ZB-H1 sending 3× the planner's tp bytes
+(now refused) and ZeRO-3's experts gathered three times a micro-batch under full recomputation
+(now twice, as the planner counts)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from threefold.config import ConfigError
+from threefold.configure import load_config
+from threefold.plan.dryrun_predict import predict_rank
+from threefold.train.dryrun import dry_run_config, dry_run_rank
+
+BASE = ['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", 'train.checkpoint_dir=""',
+        "train.eval_every=0"]
+SCHEDULES = ["1f1b", "interleaved", "gpipe", "zb-h1", "dualpipev", "2bw", "pipedream"]
+
+
+def random_layout(rng: random.Random) -> tuple[list[str], int]:
+    """Overrides of a random layout, and its world size."""
+    pick = rng.choice
+    tp, pp, cp, dp = pick([1, 2, 4]), pick([1, 2, 4]), pick([1, 1, 2]), pick([1, 2, 4])
+    sets = BASE + [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.dp={dp}",
+                   f"parallel.zero={pick([0, 1, 2, 3])}", f"parallel.sequence_parallel={pick(['true', 'false'])}",
+                   f'parallel.schedule="{pick(SCHEDULES)}"', f'parallel.cp_method="{pick(["ring", "allgather", "ulysses"])}"',
+                   f'train.recompute="{pick(["none", "selective", "full"])}"',
+                   f'train.dtype="{pick(["float32", "bfloat16"])}"', f"train.micro_batch={pick([1, 2])}",
+                   f"train.global_batch={dp * pick([2, 4, 8])}", f"model.layers={pick([2, 4, 8])}",
+                   f"model.tie_embeddings={pick(['true', 'false'])}"]
+    if rng.random() < 0.3:
+        sets += ["model.moe_experts=4", f"model.moe_top_k={pick([1, 2])}", f"parallel.ep={pick([1, 2])}"]
+    if pp > 1 and rng.random() < 0.5:
+        sets.append(f"parallel.virtual_stages={pick([1, 2])}")
+    if tp > 1 and rng.random() < 0.3:
+        sets.append("parallel.tp_overlap=true")
+    return sets, tp * pp * cp * dp
+
+
+def accepted_layouts(seed: int, count: int) -> list[tuple[list[str], int]]:
+    """The first ``count`` random layouts the config accepts (a refusal is one line)."""
+    rng, found = random.Random(seed), []
+    while len(found) < count:
+        sets, world = random_layout(rng)
+        try:
+            dry_run_config(load_config("configs/single.toml", sets), world)
+        except ConfigError as err:
+            assert "\n" not in str(err)
+            continue
+        found.append((sets, world))
+    return found
+
+
+LAYOUTS = accepted_layouts(seed=5, count=10)
+
+
+@pytest.mark.parametrize("sets, world", LAYOUTS, ids=[f"layout{i}" for i in range(len(LAYOUTS))])
+def test_an_accepted_random_layout_dry_runs_to_the_planners_states_and_bytes(sets, world):
+    cfg = dry_run_config(load_config("configs/single.toml", sets), world)
+    for rank in sorted({0, world - 1}):
+        got, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert got["memory"][key] == want["memory"][key], (key, rank, sets)
+        for axis, sent in want["comm_bytes"].items():
+            assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
