@@ -299,3 +299,17 @@ def test_full_recomputation_under_a_split_backward_is_refused_and_never_searched
     recompute = candidates.recompute[split]
     assert split.any() and costs.RECOMPUTE.index("none") in recompute
     assert costs.RECOMPUTE.index("full") not in recompute  # left out of the search
+
+
+def test_an_mfu_above_100_percent_says_why(capsys):
+    """The convention counts the whole s × s attention; flash computes the causal half: at 128k
+    tokens on a narrow model attention dominates and MFU passes 1, with a note saying so."""
+    args = ["estimate", "--arch", "gpt", "--layers", "48", "--hidden", "2048", "--heads", "32", "--vocab", "32000",
+            "--seq-len", "131072", "--global-batch", "16384", "--micro-batch", "4", "--gpu", "a100-80gb",
+            "--num-gpus", "384", "--pp", "3", "--dp", "64", "--cp", "2", "--cp-method", "ulysses"]
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0 and json.loads(out)["mfu"] > 1
+    code, out, _ = run(capsys, *args)
+    assert "note: MFU above 100%" in " ".join(out.split())
+    code, out, _ = run(capsys, *GPT3_LAYOUT)
+    assert "MFU above 100%" not in out

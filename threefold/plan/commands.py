@@ -306,6 +306,10 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
         return
     for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {described}"):
         console.print(table)
+    if result["mfu"] > 1:
+        console.print("note: MFU above 100%: the convention (PaLM's, torchtitan's) counts attention's whole s × s "
+                      "score matrix, of which causal flash attention computes half; at this sequence length "
+                      "attention is most of the FLOPs")
 
 
 def _fixed_knobs(command):
