@@ -169,6 +169,7 @@ def test_compare_refuses_a_file_that_is_not_a_metrics_file(tmp_path, corpus, cap
         code, _, err = _compare_cli(capsys, tmp_path, overrides, wrong)
         assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert "is not a step record of `threefold train --metrics-file`" in err
+        assert ("not a JSON object" in err) == (content != '{"a": 1}\n')  # a half-written line says so
 
 
 def test_compare_refuses_another_runs_metrics(tmp_path, corpus, capsys, monkeypatch):  # noqa: F811

@@ -122,8 +122,10 @@ def read_steps(metrics_path: str | Path) -> list[dict]:
             record = None
         missing = [key for key in METRICS_KEYS if not isinstance(record, dict) or key not in record]
         if missing:
+            why = ("not a JSON object: a run stopped mid-write leaves half a line" if not isinstance(record, dict)
+                   else f"no {missing[0]!r}")
             raise ConfigError(f"--metrics-file: {metrics_path} line {number} is not a step record of "
-                              f"`threefold train --metrics-file` (no {missing[0]!r})")
+                              f"`threefold train --metrics-file` ({why})")
         records.append(record)
     if not records:
         raise ConfigError(f"--metrics-file: {metrics_path} holds no steps")
