@@ -475,7 +475,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
             raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
                               f"rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
-    if p > 1 and SCHEDULE_REGISTRY[schedule].split_backward and _recompute_index(layout.recompute) == RECOMPUTE.index("full"):
+    full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
+    if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
         raise ConfigError(f"--recompute: full with --schedule {schedule} is not priced: its weight gradients (W) run "
                           "apart from the input gradients (B), so each block would run its forward again for W "
                           "(threefold's engine refuses it); use --recompute selective or none, or --schedule 1f1b "

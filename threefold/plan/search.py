@@ -112,13 +112,12 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     rows = np.repeat(base, len(zeros) * len(modes), axis=0)
     zero = np.tile(np.repeat(zeros, len(modes)), len(base))
     recompute = recompute_policy(np.tile(modes, len(zeros) * len(base)), zero, work.attention)
-    # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
-    split = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[rows[:, 7]] & (rows[:, 1] > 1)
-    kept = ~(split & (recompute == RECOMPUTE.index("full")))
-    rows, zero, recompute = rows[kept], zero[kept], recompute[kept]
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
-    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
-                  sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
+    layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
+                     sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
+    # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
+    split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
+    return layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
 
 
 MESH_AXES = ("tp", "pp", "dp", "cp", "ep")  # what makes two layouts different meshes
