@@ -800,9 +800,13 @@ class ScheduleSpec:
     # gradient alone) and has a form exact at any shares: ``bubble_at_shares(p, m, v, shares)``.
     # DualPipeV has none (its closed form holds at F = B = W; the planner plays it there).
     bubble_at_shares: Callable | None = None
-    # Its weight gradients (W) run apart from the input gradients (B): a checkpointed block would
-    # recompute its forward in each, so full recomputation is refused (parallel/layout.py, costs.py).
-    split_backward: bool = False
+
+    @cached_property
+    def split_backward(self) -> bool:
+        """Whether its weight gradients (W) run apart from the input gradients (B), read from its
+        own order (rank 0 of 2, 4 micro-batches): a checkpointed block would recompute its forward
+        in each, so full recomputation is refused (parallel/layout.py, plan/costs.py)."""
+        return any(a.kind is Kind.WEIGHT_GRAD for a in self.compute_order(0, 2, 4, 2 if self.chunked else 1))
 
 
 EQUAL_SHARES = (1 / 3, 1 / 3, 1 / 3)  # a slot's forward, input gradient and weight gradient, F = B = W
@@ -848,13 +852,12 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_last=lambda p, m, v: ((v - 1) * interleaved_group(p, m) + 1) / v,
                  summary="1F1B over v model chunks per rank (Narayanan et al. 2021)"),
     ScheduleSpec("zb-h1", _zb_h1_order, _one_chunk,
-                 bubble=_zb_h1_bubble, bubble_at_shares=_zb_h1_bubble, split_backward=True,
+                 bubble=_zb_h1_bubble, bubble_at_shares=_zb_h1_bubble,
                  # activations stay until W, deferred by r on rank r: every rank holds min(p, m)
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
                  summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
     ScheduleSpec("dualpipev", _dualpipev_order, _dualpipev_constraints, placement=V_SHAPE, stages_per_rank=2,
-                 split_backward=True,
                  # per rank, idle (p − 1)·(F + B − W) (B: the input gradient alone) beside 2m·(F + B + W)
                  # busy: at F = B = W, (p − 1)/(6m + p − 1)
                  bubble=lambda p, m, v: (p - 1) / (6 * m + p - 1),
