@@ -15,7 +15,7 @@ from threefold.plan.profile import MEASURED_SINCE_KEYS
 # Sizes small enough for a test; the whole command then takes ~3 s, mostly spawning two processes.
 TINY = calibrate.Settings(matmul_size=256, matmul_seconds=0.05, copy_bytes=8 << 20, copy_seconds=0.05,
                           gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0, wait_calls=5, curve_calls=2,
-                          shared_core_seconds=0.1, shared_core_rounds=1)
+                          shared_core_seconds=0.1, shared_core_rounds=1, shared_core_warm_cpu_s=0.05)
 
 
 def example_profile() -> dict:
@@ -114,6 +114,22 @@ def test_the_shared_core_slowdown_is_each_crowded_phase_over_its_neighbours():
     assert calibrate.slowdown_from_phases([(2, 1.0), (4, 0.9), (2, 1.0)]) == {"2": 1.0, "4": 1.0}  # never below 1
     with pytest.raises(ValueError, match="lacks a base phase"):
         calibrate.slowdown_from_phases([(2, 1.0), (4, 1.1), (8, 1.2), (2, 1.0)])
+
+
+def test_a_collectives_line_goes_through_the_median_of_its_rounds():
+    """Three passes over the sizes; in one, a slow spell of the machine takes the largest call to
+    5x its time (as a 4 MB reduce-scatter's pass once read 49 ms against 11-13): the line is the
+    one through the other passes, where a line through each size's overall mean would be off."""
+    chunks = calibrate.CURVE_CHUNK_BYTES
+    latency, bw = 1e-3, 5e8
+    steady = {("reduce_scatter", c): latency + c / bw for c in chunks}  # two ranks: a chunk sent
+    means = {key: [t, t * (5 if key[1] == chunks[-1] else 1), t] for key, t in steady.items()}
+    line = calibrate.collective_lines(means, world=2)["reduce_scatter"]
+    assert line["latency_s"] == pytest.approx(latency) and line["bus_bw"] == pytest.approx(bw)
+    # an all-reduce sends 2(n-1)/n of its tensor: at 4 ranks 1.5 chunks
+    means = {("all_reduce", c): [latency + 1.5 * c / bw] for c in chunks}
+    line = calibrate.collective_lines(means, world=4)["all_reduce"]
+    assert line["latency_s"] == pytest.approx(latency) and line["bus_bw"] == pytest.approx(bw)
 
 
 def test_measure_gloo_needs_two_processes():

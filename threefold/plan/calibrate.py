@@ -32,6 +32,15 @@ from threefold.config import ConfigError
 from threefold.distributed.launch import keep_large_blocks_in_the_heap
 from threefold.plan.profile import FITTED_KEYS, PROFILE_KEYS, load_profile, profile_path, save_profile  # noqa: F401
 
+# CPU seconds each shared-core worker computes, untimed, before the phases are timed. One warm
+# micro-batch is not its steady state: timed from there, the first two phases of 8 workers on 2
+# cores (each worker's first 0.5 and 1 s of CPU) took 124-137 ms a micro-batch and the four after
+# them 82-91, the first of 4 workers 125 ms and then 80-85, against 76-80 for 2 workers
+# (2026-12-05); the median of three rounds read 1.44-1.65× at 8 workers where the steady phases
+# say 1.08-1.14×, while training ran as fast as on the day its profile read 1.15×.
+WARM_CPU_S = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """How hard each measurement works; larger sizes and longer runs give steadier numbers."""
@@ -43,9 +52,11 @@ class Settings:
     gloo_reps: int
     gloo_timeout_s: float
     wait_calls: int = 50
-    curve_calls: int = 20  # each size of each kind in _measure_collective_curves
+    curve_calls: int = 20  # each size of each kind in _measure_collective_curves, each round
+    curve_rounds: int = 3  # _measure_collective_curves' passes, the median of them kept
     shared_core_seconds: float = 2.0  # each phase of measure_shared_core_slowdown
     shared_core_rounds: int = 2
+    shared_core_warm_cpu_s: float = WARM_CPU_S  # measure_shared_core_slowdown's untimed start
     concurrent_rounds: int = 3  # measure_shared_core_slowdown's phases of a worker on every core
 
 
@@ -317,7 +328,7 @@ def _free_store() -> dist.TCPStore:
 
 
 def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int, curve_calls: int,
-                 timeout_s: float, results) -> None:
+                 curve_rounds: int, timeout_s: float, results) -> None:
     torch.set_num_threads(max(1, cpu_cores() // world))
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -341,7 +352,7 @@ def _gloo_worker(rank: int, world: int, port: int, message_bytes: int, reps: int
             start = time.perf_counter()
             dist.all_reduce(big)
             seconds = min(seconds, time.perf_counter() - start)
-        collectives = _measure_collective_curves(world, curve_calls)
+        collectives = _measure_collective_curves(world, curve_calls, curve_rounds)
         if rank == 0:
             algorithm_bw = message_bytes / seconds
             results.put({"bus_bw": algorithm_bw * 2 * (world - 1) / world, "latency_s": latency,
@@ -358,38 +369,54 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _measure_collective_curves(world: int, calls: int) -> dict:
+def _measure_collective_curves(world: int, calls: int, rounds: int = 1) -> dict:
     """Per kind (all_reduce, all_gather, reduce_scatter): the least-squares line through each
-    size's mean call time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor
+    size's call time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor
     for an all-reduce, (n−1) chunks for the others), as ``{"latency_s": intercept, "bus_bw": 1/slope}``.
     gloo's three differ at these sizes (its reduce-scatter runs slower than its all-reduce).
 
-    The mean of ``calls`` calls, each after a barrier (so the ranks' skew is left out, as the
-    engine's least-waiting rank leaves it out), not the best: a step pays every call, and on a
-    shared machine their times have a long tail. Timed here at 1 MB a rank, the median
-    all-gather took 1.5-1.7× the best and one call in five over 1.6-3.7 ms (a wake-up missed,
-    a scheduler tick waited for); the mean, 1.6-1.9 ms for an all-gather and 3.2-3.6 ms for a
-    reduce-scatter, is what the tp benchmark's calls of that size waited in training (2.66 ms
-    the pair, the least-waiting rank's, 94 calls a step), where the best (0.6 and 1.3 ms) said
-    half of it."""
-    curves = {}
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        sent, seconds = [], []
-        for chunk in CURVE_CHUNK_BYTES:
-            numel = chunk // 4
-            whole, part = torch.ones(numel * world), torch.ones(numel)
-            call = {"all_reduce": lambda: dist.all_reduce(part),
-                    "all_gather": lambda: ALL_GATHER(whole, part),
-                    "reduce_scatter": lambda: REDUCE_SCATTER(part, whole)}[kind]
-            call()
-            total = 0.0
-            for _ in range(calls):
-                dist.barrier()
-                start = time.perf_counter()
+    A size's time is the mean of ``calls`` calls, each after a barrier (so the ranks' skew is
+    left out, as the engine's least-waiting rank leaves it out), not the best: a step pays every
+    call, and on a shared machine their times have a long tail. Timed here at 1 MB a rank, the
+    median all-gather took 1.5-1.7× the best and one call in five over 1.6-3.7 ms (a wake-up
+    missed, a scheduler tick waited for); the mean, 1.6-1.9 ms for an all-gather and 3.2-3.6 ms
+    for a reduce-scatter, is what the tp benchmark's calls of that size waited in training (2.66
+    ms the pair, the least-waiting rank's, 94 calls a step), where the best (0.6 and 1.3 ms) said
+    half of it. The ``rounds`` pass over every kind and size in turn, and each size keeps the
+    median of its rounds' means: a slow spell of the machine lands in one round, not in the
+    line. In one round, the 4 MB reduce-scatter's mean read 10.7, 12.8 and then 49 ms in three
+    passes here (calls of 35-120 ms in the last), and a make demo profile's line through one
+    such pass, 0.13 GB/s, priced that call at 31 ms and every reduce-scatter at 2.6× its usual
+    time (2026-12-05)."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    means: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for kind in kinds:
+            for chunk in CURVE_CHUNK_BYTES:
+                numel = chunk // 4
+                whole, part = torch.ones(numel * world), torch.ones(numel)
+                call = {"all_reduce": lambda: dist.all_reduce(part),
+                        "all_gather": lambda: ALL_GATHER(whole, part),
+                        "reduce_scatter": lambda: REDUCE_SCATTER(part, whole)}[kind]
                 call()
-                total += time.perf_counter() - start
-            sent.append(chunk * (2 * (world - 1) / world if kind == "all_reduce" else world - 1))
-            seconds.append(total / calls)
+                total = 0.0
+                for _ in range(calls):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    call()
+                    total += time.perf_counter() - start
+                means.setdefault((kind, chunk), []).append(total / calls)
+    return collective_lines(means, world)
+
+
+def collective_lines(means: dict[tuple[str, int], list[float]], world: int) -> dict:
+    """Each kind's line (see _measure_collective_curves) through the median of each size's round
+    means, ``means[kind, chunk bytes]``, against the bytes a rank sends at that size."""
+    curves = {}
+    for kind in dict.fromkeys(kind for kind, _ in means):
+        chunks = sorted(chunk for k, chunk in means if k == kind)
+        sent = [chunk * (2 * (world - 1) / world if kind == "all_reduce" else world - 1) for chunk in chunks]
+        seconds = [statistics.median(means[kind, chunk]) for chunk in chunks]
         mean_x, mean_y = sum(sent) / len(sent), sum(seconds) / len(seconds)
         slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sent, seconds))
                  / sum((x - mean_x) ** 2 for x in sent))
@@ -432,7 +459,7 @@ def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: s
 
 
 def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0,
-                 curve_calls: int = 20) -> dict:
+                 curve_calls: int = 20, curve_rounds: int = 1) -> dict:
     """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
 
     Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce,
@@ -441,7 +468,7 @@ def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeo
     """
     if world < 2:
         raise ValueError(f"measure_gloo: world must be at least 2, got {world}")
-    return _run_gloo_workers(world, _gloo_worker, (message_bytes, reps, curve_calls, timeout_s), timeout_s,
+    return _run_gloo_workers(world, _gloo_worker, (message_bytes, reps, curve_calls, curve_rounds, timeout_s), timeout_s,
                              "gloo measurement")
 
 
@@ -525,7 +552,8 @@ def _shared_core_worker(commands, results) -> None:
 
 
 def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int = 2, concurrent_rounds: int = 3,
-                                 timeout_s: float = 120.0) -> tuple[float, dict[str, float]]:
+                                 timeout_s: float = 120.0,
+                                 warm_cpu_s: float = WARM_CPU_S) -> tuple[float, dict[str, float]]:
     """How much more CPU a training step's compute takes with more workers than one, as
     ``(concurrent, beyond)``:
 
@@ -537,7 +565,8 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
       the caches and branch predictors the others left.
 
     The compute is SHARED_CORE_MODEL's micro-batches, each worker's CPU clock per micro-batch,
-    on workers built and warmed first. The phases alternate, the base count (one worker; one a
+    on workers built and brought to their steady state first (``warm_cpu_s`` of CPU each, all at
+    once, untimed: WARM_CPU_S). The phases alternate, the base count (one worker; one a
     core) between each crowded one, and each crowded phase is taken against the mean of its two
     neighbours (the machine's speed drifts over minutes), the median over the rounds. Timed
     instead as the reference model on every core against its time alone a minute before, five
@@ -552,10 +581,10 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     for proc in procs:
         proc.start()
 
-    def phase(workers: int) -> float:
+    def phase(workers: int, length: float = seconds) -> float:
         start = time.monotonic() + 0.2
         for queue_ in commands[:workers]:
-            queue_.put((start, start + seconds))
+            queue_.put((start, start + length))
         return statistics.mean(results.get(timeout=timeout_s) for _ in range(workers))
 
     def alternating(base: int, crowded: list[int], rounds: int) -> list[tuple[int, float]]:
@@ -568,6 +597,7 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     try:
         for _ in procs:
             results.get(timeout=timeout_s)
+        phase(len(procs), warm_cpu_s * len(procs) / cores)  # untimed: every worker to its steady state
         concurrent = (1.0 if cores < 2 else
                       slowdown_from_phases(alternating(1, [cores], concurrent_rounds))[str(cores)])
         beyond = slowdown_from_phases(alternating(worlds[0], worlds[1:], rounds))
@@ -622,13 +652,13 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
                                                             memory_bw)
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s,
-                        settings.curve_calls)
+                        settings.curve_calls, settings.curve_rounds)
     on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
     on_step(f"a training step's compute alone, on every core, and with 2 and 4 processes per core, {workers} cores")
     slowdown, shared_core = measure_shared_core_slowdown(workers, settings.shared_core_seconds,
                                                          settings.shared_core_rounds, settings.concurrent_rounds,
-                                                         settings.gloo_timeout_s)
+                                                         settings.gloo_timeout_s, settings.shared_core_warm_cpu_s)
     on_step(f"fp32 matmul again, {threads} thread(s): did the machine's speed drift?")
     fp32_at_end = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds / 2)
     return {
