@@ -134,21 +134,17 @@ def test_cross_validation_fits_on_other_layouts_and_predicts_the_targets():
 
 
 # ---- issue 16's bars, on runs recorded on an idle machine ------------------------------------
-# The recording of 2026-12-04 23:46 UTC (2 rounds of 12 steps a run; other processes ≤ 0.03
-# cores), designated before it was made (commit df24a21): the first after calibrate's collective
-# lines came from the mean of their calls, its waits less a call's own time, its slowdown with
-# every core busy from alternating phases, and its memory-bound rate from a 64-wide model. The
-# plain profile: demo +7%, ddp −1%, tp +10%, pp +4% (bar 15%: met). Fitted on the other layouts:
-# demo +3%, ddp −7%, tp +5%, pp −2% (bar 10%: met). Exposed communication: DDP dp 0.021 / 0.003
-# s, dp2·pp2 dp 0.015 / 0.003, within 20 ms; ZeRO-3 dp 0.067 / 0.043 and dp2·pp2's pp 0.074 /
-# 0.041 miss. The two recordings designated before it (21:12, 23:28; now
-# planner_runs_2026-12-04_2112/ and _2328/) each missed all three bars; docs/planner.md,
-# "The closed loop", has every recording replayed.
-RECORDING_MISSES = "the 23:46 recording: {}; docs/planner.md, 'The closed loop'"
+# The recording of 2026-12-05 04:52 UTC (2 rounds of 12 steps a run; other processes ≤ 0.03
+# cores), designated before it was made (commit 4baa65e): the first after calibrate's collective
+# lines came from the median of three passes and its shared-core workers were warmed before being
+# timed. The plain profile: demo −2%, ddp −8%, tp −14%, pp −6% (bar 15%: met). Fitted on the other
+# layouts: demo +5%, ddp −2%, tp −7%, pp −1% (bar 10%: met). Exposed communication, predicted /
+# measured: DDP dp 0.009 / 0.004 s, ZeRO-3 dp 0.057 / 0.046, dp2·pp2 dp 0.008 / 0.002 and pp
+# 0.061 / 0.063 (bar: within 25% or 20 ms: met). The three designated before it (2026-12-04 21:12,
+# 23:28, 23:46; now planner_runs_2026-12-04_2112/, _2328/, _2346/) missed the exposed bar, the
+# first two all three; docs/planner.md, "The closed loop", has every recording replayed.
 
 
-@pytest.mark.xfail(strict=True, reason=RECORDING_MISSES.format(
-    "ZeRO-3's exposed dp 0.067 s predicted, 0.043 measured; dp2·pp2's pp 0.074 and 0.041"))
 def test_exposed_communication_within_25_percent_or_20_ms():
     require_idle(*planner_runs.EXPOSED_RUNS)
     for name in planner_runs.EXPOSED_RUNS:
@@ -169,7 +165,8 @@ def test_the_demos_tp_waits_are_its_pairs_waits(monkeypatch):
     """The demo's tp calls wait for one partner, not for all 8 ranks (costs.group_wait): priced
     so, they come nearer what the demo's tp pairs waited than priced at the whole machine's wait.
     (Within 25% on the recordings of 2026-12-02 to -04 23:28; the 23:46 one's 0.773 s predicted
-    against 0.565 s is 37% over, docs/planner.md.)"""
+    against 0.565 s is 37% over, and the 12-05 04:52 one's 0.745 s against 0.529 s 41% over,
+    docs/planner.md.)"""
     from threefold.plan import costs
 
     require_idle("demo")
