@@ -91,6 +91,8 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     slowdown = printed["oversubscribed_compute_slowdown"]
     assert set(printed["oversubscribed_call_cpu_s"]) == set(slowdown) == set(printed["oversubscribed_wait_s"])
     assert all(0 <= cpu < 0.1 for cpu in printed["oversubscribed_call_cpu_s"].values())
+    assert set(printed["oversubscribed_pair_wait_s"]) == set(printed["oversubscribed_wait_s"])
+    assert all(0 <= wait < 1 for wait in printed["oversubscribed_pair_wait_s"].values())
     assert slowdown[str(max(2, cores))] == 1.0 and all(x >= 1.0 for x in slowdown.values())  # one a core: the base
     assert printed["name"] == "local" and printed["gpus_per_node"] == calibrate.cpu_cores()
     assert printed["peak_flops_bf16"] > 0 and printed["peak_flops_fp32"] > 1e8
@@ -441,6 +443,34 @@ def test_a_groups_wait_is_the_last_of_its_members_to_reach_a_core():
     assert costs.group_wait(0.012, 2, 8) == pytest.approx(0.012 * harmonic[2] / harmonic[8], rel=0.01)
     assert costs.group_wait(0.012, 8, 8) == pytest.approx(0.012)
     assert costs.group_wait(0.012, 16, 8) == pytest.approx(0.012)  # no more members than workers run
+
+
+def test_where_calibrate_timed_pairs_a_pair_waits_that_and_larger_groups_in_between():
+    """calibrate times the same calls in pairs (pairs among 8 workers: 0.40 of the whole machine's
+    wait, where independent delays say H(2)/H(8) = 0.55): a pair waits the measured figure, the
+    whole machine its own, a group of 4 in proportion to H between; the least-waiting rank's
+    figure loses the on-core skew from both; a profile without pair points prices as before."""
+    profile = measured_profile(oversubscribed_pair_wait_s={"2": 0.001, "4": 0.0026, "8": 0.0052})
+    gpu = local_gpu("float32", workers=8, profile=profile)
+    assert [t for _, t in gpu.collective_pair_waits] == pytest.approx([0.0, 0.0008, 0.0024, 0.005])
+    pair, whole = costs.call_pair_wait(gpu, 8), costs.call_wait(gpu, 8)
+    assert (pair, whole) == pytest.approx((0.005, 0.0118))
+    assert costs.group_wait(whole, 2, 8, pair) == pytest.approx(0.005)
+    assert costs.group_wait(whole, 8, 8, pair) == pytest.approx(0.0118)
+    h = {n: sum(1 / k for k in range(1, n + 1)) for n in (2, 4, 8)}
+    assert costs.group_wait(whole, 4, 8, pair) == pytest.approx(
+        0.005 + (0.0118 - 0.005) * (h[4] - h[2]) / (h[8] - h[2]), rel=0.01)
+    assert costs.group_wait(0.0008, 2, 2, costs.call_pair_wait(gpu, 2)) == pytest.approx(0.0008)  # 2 workers: one pair
+    least = gpu.without_skew()
+    assert [t for _, t in least.collective_pair_waits] == pytest.approx([0.0, 0.0, 0.0016, 0.0042])
+    assert costs.call_pair_wait(local_gpu("float32", workers=8, profile=measured_profile()), 8) is None
+    # the demo's layout on 8 workers: its tp pairs wait less than H(2)/H(8) of the whole said
+    cfg = ModelConfig(layers=4, hidden=256, heads=8, kv_heads=4, vocab_size=4096, seq_len=256)
+    layout = costs.Layout.named(dp=2, tp=2, pp=2, sequence_parallel=True, micro_batch=2, zero=1)
+    estimate = {name: costs.estimate(costs.Workload(cfg, 16, precision="fp32"), layout,
+                                     local_gpu("float32", workers=8, profile=p))
+                for name, p in (("pairs", profile), ("model", measured_profile()))}
+    assert estimate["pairs"]["tp_exposed_s"] < estimate["model"]["tp_exposed_s"]
 
 
 def test_other_processes_counts_a_busy_neighbour():

@@ -171,7 +171,7 @@ def test_the_demos_tp_waits_are_its_pairs_waits(monkeypatch):
 
     require_idle("demo")
     pairs = rows_of("demo")["exposed comm: tp"]
-    monkeypatch.setattr(costs, "group_wait", lambda wait, members, runnable: wait)
+    monkeypatch.setattr(costs, "group_wait", lambda wait, members, runnable, pair_wait=None: wait)
     whole = rows_of("demo")["exposed comm: tp"]
     assert pairs.measured == whole.measured and pairs.predicted < whole.predicted
     assert abs(pairs.predicted - pairs.measured) < abs(whole.predicted - whole.measured)

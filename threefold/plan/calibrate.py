@@ -478,20 +478,31 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        work, tiny, waited, compute_cpu = torch.randn(256, 256), torch.zeros(1), 0.0, 0.0
+        work, tiny = torch.randn(256, 256), torch.zeros(1)
+        # every rank makes every pair's group, in one order (new_group's rule)
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+        pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
+
+        def timed_calls(group) -> tuple[float, float, float]:
+            """(seconds waited, process CPU, compute CPU) over ``calls`` calls on ``group``."""
+            waited = compute_cpu = 0.0
+            process_cpu = time.process_time()  # every thread of the process: gloo's own included
+            for _ in range(calls):
+                began = time.thread_time()
+                for _ in range(10):  # a few milliseconds of compute between collectives, as a step has
+                    work @ work
+                compute_cpu += time.thread_time() - began
+                start = time.perf_counter()
+                dist.all_reduce(tiny, group=group)
+                waited += time.perf_counter() - start
+            return waited, time.process_time() - process_cpu, compute_cpu
+
         for _ in range(5):
             dist.all_reduce(tiny)
-        process_cpu = time.process_time()  # every thread of the process: gloo's own included
-        for _ in range(calls):
-            began = time.thread_time()
-            for _ in range(10):  # a few milliseconds of compute between collectives, as a step has
-                work @ work
-            compute_cpu += time.thread_time() - began
-            start = time.perf_counter()
-            dist.all_reduce(tiny)
-            waited += time.perf_counter() - start
-        call_cpu = time.process_time() - process_cpu - compute_cpu
-        mean = torch.tensor([waited, call_cpu]) / calls
+        waited, process_cpu, compute_cpu = timed_calls(None)
+        # the same calls, each rank's in its pair (the engine's tp, dp and pp groups on a CPU)
+        pair_waited = timed_calls(pair)[0] if pair is not None and world > 2 else waited
+        mean = torch.tensor([waited, process_cpu - compute_cpu, pair_waited]) / calls
         dist.all_reduce(mean)
         if rank == 0:
             results.put([float(x) / world for x in mean])
@@ -508,6 +519,10 @@ def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float =
       finishes only when every member has reached it, and with more workers than cores some
       member is usually off its core, waiting for the scheduler; a GPU planner never sees this,
       a CPU run of 8 ranks on 2 cores pays it on every tp, dp and pp call.
+    - ``pair_wait_s``: the same calls, each worker's in a group of two (every worker computing
+      and calling at once): what the engine's pairs wait. Timed so, pairs among 8 workers waited
+      4.6 ms a call where all 8 together waited 11.3 ms, 0.40 of it, where costs.group_wait's
+      model of independent delays says H(2)/H(8) = 0.55 (docs/planner.md).
     - ``call_cpu_s``: the CPU seconds a call costs its process beyond the compute (gloo's
       threads waking and the socket's system calls; about half a millisecond here, several
       times the call's latency on an idle machine). With every core busy, that CPU is taken
@@ -520,7 +535,8 @@ def measure_oversubscribed_waits(cores: int, calls: int = 50, timeout_s: float =
     measured = {str(world): _run_gloo_workers(world, _wait_worker, (calls, timeout_s), timeout_s,
                                               f"oversubscribed collectives ({world} processes)")
                 for world in oversubscribed_worlds(cores)}
-    return {"wait_s": {w: m[0] for w, m in measured.items()}, "call_cpu_s": {w: m[1] for w, m in measured.items()}}
+    return {"wait_s": {w: m[0] for w, m in measured.items()}, "call_cpu_s": {w: m[1] for w, m in measured.items()},
+            "pair_wait_s": {w: m[2] for w, m in measured.items()}}
 
 
 def oversubscribed_worlds(cores: int) -> list[int]:
@@ -679,6 +695,7 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
         "collectives": gloo["collectives"],
         "oversubscribed_wait_s": waits["wait_s"],
         "oversubscribed_call_cpu_s": waits["call_cpu_s"],
+        "oversubscribed_pair_wait_s": waits["pair_wait_s"],
         "oversubscribed_compute_slowdown": shared_core,
         "gpus_per_node": workers,
         "threads": threads,
@@ -752,6 +769,8 @@ def profile_table(profile: dict, path: Path) -> Table:
            + (f", {profile['oversubscribed_call_cpu_s'][w] * 1e3:,.2f} ms of CPU"
               if w in profile.get("oversubscribed_call_cpu_s", {}) else ""))
           for w, t in profile.get("oversubscribed_wait_s", {}).items()),
+        *((f"a small collective in pairs, {w} processes computing", f"{t * 1e3:,.2f} ms")
+          for w, t in profile.get("oversubscribed_pair_wait_s", {}).items() if int(w) > 2),
         *((f"a training step's compute, {w} processes", f"{x:.2f}× the CPU of one a core")
           for w, x in profile.get("oversubscribed_compute_slowdown", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),

@@ -81,6 +81,9 @@ class GPU:
     # workers where they outnumber the cores); and the fixed cost of a block's forward and backward
     # per micro-batch (eager operators' dispatch).
     collective_waits: tuple = ()
+    # The same calls each made in a pair while every worker computes (() where not measured:
+    # costs.group_wait then scales collective_waits by its model of independent delays).
+    collective_pair_waits: tuple = ()
     # The wait of calibrate's first point, one worker a core: no member is off its core there, so
     # it is the ranks' skew (one reaches the call before the other).
     on_core_wait_s: float = 0.0
@@ -141,8 +144,10 @@ class GPU:
         (costs.estimate with the GPU as measured): the ranks meet at every call."""
         if not self.on_core_wait_s:
             return self
-        waits = tuple((w, max(0.0, t - self.on_core_wait_s)) for w, t in self.collective_waits)
-        return dataclasses.replace(self, collective_waits=waits, on_core_wait_s=0.0)
+        def less_skew(points):
+            return tuple((w, max(0.0, t - self.on_core_wait_s)) for w, t in points)
+        return dataclasses.replace(self, collective_waits=less_skew(self.collective_waits),
+                                   collective_pair_waits=less_skew(self.collective_pair_waits), on_core_wait_s=0.0)
 
     def with_links(self, intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> "GPU":
         """The GPU with its per-GPU link bandwidths overridden, in Gbit/s as vendors quote them
@@ -276,8 +281,9 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
     # timed alone) costs.estimate prices apart, as each collective's latency (its kind's line, or
     # the ring's steps at latency_s / ring_steps): what is left is the waiting for members (the
     # ranks' skew, and members off their core), counted once.
-    waits = {int(w): max(0.0, float(t) - float(profile["latency_s"]))
-             for w, t in profile.get("oversubscribed_wait_s", {}).items()}
+    waits, pair_waits = ({int(w): max(0.0, float(t) - float(profile["latency_s"]))
+                          for w, t in profile.get(key, {}).items()}
+                         for key in ("oversubscribed_wait_s", "oversubscribed_pair_wait_s"))
     attention = profile.get("attention_flops_fp32" if fp32 else "attention_flops_bf16")  # measured since 2026-12
     elementwise = profile.get("elementwise_bw")
     return GPU("local", peak * share, memory_per_worker, float(profile["hbm_bw"]) * share,
@@ -295,6 +301,7 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                attention_efficiency=1.0 if attention is None else min(1.0, float(attention) / peak),
                elementwise_bw=None if elementwise is None else float(elementwise) * share,
                collective_waits=((1, 0.0), *sorted(waits.items())) if waits else (),
+               collective_pair_waits=((1, 0.0), *sorted(pair_waits.items())) if pair_waits else (),
                on_core_wait_s=waits.get(cores, 0.0),
                call_cpu=tuple(sorted((int(w), float(t)) for w, t in profile.get("oversubscribed_call_cpu_s", {}).items())),
                core_share=min(1.0, cores / workers) if workers else 1.0,

@@ -17,7 +17,8 @@ PROFILE_KEYS = ("name", "peak_flops_fp32", "peak_flops_bf16", "hbm_bytes", "hbm_
 # every collective by the all-reduce's bandwidth and latency.
 MEASURED_SINCE_KEYS = ("attention_flops_fp32", "attention_flops_bf16", "elementwise_bw", "collectives",
                        "concurrent_slowdown", "oversubscribed_wait_s", "block_overhead_s", "other_processes_cores",
-                       "peak_flops_fp32_at_end", "oversubscribed_call_cpu_s", "oversubscribed_compute_slowdown")
+                       "peak_flops_fp32_at_end", "oversubscribed_call_cpu_s", "oversubscribed_compute_slowdown",
+                       "oversubscribed_pair_wait_s")
 # Written by `threefold calibrate --from-runs` (threefold/plan/fit.py): the achieved fractions of
 # the measured rates that the user's own runs show, and the runs they were fitted on.
 FITTED_KEYS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency", "fitted_from")
