@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # The demo: measure this machine, train the tiny model on a dp2 × tp2 × pp2 layout (8 ranks),
 # then set the planner's prediction beside the measurement and draw the measured pipeline.
 demo: $(STAMP)
-	$(VENV)/bin/threefold calibrate  # the full profile: about 115 s, 45 s more than --quick
+	$(VENV)/bin/threefold calibrate  # the full profile: about 120 s, 50 s more than --quick
 	rm -rf runs/demo/checkpoints/step_*  # the demo starts afresh; earlier runs moved aside (earlier-*/) stay
 	$(VENV)/bin/threefold train --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl
 	$(VENV)/bin/threefold compare --config configs/demo.toml --metrics-file runs/demo/metrics.jsonl

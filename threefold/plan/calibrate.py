@@ -787,7 +787,7 @@ def profile_table(profile: dict, path: Path) -> Table:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
 @click.option("--quick", is_flag=True,
-              help="Smaller, shorter measurements (about 70 s against 115); noisier numbers, the fixed cost per block "
+              help="Smaller, shorter measurements (about 70 s against 120); noisier numbers, the fixed cost per block "
                    "and the collectives' latencies above all.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
 @click.option("--from-runs", "from_runs", is_flag=True,
