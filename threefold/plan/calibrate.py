@@ -369,7 +369,7 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _measure_collective_curves(world: int, calls: int, rounds: int = 1) -> dict:
+def _measure_collective_curves(world: int, calls: int, rounds: int) -> dict:
     """Per kind (all_reduce, all_gather, reduce_scatter): the least-squares line through each
     size's call time against the bytes a rank sends in it (a ring's 2(n−1)/n of the tensor
     for an all-reduce, (n−1) chunks for the others), as ``{"latency_s": intercept, "bus_bw": 1/slope}``.
@@ -459,7 +459,7 @@ def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: s
 
 
 def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0,
-                 curve_calls: int = 20, curve_rounds: int = 1) -> dict:
+                 curve_calls: int = 20, curve_rounds: int = 3) -> dict:
     """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
 
     Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce,
@@ -479,8 +479,8 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         work, tiny = torch.randn(256, 256), torch.zeros(1)
-        # every rank makes every pair's group, in one order (new_group's rule)
-        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+        # every rank makes every pair's group, in one order (new_group's rule); of 2, the world is the pair
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)] if world > 2 else []
         pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
 
         def timed_calls(group) -> tuple[float, float, float]:
@@ -501,7 +501,7 @@ def _wait_worker(rank: int, world: int, port: int, calls: int, timeout_s: float,
             dist.all_reduce(tiny)
         waited, process_cpu, compute_cpu = timed_calls(None)
         # the same calls, each rank's in its pair (the engine's tp, dp and pp groups on a CPU)
-        pair_waited = timed_calls(pair)[0] if pair is not None and world > 2 else waited
+        pair_waited = timed_calls(pair)[0] if pair is not None else waited
         mean = torch.tensor([waited, process_cpu - compute_cpu, pair_waited]) / calls
         dist.all_reduce(mean)
         if rank == 0:
