@@ -283,6 +283,25 @@ def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
     assert json.loads(out) == json.loads(canonical)
 
 
+@pytest.mark.parametrize("spelling, name", [
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),  # nvidia-smi's names
+    ("A100 (80 GB)", "a100-80gb"), ("A100", "a100-80gb"), ("AMD Instinct MI300X", "mi300x"), ("h200_141gb", "h200"),
+    # other boards and chips are not read as a catalog part
+    ("H100 PCIe", None), ("NVIDIA H100 NVL", None), ("GH200", None), ("H100 96GB HBM2e", None), ("A100 24GB", None),
+    ("V100", None)])
+def test_catalog_names_read_part_and_memory_from_any_spelling(spelling, name):
+    from threefold.plan.hardware import catalog_name
+
+    assert catalog_name(spelling) == name
+
+
+def test_an_unknown_board_says_to_describe_it_in_a_cluster_file(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--global-batch", "8", "--num-gpus", "8",
+                       "--gpu", "H100 PCIe")
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "unknown GPU 'H100 PCIe'" in err and "--cluster FILE.toml" in err
+
+
 @pytest.mark.parametrize("schedule", ["zb-h1", "dualpipev"])
 def test_full_recomputation_under_a_split_backward_is_refused_and_never_searched(capsys, schedule):
     """W apart from B would run each checkpointed block's forward again (the engine refuses it

@@ -315,13 +315,29 @@ GPU_ALIASES = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb", "a10
                "a100-sxm-80gb": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-sxm5-80gb": "h100-sxm",
                "h100-sxm-80gb": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200", "h200-141gb": "h200",
                "b200-180gb": "b200", "mi300x-192gb": "mi300x"}
+# Other spellings (nvidia-smi's "NVIDIA H100 80GB HBM3", a paper's "A100 (80 GB)") are read by part
+# and memory: each part's HBM sizes in GB as vendors print them, the catalog's name for each, and
+# that name's when none is printed (A100: the 80 GB part, which most published runs used).
+_PART_MEMORY = {"a100": ({"40": "a100-40gb", "80": "a100-80gb"}, "a100-80gb"), "h100": ({"80": "h100-sxm"}, "h100-sxm"),
+                "h200": ({"141": "h200", "144": "h200"}, "h200"), "b200": ({"180": "b200", "192": "b200"}, "b200"),
+                "mi300x": ({"192": "mi300x"}, "mi300x")}
+# Boards of the same chip with another peak, memory or power (PCIe cards, H100 NVL): not in the catalog.
+_OTHER_BOARDS = ("pcie", "nvl")
 
 
 def catalog_name(name: str) -> str | None:
-    """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``), or None."""
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``,
+    ``NVIDIA H100 80GB HBM3``), or None."""
+    key = re.sub(r"[\s_/()]+", "-", name.strip().lower()).strip("-")
     key = GPU_ALIASES.get(key, key)
-    return key if key in CATALOG else None
+    if key in CATALOG:
+        return key
+    part = re.search(r"(?<![a-z])(a100|h100|h200|b200|mi300x)", key)
+    if part is None or any(board in key for board in _OTHER_BOARDS):
+        return None
+    sizes, default = _PART_MEMORY[part.group(1)]
+    memory = re.search(r"(\d+)-?gi?b?(?![a-z0-9])", key[part.end():])
+    return default if memory is None else sizes.get(memory.group(1))
 
 
 def get_gpu(name: str, dtype: str | None = None) -> GPU:
@@ -334,7 +350,9 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
         return local_gpu(dtype)
     key = catalog_name(name)
     if key is None:
-        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])})")
+        board = " (PCIe and NVL boards are not in the catalog: describe yours with --cluster FILE.toml)" \
+            if any(b in name.lower() for b in _OTHER_BOARDS) else ""
+        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])}){board}")
     return CATALOG[key].with_dtype(dtype)
 
 
