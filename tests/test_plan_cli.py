@@ -295,6 +295,20 @@ def test_catalog_names_read_part_and_memory_from_any_spelling(spelling, name):
     assert catalog_name(spelling) == name
 
 
+@pytest.mark.parametrize("key, spelling, name", [
+    ("schedule", "interleaved-1f1b", "interleaved"), ("schedule", "1F1B_interleaved", "interleaved"),
+    ("schedule", "zb_h1", "zb-h1"), ("schedule", "PipeDream-Flush", "1f1b"),
+    ("recompute", True, "full"), ("recompute", False, "none"), ("recompute", "Full", "full")])
+def test_batch_lines_take_the_names_frameworks_give_schedules_and_recomputation(capsys, tmp_path, key, spelling, name):
+    line = dict(model="llama3-8b", global_batch=64, gpu="h100-sxm", num_gpus=8, pp=2)
+    batch = tmp_path / "lines.jsonl"
+    batch.write_text(json.dumps({**line, key: spelling}) + "\n" + json.dumps({**line, key: name}) + "\n")
+    code, out, _ = run(capsys, "estimate", "--batch", str(batch))
+    given, canonical = (json.loads(x) for x in out.splitlines())
+    assert code == 0 and "error" not in given, given
+    assert given == canonical and given["layout"][key] == name
+
+
 def test_an_unknown_board_says_to_describe_it_in_a_cluster_file(capsys):
     code, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--global-batch", "8", "--num-gpus", "8",
                        "--gpu", "H100 PCIe")

@@ -30,9 +30,30 @@ MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "m
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
-def _choice(values) -> click.Choice:
-    """A flag's choices, in any case: a published run's row may say "1F1B" or "Selective"."""
-    return click.Choice(list(values), case_sensitive=False)
+class _Choice(click.Choice):
+    """A flag's choices in any case and with '_' or ' ' for '-' (a published run's row may say
+    "1F1B", "Selective" or "zb_h1"), and the other names frameworks give them."""
+
+    def __init__(self, values, synonyms: dict[str, str] | None = None):
+        super().__init__(list(values), case_sensitive=False)
+        self.synonyms = synonyms or {}
+
+    def convert(self, value, param, ctx):
+        key = str(value).strip().lower()
+        if key not in self.choices:
+            key = key.replace("_", "-").replace(" ", "-")
+        return super().convert(self.synonyms.get(key, key), param, ctx)
+
+
+def _choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:
+    return _Choice(values, synonyms)
+
+
+# Megatron's "interleaved 1F1B" (PyTorch's ScheduleInterleaved1F1B), and a boolean for activation
+# checkpointing (DeepSpeed's and Megatron's switch: every block's input kept, the block rerun).
+SCHEDULE_SYNONYMS = {"interleaved-1f1b": "interleaved", "1f1b-interleaved": "interleaved", "interleaved1f1b": "interleaved",
+                     "zbh1": "zb-h1", "zero-bubble": "zb-h1", "dualpipe-v": "dualpipev", "pipedream-flush": "1f1b"}
+RECOMPUTE_SYNONYMS = {"true": "full", "false": "none", "off": "none", "no": "none", "block": "full"}
 
 
 def _model_options(command):
@@ -253,11 +274,11 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
-@click.option("--recompute", type=_choice(costs.RECOMPUTE), default="none", show_default=True,
+@click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
-@click.option("--schedule", type=_choice(costs.SCHEDULES), default="1f1b", show_default=True)
+@click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True)
 @click.option("--stage-layers", metavar="N,N,…",
               help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
                    "e.g. 3,2; the schedule is then played on each stage's own cost. Default: ceil(layers/pp) "
@@ -325,8 +346,8 @@ def _fixed_knobs(command):
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
-        click.option("--recompute", type=_choice(costs.RECOMPUTE), help="Fix the recomputation."),
-        click.option("--schedule", type=_choice(costs.SCHEDULES), help="Fix the pipeline schedule."),
+        click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
+        click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
     ]
     for option in reversed(options):
         command = option(command)
