@@ -53,7 +53,7 @@ class Settings:
     gloo_timeout_s: float
     wait_calls: int = 50
     curve_calls: int = 20  # each size of each kind in _measure_collective_curves, each round
-    curve_rounds: int = 3  # _measure_collective_curves' passes, the median of them kept
+    curve_rounds: int = 9  # _measure_collective_curves' passes, the median of them kept
     shared_core_seconds: float = 2.0  # each phase of measure_shared_core_slowdown
     shared_core_rounds: int = 2
     shared_core_warm_cpu_s: float = WARM_CPU_S  # measure_shared_core_slowdown's untimed start
@@ -65,7 +65,7 @@ class Settings:
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0, shared_core_rounds=3)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8,
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8, curve_rounds=3,
                  shared_core_seconds=0.6, shared_core_rounds=1, concurrent_rounds=1)
 
 
@@ -387,7 +387,12 @@ def _measure_collective_curves(world: int, calls: int, rounds: int) -> dict:
     line. In one round, the 4 MB reduce-scatter's mean read 10.7, 12.8 and then 49 ms in three
     passes here (calls of 35-120 ms in the last), and a make demo profile's line through one
     such pass, 0.13 GB/s, priced that call at 31 ms and every reduce-scatter at 2.6× its usual
-    time (2026-12-05)."""
+    time (2026-12-05). The calls' long tail also makes the lines noisy in quiet minutes: six
+    measurements in a row, each 3 rounds of 20 calls (4 s), read the all-reduce at 1.05-2.17 GB/s,
+    the all-gather at 0.76-1.23 and the reduce-scatter at 0.36-0.61; 9 rounds of 7 calls as
+    widely (1.15-2.49, 0.85-1.28, 0.46-0.60); 9 rounds of 20 (8.5 s) read 1.76-2.25, 1.04-1.22
+    and 0.57-0.64 GB/s (2026-12-05, 06:22-06:25): it is the number of calls, not their spread
+    in time, that steadies the line, so the full profile times 9 rounds of 20."""
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     means: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
@@ -459,7 +464,7 @@ def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: s
 
 
 def measure_gloo(world: int, message_bytes: int = 64 << 20, reps: int = 5, timeout_s: float = 120.0,
-                 curve_calls: int = 20, curve_rounds: int = 3) -> dict:
+                 curve_calls: int = Settings.curve_calls, curve_rounds: int = Settings.curve_rounds) -> dict:
     """All-reduce over gloo between ``world`` spawned local processes on 127.0.0.1.
 
     Returns ``{"bus_bw": bytes/s at ``message_bytes``, "latency_s": s of a one-float all-reduce,
