@@ -97,6 +97,39 @@ def test_measured_costs_of_a_plain_model():
     assert all(q.is_meta for q in model.parameters()) and model.head.weight is model.embed.weight  # left as it was
 
 
+def _reduced_costs_with_one_slow_rank():
+    """run_stage_costs on a dp2 × pp2 mesh, each rank's measurement replaced by a known one: rank
+    3's head took 10× the others' (a rank descheduled through its repeats)."""
+    import torch.distributed as dist
+
+    from threefold.distributed.comm import Comm
+    from threefold.distributed.mesh import ParallelMesh
+    from threefold.parallel.pipeline import stages
+
+    rank = dist.get_rank()
+    measured = LayerCosts(0.5, (1.0 + rank / 100,) * 4, 10.0 if rank == 3 else 1.0 + rank / 100, source="test",
+                          block_activation_bytes=(8.0,) * 4)
+    real, stages.measure_layer_costs = stages.measure_layer_costs, lambda *args, **kwargs: measured
+    try:
+        mesh = ParallelMesh({"dp": 2, "pp": 2}, rank=rank, timeout_s=30)
+        got = stages.run_stage_costs(None, load_config(None, TINY + ["parallel.pp=2", "parallel.dp=2"]), mesh,
+                                     Comm(mesh), None, (2, 16, 32))
+    finally:
+        stages.measure_layer_costs = real
+    return got.embed, got.blocks, got.head, got.block_activation_bytes
+
+
+def test_every_rank_balances_the_median_ranks_costs_not_the_slowest(distributed):
+    """The stages are cut on the median over each mesh axis in turn (of two ranks, their mean):
+    one slow rank moves it by a fraction, where the maximum took that rank's 10×."""
+    results = distributed.run(4, _reduced_costs_with_one_slow_rank)
+    assert all(r == results[0] for r in results)  # every rank cuts the model the same way
+    embed, blocks, head, activation_bytes = results[0]
+    assert embed == 0.5 and activation_bytes == (8.0,) * 4
+    assert blocks == pytest.approx((1.015,) * 4)  # the four ranks' mean
+    assert head == pytest.approx((1.00 + 1.01 + 1.02 + 10.0) / 4) and head < 4  # not 10
+
+
 # --------------------------------------------------------------------------------------------
 # parallel.stage_costs = "planner": the planner's seconds on a catalog GPU (plan/stage_costs.py)
 

@@ -61,9 +61,13 @@ def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tu
                     compute=contextlib.nullcontext) -> LayerCosts | None:
     """The costs the run's stage split balances, measured where the run computes: every rank
     times every part of the model as the earlier transformations left it (tensor parallelism's
-    shards and collectives included), all ranks at once as in training; the slowest rank's time
-    of each part (an all-reduce of the maximum, the same on every rank, so every rank cuts the
-    model the same way). None where the split comes from elsewhere: ``parallel.stage_layers``,
+    shards and collectives included), all ranks at once as in training; the median rank's time
+    of each part (the median over each mesh axis in turn, gathered, so every rank takes the same
+    and cuts the model the same way). Not the slowest rank's: one rank descheduled through a
+    part's repeats moved the maximum. The demo's 8 ranks on 2 cores read the head at 0.86-1.14
+    blocks, but in three of six launches one rank read 1.5-2.0, and two launches of ten split
+    the 5 blocks 4-1, not 3-2, on the maximum (a recording that trained 4-1 took 1.84 s a step,
+    one at 3-2 1.74; 2026-12-05); on the median, six launches of six split 3-2. None where the split comes from elsewhere: ``parallel.stage_layers``,
     equal interleaved chunks, ``parallel.stage_costs = "flops"``, context parallelism (its
     attention needs the step's position split), a Mixture-of-Experts model (its blocks' cost
     follows the routing, and timing them would run their dispatch and count their routing
@@ -79,8 +83,10 @@ def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tu
     costs = measure_layer_costs(model, cfg, mesh.device, activation_shape, loss_fn, compute)
     values = torch.tensor([costs.embed, *costs.blocks, costs.head, *costs.block_activation_bytes],
                           dtype=torch.float64, device=mesh.device)
-    for axis in (axis for axis, size in mesh.sizes.items() if size > 1):  # the maximum over each axis in turn
-        comm.all_reduce(values, axis, op=torch.distributed.ReduceOp.MAX, tag="stage_costs")
+    for axis in (axis for axis, size in mesh.sizes.items() if size > 1):  # the median over each axis in turn
+        group = values.new_empty(mesh.size(axis) * values.numel())
+        comm.all_gather(group, values, axis, tag="stage_costs")
+        values = group.view(-1, values.numel()).quantile(0.5, dim=0)  # of two ranks, their mean
     comm.ledger.take()  # the measurement is no step's traffic
     got, layers = values.tolist(), cfg.model.layers
     return dataclasses.replace(costs, embed=got[0], blocks=tuple(got[1:layers + 1]), head=got[layers + 1],
@@ -96,7 +102,11 @@ def measure_layer_costs(model: Llama, cfg, device: torch.device, activation_shap
     a stage receives it), and count the bytes each block saves for its backward. A part on the
     meta device gets random values for its measurement and goes back to meta after it: values do
     not change the time (a Mixture-of-Experts router's balance aside). Blocks that compute the
-    same thing get the mean of their times: what differs between them is noise."""
+    same thing get the mean of their times: what differs between them is noise.
+
+    On a CPU the parts are timed by the process's CPU clock, not the wall's: every rank times at
+    once, and where ranks outnumber the cores a wall clock also counts the other ranks' turns on
+    the core (the demo's 8 ranks on 2 cores: a block 69 ms by the wall, 28 ms of CPU)."""
     from threefold.models.llama import rotary_tables
     from threefold.parallel.pipeline.schedule import StageSpan
 
@@ -135,6 +145,7 @@ def measure_layer_costs(model: Llama, cfg, device: torch.device, activation_shap
     parts = [([model.embed], embed)] + [([model.blocks[i]], block(i)) for i in range(m.layers)]
     parts.append(([model.norm, model.head], head))
     activations, seconds = [], [[] for _ in parts]
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     with _materialised([module for modules, _ in parts for module in modules], device):
         params = {q.untyped_storage()._cdata for q in model.parameters()}
         for _, run in parts:
@@ -142,11 +153,11 @@ def measure_layer_costs(model: Llama, cfg, device: torch.device, activation_shap
         for _ in range(repeats):
             for (_, run), times in zip(parts, seconds):
                 _sync(device)
-                start = time.perf_counter()
+                start = clock()
                 out, g = run()
                 out.backward(g)
                 _sync(device)
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         for q in model.parameters():
             q.grad = None
     best = [min(times) for times in seconds]
@@ -166,7 +177,8 @@ def measure_layer_costs(model: Llama, cfg, device: torch.device, activation_shap
 
 
 def measured_source(cfg, device: torch.device) -> str:
-    return (f"measured forward+backward on {device.type} {cfg.train.dtype}, micro-batch {cfg.train.micro_batch}"
+    clock = " (CPU time)" if device.type == "cpu" else ""
+    return (f"measured forward+backward{clock} on {device.type} {cfg.train.dtype}, micro-batch {cfg.train.micro_batch}"
             f" × {cfg.model.seq_len} tokens")
 
 
