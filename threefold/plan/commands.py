@@ -53,6 +53,11 @@ def _choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:
 # checkpointing (DeepSpeed's and Megatron's switch: every block's input kept, the block rerun).
 SCHEDULE_SYNONYMS = {"interleaved-1f1b": "interleaved", "1f1b-interleaved": "interleaved", "interleaved1f1b": "interleaved",
                      "zbh1": "zb-h1", "zero-bubble": "zb-h1", "dualpipe-v": "dualpipev", "pipedream-flush": "1f1b"}
+# Mixed precision as trainers name it (llm-foundry's amp_bf16, Lightning's bf16-mixed and 16-mixed,
+# a paper's "fp16 mixed"): the products run in the 16-bit type, so its peak.
+DTYPE_SYNONYMS = {f"{prefix}{name}{suffix}": name for name in ("bf16", "fp16") for prefix, suffix in
+                  (("amp-", ""), ("", "-mixed"), ("mixed-", ""), ("", "-amp"), ("", "-true"))}
+DTYPE_SYNONYMS |= {"16-mixed": "fp16", "fp8-hybrid": "fp8", "fp8-e4m3": "fp8", "e4m3": "fp8"}
 RECOMPUTE_SYNONYMS = {"true": "full", "false": "none", "off": "none", "no": "none", "block": "full"}
 
 
@@ -85,7 +90,7 @@ def _model_options(command):
         click.option("--power-limit-w", type=float,
                      help="Board power limit the GPUs run at, in watts (nvidia-smi -pl): below the rated power "
                           "their products run at the clock it allows, (limit/rated)^(1/3)."),
-        click.option("--dtype", type=_choice(DTYPES), default=None,
+        click.option("--dtype", type=_choice(DTYPES, DTYPE_SYNONYMS), default=None,
                      help="Compute type: the GPU's 16-bit peak (default; bf16, or fp16 as the 2021-22 runs trained, "
                           "at the same tensor-core peak) or its fp32 peak (the engine's default on CPUs: use it with "
                           "--gpu local for fp32 runs), or float8: the blocks' linear layers at the fp8 peak "
