@@ -118,6 +118,39 @@ def test_the_shared_core_slowdown_is_each_crowded_phase_over_its_neighbours():
         calibrate.slowdown_from_phases([(2, 1.0), (4, 1.1), (8, 1.2), (2, 1.0)])
 
 
+class _ColdStartMachine:
+    """phase(workers, seconds) on 2 cores: the first ``workers`` workers share them for that long;
+    a worker's CPU per micro-batch is ``CROWD[workers]``, doubled until it has computed ``warm_s``
+    of CPU (caches and allocator not yet in their steady state, as calibrate's workers were)."""
+    CROWD = {1: 1.0, 2: 1.1, 4: 1.1 * 1.2, 8: 1.1 * 1.5}
+
+    def __init__(self, warm_s=1.0, cores=2):
+        self.cpu, self.warm_s, self.cores, self.calls = [0.0] * 8, warm_s, cores, []
+
+    def __call__(self, workers, seconds):
+        self.calls.append((workers, seconds))
+        costs = []
+        for w in range(workers):
+            costs.append(self.CROWD[workers] * (2.0 if self.cpu[w] < self.warm_s else 1.0))
+            self.cpu[w] += seconds * min(1.0, self.cores / workers)
+        return sum(costs) / workers
+
+
+def test_the_shared_core_workers_are_warmed_untimed_before_any_phase_is_timed():
+    """Every worker first computes WARM_CPU_S of CPU at once, untimed; then the phases give the
+    slowdowns put in. Without the warm-up the workers that first compute in a crowded phase are
+    still cold, and the 8-worker figure reads half as much again as it is."""
+    machine = _ColdStartMachine()
+    concurrent, beyond = calibrate.shared_core_phases(machine, cores=2, seconds=2.0, rounds=2, concurrent_rounds=3,
+                                                      warm_cpu_s=calibrate.WARM_CPU_S)
+    assert machine.calls[0] == (8, calibrate.WARM_CPU_S * 8 / 2)  # all 8, WARM_CPU_S of CPU each
+    assert all(seconds == 2.0 for _, seconds in machine.calls[1:])
+    assert concurrent == pytest.approx(1.1) and beyond == pytest.approx({"2": 1.0, "4": 1.2, "8": 1.5})
+    _, cold = calibrate.shared_core_phases(_ColdStartMachine(), cores=2, seconds=2.0, rounds=2, concurrent_rounds=3,
+                                           warm_cpu_s=0.0)
+    assert cold["8"] == pytest.approx(2.25)  # the median of two rounds, one of them cold: 1.5x the truth
+
+
 def test_a_collectives_line_goes_through_the_median_of_its_rounds():
     """Three passes over the sizes; in one, a slow spell of the machine takes the largest call to
     5x its time (as a 4 MB reduce-scatter's pass once read 49 ms against 11-13): the line is the

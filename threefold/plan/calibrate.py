@@ -602,26 +602,16 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     for proc in procs:
         proc.start()
 
-    def phase(workers: int, length: float = seconds) -> float:
+    def phase(workers: int, length: float) -> float:
         start = time.monotonic() + 0.2
         for queue_ in commands[:workers]:
             queue_.put((start, start + length))
         return statistics.mean(results.get(timeout=timeout_s) for _ in range(workers))
 
-    def alternating(base: int, crowded: list[int], rounds: int) -> list[tuple[int, float]]:
-        phases = [(base, phase(base))]
-        for _ in range(rounds):
-            for workers in crowded:
-                phases += [(workers, phase(workers)), (base, phase(base))]
-        return phases
-
     try:
         for _ in procs:
             results.get(timeout=timeout_s)
-        phase(len(procs), warm_cpu_s * len(procs) / cores)  # untimed: every worker to its steady state
-        concurrent = (1.0 if cores < 2 else
-                      slowdown_from_phases(alternating(1, [cores], concurrent_rounds))[str(cores)])
-        beyond = slowdown_from_phases(alternating(worlds[0], worlds[1:], rounds))
+        return shared_core_phases(phase, cores, seconds, rounds, concurrent_rounds, warm_cpu_s)
     except queue.Empty:
         raise RuntimeError(f"shared-core slowdown: no result within {timeout_s:.0f} s") from None
     finally:
@@ -631,7 +621,27 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
-    return concurrent, beyond
+
+
+def shared_core_phases(phase, cores: int, seconds: float, rounds: int, concurrent_rounds: int,
+                       warm_cpu_s: float) -> tuple[float, dict[str, float]]:
+    """measure_shared_core_slowdown's phases, in order, on ``phase(workers, seconds)`` (the
+    first ``workers`` compute for that long and it returns their CPU seconds per micro-batch):
+    first every worker at once for ``warm_cpu_s`` of CPU each, untimed, then the alternating
+    rounds, as ``(concurrent, beyond)``."""
+    worlds = oversubscribed_worlds(cores)
+
+    def alternating(base: int, crowded: list[int], rounds: int) -> list[tuple[int, float]]:
+        phases = [(base, phase(base, seconds))]
+        for _ in range(rounds):
+            for workers in crowded:
+                phases += [(workers, phase(workers, seconds)), (base, phase(base, seconds))]
+        return phases
+
+    phase(worlds[-1], warm_cpu_s * worlds[-1] / cores)  # untimed: every worker to its steady state
+    concurrent = (1.0 if cores < 2 else
+                  slowdown_from_phases(alternating(1, [cores], concurrent_rounds))[str(cores)])
+    return concurrent, slowdown_from_phases(alternating(worlds[0], worlds[1:], rounds))
 
 
 def slowdown_from_phases(phases: list[tuple[int, float]]) -> dict[str, float]:
