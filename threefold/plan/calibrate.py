@@ -65,7 +65,7 @@ class Settings:
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0, shared_core_rounds=3)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8, curve_rounds=3,
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8, curve_rounds=9,
                  shared_core_seconds=0.6, shared_core_rounds=1, concurrent_rounds=1)
 
 
@@ -392,7 +392,9 @@ def _measure_collective_curves(world: int, calls: int, rounds: int) -> dict:
     the all-gather at 0.76-1.23 and the reduce-scatter at 0.36-0.61; 9 rounds of 7 calls as
     widely (1.15-2.49, 0.85-1.28, 0.46-0.60); 9 rounds of 20 (8.5 s) read 1.76-2.25, 1.04-1.22
     and 0.57-0.64 GB/s (2026-12-05, 06:22-06:25): it is the number of calls, not their spread
-    in time, that steadies the line, so the full profile times 9 rounds of 20."""
+    in time, that steadies the line, so the full profile times 9 rounds of 20. ``--quick``'s 9
+    rounds of 8 read 1.49-2.06, 0.90-1.02 and 0.52-0.56 GB/s in five measurements (5 s each),
+    where its 3 rounds of 8 had read 0.80-1.83, 0.62-1.05 and 0.36-0.48 (07:35)."""
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     means: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
@@ -802,7 +804,7 @@ def profile_table(profile: dict, path: Path) -> Table:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the profile (default: $THREEFOLD_HOME/local.json or ~/.cache/threefold/local.json).")
 @click.option("--quick", is_flag=True,
-              help="Smaller, shorter measurements (about 70 s against 120); noisier numbers, the fixed cost per block "
+              help="Smaller, shorter measurements (about 60-70 s against 115-120); noisier numbers, the fixed cost per block "
                    "and the collectives' latencies above all.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON instead of a table.")
 @click.option("--from-runs", "from_runs", is_flag=True,
