@@ -49,8 +49,7 @@ def _choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:
     return _Choice(values, synonyms)
 
 
-# Megatron's "interleaved 1F1B" (PyTorch's ScheduleInterleaved1F1B), and a boolean for activation
-# checkpointing (DeepSpeed's and Megatron's switch: every block's input kept, the block rerun).
+# Megatron's "interleaved 1F1B" (PyTorch's ScheduleInterleaved1F1B); PipeDream-Flush is 1F1B.
 SCHEDULE_SYNONYMS = {"interleaved-1f1b": "interleaved", "1f1b-interleaved": "interleaved", "interleaved1f1b": "interleaved",
                      "zbh1": "zb-h1", "zero-bubble": "zb-h1", "dualpipe-v": "dualpipev", "pipedream-flush": "1f1b"}
 # Mixed precision as trainers name it (llm-foundry's amp_bf16, Lightning's bf16-mixed and 16-mixed,
@@ -58,6 +57,8 @@ SCHEDULE_SYNONYMS = {"interleaved-1f1b": "interleaved", "1f1b-interleaved": "int
 DTYPE_SYNONYMS = {f"{prefix}{name}{suffix}": name for name in ("bf16", "fp16") for prefix, suffix in
                   (("amp-", ""), ("", "-mixed"), ("mixed-", ""), ("", "-amp"), ("", "-true"))}
 DTYPE_SYNONYMS |= {"16-mixed": "fp16", "fp8-hybrid": "fp8", "fp8-e4m3": "fp8", "e4m3": "fp8"}
+# A boolean for activation checkpointing (DeepSpeed's and Megatron's switch: every block's input
+# kept, the block rerun in the backward).
 RECOMPUTE_SYNONYMS = {"true": "full", "false": "none", "off": "none", "no": "none", "block": "full"}
 
 

@@ -67,8 +67,8 @@ def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tu
     part's repeats moved the maximum. The demo's 8 ranks on 2 cores read the head at 0.86-1.14
     blocks, but in three of six launches one rank read 1.5-2.0, and two launches of ten split
     the 5 blocks 4-1, not 3-2, on the maximum (a recording that trained 4-1 took 1.84 s a step,
-    one at 3-2 1.74; 2026-12-05); on the median, six launches of six split 3-2. None where the split comes from elsewhere: ``parallel.stage_layers``,
-    equal interleaved chunks, ``parallel.stage_costs = "flops"``, context parallelism (its
+    one at 3-2 1.74; 2026-12-05); on the median, six launches of six split 3-2. None where the
+    split comes from elsewhere: ``parallel.stage_layers``, equal interleaved chunks, ``parallel.stage_costs = "flops"``, context parallelism (its
     attention needs the step's position split), a Mixture-of-Experts model (its blocks' cost
     follows the routing, and timing them would run their dispatch and count their routing
     outside a step), a model without values (the dry run's fake
