@@ -59,20 +59,20 @@ ADAM_STATE_BYTES = 16  # per fp32 parameter: the weight, its gradient, Adam's tw
 
 def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tuple[int, ...],
                     compute=contextlib.nullcontext) -> LayerCosts | None:
-    """The costs the run's stage split balances, measured where the run computes: every rank
-    times every part of the model as the earlier transformations left it (tensor parallelism's
-    shards and collectives included), all ranks at once as in training; the median rank's time
-    of each part (the median over each mesh axis in turn, gathered, so every rank takes the same
-    and cuts the model the same way). Not the slowest rank's: one rank descheduled through a
-    part's repeats moved the maximum. The demo's 8 ranks on 2 cores read the head at 0.86-1.14
-    blocks, but in three of six launches one rank read 1.5-2.0, and two launches of ten split
-    the 5 blocks 4-1, not 3-2, on the maximum (a recording that trained 4-1 took 1.84 s a step,
-    one at 3-2 1.74; 2026-12-05); on the median, six launches of six split 3-2. None where the
-    split comes from elsewhere: ``parallel.stage_layers``, equal interleaved chunks, ``parallel.stage_costs = "flops"``, context parallelism (its
-    attention needs the step's position split), a Mixture-of-Experts model (its blocks' cost
-    follows the routing, and timing them would run their dispatch and count their routing
-    outside a step), a model without values (the dry run's fake
-    tensors), or ranks without a process group (a mesh of coordinates only): the FLOP model then."""
+    """The costs the run's stage split balances, measured where the run computes: every rank times
+    every part of the model as the earlier transformations left it (tensor parallelism's shards and
+    collectives included), all ranks at once as in training; the median rank's time of each part
+    (the median over each mesh axis in turn, gathered, so every rank takes the same and cuts the
+    model the same way). Not the slowest rank's: one rank descheduled through a part's repeats moved
+    the maximum. The demo's 8 ranks on 2 cores read the head at 0.86-1.14 blocks, but in three of
+    six launches one rank read 1.5-2.0, and two launches of ten split the 5 blocks 4-1, not 3-2, on
+    the maximum (a recording that trained 4-1 took 1.84 s a step, one at 3-2 1.74; 2026-12-05); on
+    the median, six launches of six split 3-2. None where the split comes from elsewhere:
+    ``parallel.stage_layers``, equal interleaved chunks, ``parallel.stage_costs = "flops"``, context
+    parallelism (its attention needs the step's position split), a Mixture-of-Experts model (its
+    blocks' cost follows the routing, and timing them would run their dispatch and count their
+    routing outside a step), a model without values (the dry run's fake tensors), or ranks without a
+    process group (a mesh of coordinates only): the FLOP model then."""
     from torch._guards import detect_fake_mode
 
     p = cfg.parallel
