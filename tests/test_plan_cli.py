@@ -288,7 +288,12 @@ def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
     ("A100 (80 GB)", "a100-80gb"), ("A100", "a100-80gb"), ("AMD Instinct MI300X", "mi300x"), ("h200_141gb", "h200"),
     # other boards and chips are not read as a catalog part
     ("H100 PCIe", None), ("NVIDIA H100 NVL", None), ("GH200", None), ("H100 96GB HBM2e", None), ("A100 24GB", None),
-    ("V100", None)])
+    ("V100", None),
+    # the spellings an alias table listed before the parts were read
+    ("a100-sxm4-40gb", "a100-40gb"), ("a100-sxm-40gb", "a100-40gb"), ("a100-sxm4-80gb", "a100-80gb"),
+    ("a100-sxm-80gb", "a100-80gb"), ("h100", "h100-sxm"), ("h100-sxm5", "h100-sxm"), ("h100-sxm5-80gb", "h100-sxm"),
+    ("h100-sxm-80gb", "h100-sxm"), ("h100-80gb", "h100-sxm"), ("h200-sxm", "h200"), ("h200-141gb", "h200"),
+    ("b200-180gb", "b200"), ("mi300x-192gb", "mi300x")])
 def test_catalog_names_read_part_and_memory_from_any_spelling(spelling, name):
     from threefold.plan.hardware import catalog_name
 
@@ -309,6 +314,12 @@ def test_batch_lines_take_the_names_frameworks_give_schedules_recomputation_and_
     given, canonical = (json.loads(x) for x in out.splitlines())
     assert code == 0 and "error" not in given, given
     assert given == canonical and given["layout"].get(key, name) == name
+
+
+def test_a_refused_choice_is_named_as_it_was_given(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--global-batch", "8", "--num-gpus", "8",
+                       "--gpu", "h100-sxm", "--schedule", "Foo_Bar")
+    assert code == 2 and err.strip().count("\n") == 0 and "'Foo_Bar' is not one of" in err
 
 
 def test_an_unknown_board_says_to_describe_it_in_a_cluster_file(capsys):

@@ -97,6 +97,26 @@ def test_measured_costs_of_a_plain_model():
     assert all(q.is_meta for q in model.parameters()) and model.head.weight is model.embed.weight  # left as it was
 
 
+def test_on_a_cpu_a_parts_time_off_the_core_is_not_its_cost():
+    """Timed by the process's CPU clock: a head whose loss sleeps 50 ms (as a rank waits for its
+    turn on a shared core) costs what it computes, not the wall's 50 ms more."""
+    import time
+
+    from threefold.models.llama import Llama, cross_entropy
+    from threefold.parallel.pipeline.stages import measure_layer_costs
+
+    cfg = load_config(None, TINY)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+
+    def sleepy_loss(logits, targets):
+        time.sleep(0.05)
+        return cross_entropy(logits, targets)
+
+    measured = measure_layer_costs(model, cfg, torch.device("cpu"), (2, 16, 32), sleepy_loss)
+    assert 0 < measured.head < 0.025 and "CPU time" in measured.source
+
+
 def _reduced_costs_with_one_slow_rank():
     """run_stage_costs on a dp2 × pp2 mesh, each rank's measurement replaced by a known one: rank
     3's head took 10× the others' (a rank descheduled through its repeats)."""

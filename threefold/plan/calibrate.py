@@ -65,7 +65,7 @@ class Settings:
 FULL = Settings(matmul_size=2048, matmul_seconds=2.0, copy_bytes=512 << 20, copy_seconds=1.5,
                 gloo_bytes=64 << 20, gloo_reps=5, gloo_timeout_s=120.0, shared_core_rounds=3)
 QUICK = Settings(matmul_size=1024, matmul_seconds=0.6, copy_bytes=128 << 20, copy_seconds=0.4,
-                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8, curve_rounds=9,
+                 gloo_bytes=16 << 20, gloo_reps=3, gloo_timeout_s=60.0, wait_calls=20, curve_calls=8,
                  shared_core_seconds=0.6, shared_core_rounds=1, concurrent_rounds=1)
 
 
@@ -384,17 +384,11 @@ def _measure_collective_curves(world: int, calls: int, rounds: int) -> dict:
     ms the pair, the least-waiting rank's, 94 calls a step), where the best (0.6 and 1.3 ms) said
     half of it. The ``rounds`` pass over every kind and size in turn, and each size keeps the
     median of its rounds' means: a slow spell of the machine lands in one round, not in the
-    line. In one round, the 4 MB reduce-scatter's mean read 10.7, 12.8 and then 49 ms in three
-    passes here (calls of 35-120 ms in the last), and a make demo profile's line through one
-    such pass, 0.13 GB/s, priced that call at 31 ms and every reduce-scatter at 2.6× its usual
-    time (2026-12-05). The calls' long tail also makes the lines noisy in quiet minutes: six
-    measurements in a row, each 3 rounds of 20 calls (4 s), read the all-reduce at 1.05-2.17 GB/s,
-    the all-gather at 0.76-1.23 and the reduce-scatter at 0.36-0.61; 9 rounds of 7 calls as
-    widely (1.15-2.49, 0.85-1.28, 0.46-0.60); 9 rounds of 20 (8.5 s) read 1.76-2.25, 1.04-1.22
-    and 0.57-0.64 GB/s (2026-12-05, 06:22-06:25): it is the number of calls, not their spread
-    in time, that steadies the line, so the full profile times 9 rounds of 20. ``--quick``'s 9
-    rounds of 8 read 1.49-2.06, 0.90-1.02 and 0.52-0.56 GB/s in five measurements (5 s each),
-    where its 3 rounds of 8 had read 0.80-1.83, 0.62-1.05 and 0.36-0.48 (07:35)."""
+    line (one pass's 4 MB reduce-scatter once read 49 ms against 11-13 in the others). Through
+    the calls' long tail the lines are noisy even in quiet minutes, and the number of calls, not
+    their spread in time, steadies them: 3 rounds of 20 read the reduce-scatter at 0.36-0.61 GB/s
+    in six measurements in a row, 9 rounds of 20 at 0.57-0.64 (docs/planner.md, "The closed
+    loop", has every figure)."""
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     means: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):

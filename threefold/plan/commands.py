@@ -42,7 +42,8 @@ class _Choice(click.Choice):
         key = str(value).strip().lower()
         if key not in self.choices:
             key = key.replace("_", "-").replace(" ", "-")
-        return super().convert(self.synonyms.get(key, key), param, ctx)
+        key = self.synonyms.get(key, key)
+        return super().convert(key if key in self.choices else value, param, ctx)  # refused: as it was given
 
 
 def _choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:

@@ -310,14 +310,10 @@ def local_gpu(dtype: str | None = "bfloat16", workers: int | None = None, profil
                    kind: (float(c["latency_s"]), float(c["bus_bw"]) * link) for kind, c in profile["collectives"].items()})
 
 
-# The names vendors and papers print for the catalog's parts (after lower-casing and '_' or ' ' to '-').
-GPU_ALIASES = {"a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb", "a100-sxm4-80gb": "a100-80gb",
-               "a100-sxm-80gb": "a100-80gb", "h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h100-sxm5-80gb": "h100-sxm",
-               "h100-sxm-80gb": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200", "h200-141gb": "h200",
-               "b200-180gb": "b200", "mi300x-192gb": "mi300x"}
-# Other spellings (nvidia-smi's "NVIDIA H100 80GB HBM3", a paper's "A100 (80 GB)") are read by part
-# and memory: each part's HBM sizes in GB as vendors print them, the catalog's name for each, and
-# that name's when none is printed (A100: the 80 GB part, which most published runs used).
+# A GPU named as vendors and papers print it (``A100-SXM4-80GB``, nvidia-smi's "NVIDIA H100 80GB
+# HBM3", "A100 (80 GB)") is read by part and memory: each part's HBM sizes in GB as vendors print
+# them, the catalog's name for each, and that name's when none is printed (A100: the 80 GB part,
+# which most published runs used).
 _PART_MEMORY = {"a100": ({"40": "a100-40gb", "80": "a100-80gb"}, "a100-80gb"), "h100": ({"80": "h100-sxm"}, "h100-sxm"),
                 "h200": ({"141": "h200", "144": "h200"}, "h200"), "b200": ({"180": "b200", "192": "b200"}, "b200"),
                 "mi300x": ({"192": "mi300x"}, "mi300x")}
@@ -329,7 +325,6 @@ def catalog_name(name: str) -> str | None:
     """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``,
     ``NVIDIA H100 80GB HBM3``), or None."""
     key = re.sub(r"[\s_/()]+", "-", name.strip().lower()).strip("-")
-    key = GPU_ALIASES.get(key, key)
     if key in CATALOG:
         return key
     part = re.search(r"(?<![a-z])(a100|h100|h200|b200|mi300x)", key)
