@@ -88,3 +88,10 @@ def test_gpt3_search_evaluates_over_100k_layouts_per_second():
     # Measured in this process's CPU time: on a shared machine the wall clock also counts the
     # time other processes hold the cores (a load of 27 on 2 cores cut the wall rate to 77,000).
     assert cpu_rate > 100_000
+
+
+def test_the_knob_line_prints_two_step_times_apart():
+    """A layout that overtakes by milliseconds is printed to as many decimals as tell it apart."""
+    assert search._apart(16.0404, 16.0431) == ("16.040", "16.043")
+    assert search._apart(12.90, 12.92) == ("12.90", "12.92")
+    assert search._apart(1.00001, 1.00004) == ("1.0000", "1.0000")  # four decimals at most

@@ -1465,12 +1465,14 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
 
     # ---- contention: overlapped data-parallel traffic is not free. NCCL's kernels run on the SMs
     # of the compute they hide behind and stream their bytes through its HBM, which slows by
-    # overlap_slowdown seconds per second of NVLink-rate traffic; a group moving its bytes slower
-    # (one NIC a GPU across nodes: a tenth of NVLink's rate on an A100) costs in proportion to
-    # its rate, and one whose members share a node's NICs about as much as NVLink
-    # (docs/planner.md §5).
-    overlapped_dp_s = np.maximum(0, dp_s - dp_exposed_s) * np.minimum(1.0, dp_bw / nvlink_bw)
-    contention_s = gpu.overlap_slowdown * overlapped_dp_s
+    # overlap_slowdown seconds per second of NVLink-rate traffic: the cost is per byte overlapped,
+    # so a group moving its bytes slower (one NIC a GPU across nodes) costs no more per byte, and
+    # the rings' latency, no traffic, costs nothing (docs/planner.md §5). On a CPU, whose
+    # collectives are measured lines (gloo), the cores run the whole call: every overlapped
+    # second of it costs.
+    overlapped_share = np.maximum(0, dp_s - dp_exposed_s) / np.where(dp_s > 0, dp_s, 1)
+    traffic_s = dp_s if gpu.collectives is not None else dp_bytes / nvlink_bw
+    contention_s = gpu.overlap_slowdown * overlapped_share * traffic_s
 
     # ---- the collectives' own CPU (a CPU's gloo; 0 on a GPU): every call this rank makes in a
     # step (a pipeline's middle stage sends and receives both ways) and the bytes it sends

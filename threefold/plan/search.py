@@ -257,8 +257,9 @@ class SearchResult:
             steps, fits = np.asarray(est["step_time_s"]), np.asarray(est["fits"])
             for j in range(1, len(shown)):
                 if fits[j] and steps[j] < steps[0]:
-                    return [f"{phrase}, {self.layouts.describe(shown[j])} ({steps[j]:.2f} s) would overtake "
-                            f"{self.layouts.describe(shown[0])} ({steps[0]:.2f} s)."]
+                    faster, slower = _apart(steps[j], steps[0])
+                    return [f"{phrase}, {self.layouts.describe(shown[j])} ({faster} s) would overtake "
+                            f"{self.layouts.describe(shown[0])} ({slower} s)."]
         return ["Halving or doubling either link bandwidth would not change #1."]
 
     def notes(self) -> list[str]:
@@ -281,6 +282,16 @@ class SearchResult:
             return ": no layout divides the model and the GPUs"
         i = int(np.argmin(np.asarray(self.est["memory_bytes"])))
         return f"; the leanest, {self.layouts.describe(i)}, needs {self._get('memory_bytes', i) / 2**30:.0f} GiB per GPU"
+
+
+def _apart(faster: float, slower: float) -> tuple[str, str]:
+    """Two step times with the fewest decimals (two to four) that print them apart."""
+    for digits in (2, 3):
+        if f"{faster:.{digits}f}" != f"{slower:.{digits}f}":
+            break
+    else:
+        digits = 4
+    return f"{faster:.{digits}f}", f"{slower:.{digits}f}"
 
 
 def search(work: Workload, gpu, num_gpus: int, fixed: dict | None = None) -> SearchResult:
