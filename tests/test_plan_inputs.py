@@ -144,17 +144,6 @@ def test_batch_input_format_is_documented():
     assert "--batch" in text and "keys are the flags' long names with underscores" in text
 
 
-def test_docs_175b_search_counts_are_what_plan_prints(capsys):
-    import re
-
-    code, out, _ = run(capsys, "plan", *GPT3, "--num-gpus", "1024")
-    printed = re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", " ".join(out.split())).groups()
-    docs = (ROOT / "docs" / "planner.md").read_text()
-    block = docs[docs.index("$ threefold plan --model gpt3-175b --global-batch 1536 --gpu a100-80gb --num-gpus 1024"):]
-    documented = re.search(r"Evaluated ([\d,]+) layouts .*?; ([\d,]+) fit", block).groups()
-    assert printed == documented
-
-
 def test_an_uneven_interleaved_split_is_priced_at_its_busiest_rank(capsys):
     """Llama 3 405B's 126 layers over 16 stages of 4 chunks: the engine needs equal chunks, the
     planner (for runs Megatron splits unevenly) prices the rank with ceil(126/16) = 8 layers, the
