@@ -1011,14 +1011,19 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
         sent, seconds, active = sent + also["bytes"], seconds + also["seconds"], active | also["active"]
         grad_s, gather_s = grad_s + also["grad_s"], gather_s + also["gather_s"]
         one_collective_s = np.maximum(one_collective_s, also["one_s"])
-    per_step = (np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
-                         np.maximum(grad_s - backward_s - drain_s, one_collective_s))
-                + np.where(zero == 0, 0, np.maximum(gather_s - forward_s, one_collective_s)))
+    # Nothing is exposed beyond its own seconds: where the collectives outlast the compute, the
+    # exposure is all of them, as without overlap.
+    per_step = (np.minimum(grad_s, np.where(zero == 2, m * np.maximum(0, grad_s / m - backward_s) + one_collective_s,
+                                            np.maximum(grad_s - backward_s - drain_s, one_collective_s)))
+                + np.where(zero == 0, 0, np.minimum(gather_s, np.maximum(gather_s - forward_s, one_collective_s))))
     first_s, last_reduce_s = zero3_unhidden(root_numel, unit_numel, head, embedding, replicas, work, bw, latency, gpu,
                                             intra, wait)
     if also is not None:
         first_s, last_reduce_s = first_s + also["first_s"], np.maximum(last_reduce_s, also["last_reduce_s"])
-    block_wise = m * np.maximum(0, seconds / m - mb_s) + m * first_s + last_reduce_s
+    # ZeRO-3, per micro-batch: the unhidden units' collectives, and what of the rest (the step's
+    # seconds less those and the last reduce-scatter) outlasts the micro-batch's compute
+    hideable_s = np.maximum(0, (seconds - last_reduce_s) / m - first_s)
+    block_wise = np.minimum(seconds, m * (first_s + np.maximum(0, hideable_s - mb_s)) + last_reduce_s)
     return {"bytes": sent, "seconds": seconds, **parts, "first_s": first_s, "last_reduce_s": last_reduce_s,
             "exposed": np.where(active, np.where(zero == 3, block_wise, per_step), 0)}
 
