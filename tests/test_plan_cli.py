@@ -359,3 +359,16 @@ def test_an_mfu_above_100_percent_says_why(capsys):
     assert "note: MFU above 100%" in " ".join(out.split())
     code, out, _ = run(capsys, *GPT3_LAYOUT)
     assert "MFU above 100%" not in out
+
+
+def test_a_gpu_holds_what_its_driver_reports(capsys):
+    """An H200 "141GB" gives a process 143,771 MiB (140.4 GiB), an H100 "80GB" 81,559 MiB: Llama
+    3 8B on two H200s at micro-batch 4 under ZeRO-3 needs 136.9 GiB, which fits the former and
+    did not fit the 141e9 bytes (131.3 GiB) the catalog once read; --list-gpus prints them so."""
+    code = main(["estimate", "--model", "llama3-8b", "--global-batch", "16", "--gpu", "h200", "--num-gpus", "2",
+                 "--zero", "3", "--recompute", "full", "--micro-batch", "4", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and 131.3 < result["memory_gib"]["total"] < 140.4 and result["fits"]
+    main(["estimate", "--list-gpus"])
+    listed = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
+    assert "140.4" in listed["h200"] and "79.6" in listed["h100-sxm"] and "80" in listed["a100-80gb"]

@@ -390,7 +390,7 @@ def plan(as_json, top, out, **options):
     console = Console()
     given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
     console.print(f"Evaluated {found.count:,} layouts{f' with {given}' if given else ''} in {found.seconds:.3f} s "
-                  f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {gpu.hbm_bytes / 2**30:.0f} GiB.")
+                  f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {report.capacity_gib(gpu.hbm_bytes)} GiB.")
     if not best:
         raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}"
                           f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")

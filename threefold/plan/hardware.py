@@ -23,7 +23,6 @@ import numpy as np
 
 from threefold.config import ConfigError
 
-GiB = 2**30
 
 # Compute types as they are spelt, and the peak each trains at: a 16-bit type at the 16-bit tensor
 # peak (fp16, as the 2021-22 runs trained, runs at the same one as bf16), fp32 at the fp32 peak;
@@ -226,20 +225,26 @@ def _fa2_on_hopper(matmul_efficiency: float) -> dict:
                 attention_efficiency=min(1.0, _FA2_H100_FLOPS / (989e12 * matmul_efficiency)))
 
 
+# hbm_bytes: what the driver reports a process can allocate from (nvidia-smi's memory.total,
+# rocm-smi's VRAM total), not the marketed size: an "80GB" H100 SXM5 shows 81,559 MiB (79.6 GiB),
+# the A100s 40,960 and 81,920 MiB, an H200 "141GB" 143,771 MiB (140.4 GiB, where 141e9 bytes would
+# be 131.3), a B200 183,359 MiB, an MI300X 205,822,885,888 bytes (191.7 GiB). The CUDA context and
+# the libraries' workspaces come out of it: costs.RESERVED_BYTES.
+MiB = 2**20
 CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
-    GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
+    GPU("a100-40gb", 312e12, 40960 * MiB, 1.555e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
+    GPU("a100-80gb", 312e12, 81920 * MiB, 2.039e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
+    GPU("h100-sxm", 989e12, 81559 * MiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
         description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
         peak_flops_fp8=1979e12),
-    GPU("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
+    GPU("h200", 989e12, 143771 * MiB, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
         description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
         peak_flops_fp8=1979e12),
-    GPU("b200", 2.25e15, 180 * GiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55), rated_power_w=1000,
+    GPU("b200", 2.25e15, 183359 * MiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55), rated_power_w=1000,
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node", peak_flops_fp8=4.5e15),
-    GPU("mi300x", 1307e12, 192 * GiB, 5.3e12, 448e9, 50e9, rated_power_w=750,
+    GPU("mi300x", 1307e12, 205822885888, 5.3e12, 448e9, 50e9, rated_power_w=750,
         **dict(_NVIDIA, matmul_efficiency=0.45, intra_link_efficiency=0.60),
         description="MI300X 192GB; Infinity Fabric mesh, 400 Gb/s NICs", peak_flops_fp8=2615e12),
 ]}

@@ -90,6 +90,11 @@ def estimate_tables(result: dict, title: str) -> list[Table]:
     return [summary, time, memory, comm]
 
 
+def capacity_gib(n_bytes: float) -> str:
+    """A GPU's memory in GiB to a tenth, as its driver reports it (79.6 for an H100, 80 for an A100)."""
+    return f"{n_bytes / GiB:.1f}".removesuffix(".0")
+
+
 def _tflops(flops: float | None) -> str:
     """A FLOP/s figure in TFLOP/s with enough digits to read: a CPU's 0.0712 is not 0."""
     if flops is None:
@@ -112,7 +117,7 @@ def gpu_table(gpus, width: int = 200) -> Table:
         table.add_column("what", ratio=1)
     for gpu in gpus:
         table.add_row(gpu.name, _tflops(gpu.peak_flops), _tflops(gpu.peak_flops_fp32), _tflops(gpu.peak_flops_fp8),
-                      f"{gpu.hbm_bytes / GiB:.0f}",
+                      capacity_gib(gpu.hbm_bytes),
                       f"{gpu.hbm_bw / 1e12:.3g}", f"{gpu.intra_node_bw / 1e9:,.3g}", f"{gpu.inter_node_bw / 1e9:,.3g}",
                       str(gpu.gpus_per_node), f"{gpu.matmul_efficiency:.2f}",
                       "—" if gpu.rated_power_w is None else f"{gpu.rated_power_w:.0f}",
