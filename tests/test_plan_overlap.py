@@ -269,6 +269,11 @@ def test_a_faster_network_never_slows_a_step(gpu, model, global_batch, num_gpus)
     for slower, faster in zip(steps, steps[1:]):
         assert (faster <= slower * (1 + 1e-12)).all()
     assert (steps[-1] < steps[0]).mean() > 0.5  # and the network matters to most of them
+    # and inside a node: faster NVLink never slows a step either
+    steps = [costs.estimate(work, layouts, CATALOG[gpu].with_links(gbps, None))["step_time_s"]
+             for gbps in (1200, 2400, 3600, 7200)]
+    for slower, faster in zip(steps, steps[1:]):
+        assert (faster <= slower * (1 + 1e-12)).all()
 
 
 def test_overlapping_the_data_parallel_traffic_never_exposes_more_than_all_of_it():
