@@ -332,7 +332,8 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     if as_json:
         click.echo(json.dumps(result))
         return
-    for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {described}"):
+    for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {described}",
+                                       gpu.hbm_bytes):
         console.print(table)
     if result["mfu"] > 1:
         console.print("note: MFU above 100%: the convention (PaLM's, torchtitan's) counts attention's whole s × s "

@@ -53,8 +53,9 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def estimate_tables(result: dict, title: str) -> list[Table]:
-    """Throughput, where the step's time goes, memory per GPU and communication per GPU."""
+def estimate_tables(result: dict, title: str, capacity_bytes: float) -> list[Table]:
+    """Throughput, where the step's time goes, memory per GPU (against the GPU's ``capacity_bytes``)
+    and communication per GPU."""
     summary = Table(title=title, show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
@@ -64,7 +65,8 @@ def estimate_tables(result: dict, title: str) -> list[Table]:
                          ("MFU / HFU", f"{result['mfu']:.1%} / {result['hfu']:.1%}"),
                          ("micro-batches per replica", f"{result['microbatches']}"),
                          ("pipeline bubble", f"{result['bubble_fraction']:.1%}"),
-                         ("fits in memory", "yes" if result["fits"] else "[red]no[/red]")):
+                         ("fits in memory", f"{'yes' if result['fits'] else '[red]no[/red]'}: "
+                                            f"{result['memory_gib']['total']:.1f} of {capacity_gib(capacity_bytes)} GiB")):
         summary.add_row(label, value)
 
     time = Table(title="Where the step's time goes")
