@@ -62,7 +62,7 @@ def cli():
 
 def main(argv=None) -> int:
     try:
-        cli.main(args=argv, standalone_mode=False)
+        cli.main(args=argv, prog_name="threefold", standalone_mode=False)
     except ConfigError as err:
         click.echo(f"error: {err}", err=True)
         return 2
@@ -71,8 +71,11 @@ def main(argv=None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.exceptions.NoArgsIsHelpError as err:  # `threefold`, `threefold data`: what there is to run
+        click.echo(err.ctx.get_help())
+        return 0
     except click.UsageError as err:  # a bad flag or value: one line, as every other bad input
-        command = f"threefold {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "threefold --help"
+        command = f"{err.ctx.command_path} --help" if err.ctx else "threefold --help"
         click.echo(f"error: {err.format_message()} (see `{command}`)", err=True)
         return 2
     except click.ClickException as err:

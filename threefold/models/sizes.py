@@ -70,7 +70,10 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:
-    return sum(is_moe_layer(cfg, layer) for layer in range(cfg.layers))
+    """How many blocks ``is_moe_layer`` gives experts, counted without visiting each."""
+    if cfg.moe_experts <= 0:
+        return 0
+    return -(-max(0, cfg.layers - cfg.moe_first_dense) // cfg.moe_every)
 
 
 def moe_block_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:

@@ -11,6 +11,7 @@ import functools
 import json
 
 import click
+import numpy as np
 from rich.console import Console
 
 from threefold.config import ConfigError, ModelConfig
@@ -138,6 +139,7 @@ def build_model(o: dict) -> ModelConfig:
 
 def build_workload(o: dict) -> tuple[costs.Workload, object]:
     """The model, batch and GPU of a command's options."""
+    check_sizes(o)
     if o.get("global_batch") is None:
         raise ConfigError("--global-batch: required (sequences per optimizer step)")
     if o["global_batch"] < 1:
@@ -155,7 +157,22 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
     gpu = load_cluster(o["cluster"]).with_dtype(dtype) if o.get("cluster") else get_gpu(o["gpu"], dtype)
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     gpu = gpu.with_power_limit(o.get("power_limit_w"))
+    if o.get("power_limit_w") and gpu.rated_power_w and o["power_limit_w"] > gpu.rated_power_w:
+        _note_once(f"note: --power-limit-w {o['power_limit_w']:g} is above {gpu.name}'s rated "
+                   f"{gpu.rated_power_w:g} W: its clock stays at the rated one")
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
+
+
+# The largest size any flag takes (a GPU count, a layer count, a batch): beyond it numpy's 64-bit
+# arithmetic overflows, and no cluster or model comes near it.
+MAX_SIZE = 2**31 - 1
+
+
+def check_sizes(o: dict) -> None:
+    """ConfigError, one line, for an integer option too large to be a real size."""
+    for key, value in o.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE:
+            raise ConfigError(f"--{key.replace('_', '-')}: {value} is too large (at most {MAX_SIZE:,})")
 
 
 def _given(o: dict, key: str, default):
@@ -200,8 +217,13 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     elif schedule == "interleaved" and o.get("virtual_stages") == 1:
         _note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
         schedule = "1f1b"
+    if pp == 1 and o.get("schedule") not in (None, "1f1b") and not SCHEDULE_REGISTRY[schedule].chunked:
+        _note_once(f"note: --schedule {schedule} has no effect at --pp 1 (no pipeline); estimating 1f1b")
+        schedule = "1f1b"
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
+    if cp == 1 and o.get("cp_method") not in (None, "ring"):
+        _note_once(f"note: --cp-method {o['cp_method']} has no effect at --cp 1")
     sequence_parallel = bool(o.get("sequence_parallel"))
     if sequence_parallel and tp == 1:  # nothing to split the sequence over: Megatron turns it off too
         _note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
@@ -260,11 +282,35 @@ def _batch_line(text: str, defaults: dict, params: dict) -> dict:
     for key, value in line.items():
         if key not in params:
             raise ConfigError(f"{key}: unknown key (keys are estimate's flags with underscores)")
+        if value is not None:
+            _check_json_type(key, value, params[key])
         try:
             options[key] = None if value is None else params[key].type.convert(value, params[key], None)
         except click.BadParameter as err:
             raise ConfigError(f"{key}: {err.format_message()}") from None
     return options
+
+
+def _check_json_type(key: str, value, param: click.Parameter) -> None:
+    """ConfigError, one line, for a JSON value of the wrong kind for its flag: a size is a whole
+    number (8, or 8.0; not 8.5, not true), a bandwidth a number, a switch true or false, anything
+    else a string (the stage split may also be a list of whole numbers)."""
+    kind = param.type
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(kind, click.types.IntParamType):
+        ok = whole and not isinstance(value, bool) or isinstance(value, str)
+    elif isinstance(kind, click.types.FloatParamType):
+        ok = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    elif isinstance(kind, click.types.BoolParamType):
+        ok = isinstance(value, (bool, str))
+    elif key == "stage_layers":
+        ok = isinstance(value, str) or (isinstance(value, list) and all(
+            isinstance(item, int) and not isinstance(item, bool) for item in value))
+    else:  # names and choices (a boolean recompute, as Megatron's switch, is a choice too)
+        ok = isinstance(value, str) or (isinstance(value, bool) and isinstance(kind, _Choice))
+    if not ok:
+        raise ConfigError(f"{key}: {json.dumps(value)} is not a valid value "
+                          f"({'a whole number' if isinstance(kind, click.types.IntParamType) else kind.name})")
 
 
 @click.command()
@@ -309,8 +355,16 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
             console.print("local: not measured yet; run `threefold calibrate`")
         return
     if batch_file is not None:
+        if out:
+            raise ConfigError("--out: draws one layout; --batch answers in JSON lines only")
+        check_positive(options, LAYOUT_SIZES)  # the command line's flags, before any line takes them
+        check_sizes(options)
+        try:
+            lines = batch_file.readlines()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--batch: {batch_file.name} is not UTF-8 text") from None
         params = {p.name: p for p in ctx.command.params if p.name in options}
-        for text in batch_file:
+        for text in lines:
             if not text.strip():
                 continue
             try:
@@ -389,9 +443,11 @@ def plan(as_json, top, out, **options):
                                "layouts": [dict(r, why=why) for r, why in best]}))
         return
     console = Console()
-    given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
+    given = _flags(fixed)
     console.print(f"Evaluated {found.count:,} layouts{f' with {given}' if given else ''} in {found.seconds:.3f} s "
                   f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {report.capacity_gib(gpu.hbm_bytes)} GiB.")
+    if not found.count and any(v is not None for v in fixed.values()):
+        raise ConfigError(_impossible_knobs(work, num_gpus, fixed))
     if not best:
         raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}"
                           f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")
@@ -407,6 +463,30 @@ def plan(as_json, top, out, **options):
         draw_breakdown([r for r, _ in best], [r["describe"] for r, _ in best], gpu.hbm_bytes / 2**30, out,
                        _title(options, work, num_gpus, gpu))
         console.print(f"drawn to {out}", highlight=False)
+
+
+def _flags(knobs: dict) -> str:
+    """Fixed knobs as they are typed: ``--tp 2, --sequence-parallel``."""
+    return ", ".join(f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool)
+                     else f"--{k.replace('_', '-')} {v}" for k, v in knobs.items() if v is not None)
+
+
+def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:
+    """Why the fixed knobs leave no layout: the first knob that no layout takes on its own, with
+    the reason the layout check gives for it where it has one; else the knobs together."""
+    given = {knob: value for knob, value in fixed.items() if value is not None}
+    for knob, value in given.items():
+        if len(np.atleast_1d(search.candidate_layouts(work, num_gpus, {knob: value}).tp)):
+            continue
+        try:  # the layout check's own words: "--tp: 3 does not divide the 32 heads …"
+            sizes = {k: value for k in (knob,) if k in LAYOUT_SIZES}
+            layout = costs.Layout.named(**({knob: value} if knob in ("recompute", "schedule", "cp_method") else sizes))
+            costs.check_layout(work.model, layout, work.global_batch,
+                               int(layout.tp * layout.pp * layout.dp * layout.cp))
+        except ConfigError as err:
+            return str(err)
+        return f"--{knob.replace('_', '-')} {value}: no layout of this model on {num_gpus} GPUs takes it"
+    return f"{_flags(given)}: each is possible alone, but together they leave no layout of this model on {num_gpus} GPUs"
 
 
 def _smallest_that_fits(work: costs.Workload, gpu, num_gpus: int, fixed: dict) -> str:

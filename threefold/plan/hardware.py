@@ -445,8 +445,10 @@ def load_cluster(path: str | Path) -> GPU:
         raise ConfigError(f"--cluster: {path} is not valid TOML ({err})") from None
     values, name = {}, f"cluster:{path.stem}"
     for section, table in raw.items():
-        if not isinstance(table, dict) or section not in ("gpu", "node", "efficiency"):
+        if section not in ("gpu", "node", "efficiency"):
             raise ConfigError(f"--cluster: {path}: unknown section [{section}] (sections: gpu, node, efficiency)")
+        if not isinstance(table, dict):
+            raise ConfigError(f"--cluster: {path}: [{section}] must be a table of keys, got {section} = {table!r}")
         for key, value in table.items():
             if section == "gpu" and key in ("name", "description"):
                 name = str(value) if key == "name" else name

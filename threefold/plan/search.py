@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import time
 from dataclasses import dataclass, fields
 
@@ -24,7 +25,9 @@ VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors in increasing order, found up to √n (a GPU count may be in the millions)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None = None) -> list[tuple[int, int]]:
@@ -32,8 +35,8 @@ def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None 
     ``schedule``, ``v`` when fixed): chunked schedules with 2-8 chunks per rank; without a
     pipeline, 1F1B alone (they are all the same). Schedules that train on stale weights (2bw,
     pipedream: ``steady``) change the optimisation, not only its speed: only when asked for."""
-    if pp == 1:
-        return [(SCHEDULES.index(schedule or "1f1b"), v or 1)]
+    if pp == 1:  # no pipeline: a pipeline schedule fixed by the user takes no layout of one stage
+        return [] if schedule not in (None, "1f1b") else [(SCHEDULES.index("1f1b"), v or 1)]
     return [(index, chunks) for index, (name, spec) in enumerate(SCHEDULE_REGISTRY.items())
             if schedule == name or (schedule is None and spec.steady is None)
             for chunks in ((v,) if v else VIRTUAL_STAGES if spec.chunked else (1,)) if pp * chunks <= layers]

@@ -1,0 +1,107 @@
+"""The planner's commands on inputs a CLI audit found mishandled: each bad one is one line and
+exit 2, each ineffective one a note, and sizes too large to be real are refused before they
+overflow numpy or hang."""
+import json
+
+import pytest
+
+from threefold.cli import main
+
+BASE = ["--model", "llama3-8b", "--num-gpus", "8", "--global-batch", "16", "--gpu", "h100-sxm"]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *words):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command, flag", [
+    (["estimate", *BASE, "--layers"], "--layers"), (["estimate", *BASE, "--seq-len"], "--seq-len"),
+    (["estimate", *BASE, "--gpus-per-node"], "--gpus-per-node"), (["plan", *BASE, "--num-gpus"], "--num-gpus")])
+def test_a_size_too_large_to_be_real_is_one_line(capsys, command, flag):
+    one_line_error(*run(capsys, *command, str(10**30))[::2], flag, "too large")
+
+
+def test_the_largest_sizes_allowed_answer_at_once_in_valid_json(capsys):
+    """2**31 − 1 layers (a dense model's MoE count is no longer a loop over them), a prime GPU
+    count that large for plan (its divisors found up to the square root)."""
+    code, out, err = run(capsys, "estimate", *BASE, "--layers", str(2**31 - 1), "--json")
+    result = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert code == 0 and result["step_time_s"] > 0 and 0 < result["mfu"] < 1
+    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", str(2**31 - 1),
+                         "--global-batch", str(2**31 - 1), "--json")
+    assert code == 0 and json.loads(out)["evaluated"] > 0
+
+
+def test_batch_lines_of_the_wrong_kind_are_error_lines(capsys, tmp_path):
+    good = {"model": "llama3-8b", "global_batch": 16, "gpu": "h100-sxm", "num_gpus": 8}
+    lines = [dict(good, num_gpus=8.5), dict(good, num_gpus=True), dict(good, num_gpus=[8]),
+             dict(good, sequence_parallel=5), dict(good, cluster=12), dict(good, num_gpus=8.0),
+             dict(good, recompute=True), dict(good, pp=2, stage_layers=[16, 16])]
+    path = tmp_path / "lines.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    code, out, err = run(capsys, "estimate", "--batch", str(path))
+    results = [json.loads(text) for text in out.splitlines()]
+    assert code == 0 and len(results) == len(lines)
+    for result, key, value in zip(results[:5], ("num_gpus", "num_gpus", "num_gpus", "sequence_parallel", "cluster"),
+                                  ("8.5", "true", "[8]", "5", "12")):
+        assert result == {"error": result["error"]} and result["error"].startswith(f"{key}: {value} is not a valid")
+    assert all("step_time_s" in result for result in results[5:])  # 8.0 GPUs; recompute true; a split as a list
+
+
+def test_batch_mode_refuses_what_it_cannot_use_before_any_line(capsys, tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"model": "llama3-8b", "global_batch": 16, "gpu": "h100-sxm", "num_gpus": 8}))
+    one_line_error(*run(capsys, "estimate", "--batch", str(good), "--out", str(tmp_path / "x.png"))[::2], "--out")
+    one_line_error(*run(capsys, "estimate", "--batch", str(good), "--tp", "0")[::2], "--tp")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00{}")
+    one_line_error(*run(capsys, "estimate", "--batch", str(binary))[::2], "--batch", "not UTF-8")
+
+
+def test_a_cluster_section_that_is_not_a_table_says_so(capsys, tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("gpu = 5\n")
+    one_line_error(*run(capsys, "estimate", "--model", "llama3-8b", "--num-gpus", "8", "--global-batch", "16",
+                        "--cluster", str(path))[::2], "[gpu] must be a table")
+
+
+@pytest.mark.parametrize("extra, note", [
+    (["--power-limit-w", "1000"], "above h100-sxm's rated 700 W"),
+    (["--cp-method", "ulysses"], "--cp-method ulysses has no effect at --cp 1"),
+    (["--schedule", "zb-h1"], "--schedule zb-h1 has no effect at --pp 1")])
+def test_a_flag_without_effect_gets_a_note(capsys, extra, note):
+    from threefold.plan import commands
+
+    commands._note_once.cache_clear()
+    code, out, err = run(capsys, "estimate", *BASE, *extra, "--json")
+    assert code == 0 and note in err and json.loads(out)["step_time_s"] > 0
+
+
+@pytest.mark.parametrize("fixed, words", [
+    (["--tp", "3"], ["--tp: 3 does not divide the 32 heads"]),
+    (["--ep", "2"], ["--ep: 2 needs an MoE model"]),
+    (["--schedule", "interleaved", "--pp", "1"], ["--pp 1, --schedule interleaved", "together"]),
+    (["--sequence-parallel", "--tp", "1"], ["--tp 1, --sequence-parallel", "together"])])
+def test_plan_names_the_fixed_knob_that_leaves_no_layout(capsys, fixed, words):
+    one_line_error(*run(capsys, "plan", *BASE, *fixed)[::2], *words)
+
+
+def test_plan_with_a_pipeline_schedule_searches_pipelines_only(capsys):
+    code, out, _ = run(capsys, "plan", *BASE, "--schedule", "zb-h1", "--json")
+    assert code == 0 and all(layout["layout"]["pp"] > 1 for layout in json.loads(out)["layouts"])
+
+
+def test_a_command_without_its_subcommand_prints_its_help(capsys):
+    code, out, err = run(capsys)
+    assert code == 0 and "Commands:" in out and "estimate" in out and not err
+    code, out, err = run(capsys, "data", "prepare", "--seq-len", "0")
+    one_line_error(code, err, "(see `threefold data prepare --help`)")
