@@ -194,6 +194,12 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cp_method: must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.pp == 1 and self.schedule in ("interleaved", "dualpipev"):
+            # the engine runs no schedule without a pipeline, and these two are defined only on a ring
+            # of pipeline ranks (threefold estimate refuses them at --pp 1 too); the others, and
+            # parallel.sequence_parallel at tp 1, are merely unused: configure.load_config notes them
+            raise ConfigError(f"parallel.schedule: {self.schedule} needs a pipeline of at least 2 ranks "
+                              f"(parallel.pp > 1), got pp=1; leave parallel.schedule out without a pipeline")
         if self.tp_overlap and (self.tp == 1 or not self.sequence_parallel):
             # Only SP's all-gather before a column-parallel product and reduce-scatter after a
             # row-parallel one sit beside a product they can be pipelined with; half of an
@@ -355,6 +361,25 @@ def _positive(obj, section: str, keys) -> None:
             raise ConfigError(f"{section}.{key}: must be a positive integer, got {value}")
 
 
+# The largest integer a key takes: 2**31 - 1, far above any real run (Llama 3 405B's 126 layers
+# and 16,384 hidden, DeepSeek-V3's 256 experts and 15,360-sequence batch, 128k-token sequences,
+# 16,384+ GPUs); beyond it sizes overflow torch's shape arithmetic (a 50-line C++ traceback) or a
+# run builds forever. Tighter for model.layers: every block is built (on the meta device in a dry
+# run) and stepped through one by one, so the time grows with the layers: at 2**31 - 1 it never
+# ends; 10,000 is ten times the deepest published transformer (DeepNet's 1,000 layers), and a dry
+# run of it at pp 1 takes minutes (about 0.06 s a block measured on one CPU core), not forever.
+# train.seed: any 63-bit seed (torch.manual_seed takes up to 2**64 - 1).
+INT_MAX = 2**31 - 1
+INT_LIMITS = {("model", "layers"): 10_000, ("train", "seed"): 2**63 - 1}
+
+
+def _at_most(section: str, key: str, value: int) -> int:
+    limit = INT_LIMITS.get((section, key), INT_MAX)
+    if value > limit:
+        raise ConfigError(f"{section}.{key}: {value} is too large (at most {limit})")
+    return value
+
+
 def _coerce(section: str, key: str, value):
     """Check (and gently convert) a value against a dataclass field's type."""
     hint = typing.get_type_hints(SECTIONS[section])[key]
@@ -374,12 +399,14 @@ def _coerce(section: str, key: str, value):
         if (section, key) == ("parallel", "dp") and value == AUTO:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _at_most(section, key, value)
         if isinstance(value, str):
             try:
-                return int(value)
+                number = int(value)
             except ValueError:
                 pass
+            else:
+                return _at_most(section, key, number)
     elif base is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -443,9 +470,18 @@ def read_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         if not path.is_file():
             raise ConfigError(f"--config: file {str(path)!r} does not exist")
         try:
-            values = tomllib.loads(path.read_text())
+            values = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                              f"{err.start}); a TOML file is UTF-8") from None
+        except OSError as err:
+            raise ConfigError(f"--config {path}: cannot be read ({err.strerror or err})") from None
+        for section, entries in values.items():  # before the preset is looked up in [model]
+            if section in SECTIONS and not isinstance(entries, dict):
+                got = f"an array of tables [[{section}]]" if isinstance(entries, list) else f"{entries!r:.60}"
+                raise ConfigError(f"{section}: expected a table of keys ([{section}]) in {path}, got {got}")
     override_values: dict = {}
     for text in overrides:
         section, key, value = parse_override(text)

@@ -8,6 +8,9 @@ imports torch.
 """
 from __future__ import annotations
 
+import functools
+import os
+import sys
 import typing
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from threefold.parallel.layout import check_layout
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     cfg = read_config(path, overrides, preset_of=get_preset)
     check_layout(cfg)
+    for line in unused_settings(cfg):
+        _note_once(line)
     if cfg.parallel.stage_costs == "planner":  # the planned GPU is the planner's catalog's
         from threefold.plan.stage_costs import check_stage_costs
 
@@ -32,3 +37,28 @@ def resolve_world(cfg: Config, world: int) -> Config:
     cfg = cfg.resolve_world(world)
     check_layout(cfg)
     return cfg
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """A ``note:`` line for each setting the layout makes no use of: the engine simply ignores it
+    (as ``threefold estimate`` does sequence parallelism at --tp 1), so the run is valid, but the
+    user asked for something that will not happen. (interleaved and dualpipev at pp 1 are refused
+    in config.py: they exist only on a ring of pipeline ranks.)"""
+    p, notes = cfg.parallel, []
+    if p.sequence_parallel and p.tp == 1:  # nothing to split the sequence over: Megatron turns it off too
+        notes.append("note: parallel.sequence_parallel has no effect at parallel.tp = 1; running without it")
+    if p.pp == 1 and p.schedule != "1f1b":
+        notes.append(f"note: parallel.schedule = \"{p.schedule}\" has no effect at parallel.pp = 1 "
+                     "(no pipeline to schedule)")
+    if p.pp == 1 and p.virtual_stages != 1:
+        notes.append(f"note: parallel.virtual_stages = {p.virtual_stages} has no effect at parallel.pp = 1 "
+                     "(no pipeline to split into stages)")
+    return notes
+
+
+@functools.cache
+def _note_once(line: str) -> None:
+    """Print a note on stderr once per process, and not again in the ranks torchrun starts (the
+    command that launched them printed it)."""
+    if "LOCAL_RANK" not in os.environ:
+        print(line, file=sys.stderr)

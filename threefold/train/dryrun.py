@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import time
 
 import click
@@ -41,6 +42,9 @@ from threefold.config import AUTO, Config, ConfigError
 from threefold.configure import load_config, resolve_world
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
+# A dry run steps through every micro-batch of its rank one after another: beyond this many a step
+# it would run for days. DeepSeek-V3's 15,360-sequence batch at dp 1 and micro-batch 1 stays under it.
+MAX_MICROBATCHES = 100_000
 
 
 def tokenizer_vocab_size(data) -> int:
@@ -74,7 +78,26 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         m = cfg.model
     if m.init_from:
         raise ConfigError("model.init_from: a dry run starts from the seed; it reads no weights")
+    if cfg.microbatches > MAX_MICROBATCHES:
+        t = cfg.train
+        raise ConfigError(f"train.global_batch: {t.global_batch} sequences are {cfg.microbatches} micro-batches a step "
+                          f"for each data-parallel rank (global_batch / (dp × micro_batch) = {t.global_batch} / "
+                          f"({cfg.parallel.dp} × {t.micro_batch})); a dry run steps through each, at most "
+                          f"{MAX_MICROBATCHES}")
     return cfg
+
+
+def too_large(err: RuntimeError) -> ConfigError | None:
+    """The one line for a tensor whose size overflows torch's shape arithmetic (every key within
+    its bound, their product beyond 2**63 bytes: model.hidden × the FFN width, a micro-batch of
+    long sequences, …), or None for any other error."""
+    text = str(err)
+    if "overflow" not in text.lower():
+        return None
+    sizes = re.search(r"sizes=\[[^\]]*\]", text)
+    return ConfigError(f"model: a tensor of this run{' (' + sizes.group(0) + ')' if sizes else ''} has more bytes than "
+                       "torch can address (2**63); make model.hidden, model.ffn, model.vocab_size, model.seq_len or "
+                       "train.micro_batch smaller")
 
 
 def check_ranks(ranks: tuple[int, ...], world_size: int) -> tuple[int, ...]:
@@ -165,11 +188,18 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
 
     results = []
     columns = [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
-    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
+    console = Console(stderr=True)  # off a terminal rich draws no bar, only a stray empty line: none then
+    with Progress(*columns, console=console, disable=not progress or not console.is_terminal, transient=True) as bar:
         task = bar.add_task("")
         for rank in ranks:
             bar.update(task, description=f"dry run: rank {rank} of {cfg.parallel.world_size}, one step")
-            result = dry_run_rank(cfg, rank, device)
+            try:
+                result = dry_run_rank(cfg, rank, device)
+            except RuntimeError as err:
+                error = too_large(err)
+                if error is None:
+                    raise
+                raise error from None
             if compare:
                 from threefold.plan.dryrun_predict import predict_rank
 

@@ -1,0 +1,126 @@
+"""Bad config inputs that crashed, hung or passed silently (an audit's findings): a section that is
+not a table, a file that is not UTF-8, sizes too large for torch, layouts that contradict
+themselves. Each gets one ``error:`` line on stderr and exit code 2 from the CLI (a setting the
+engine merely ignores: one ``note:`` line), run in this process through ``threefold.cli.main``."""
+from __future__ import annotations
+
+import pytest
+
+from threefold import configure
+from threefold.cli import main
+
+TINY = ["--set", "model.preset=tiny", "--set", "model.vocab_size=256", "--set", "model.seq_len=32"]
+
+
+def refused(capsys, argv: list[str], needle: str) -> str:
+    code = main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert "Traceback" not in lines[0]
+    return lines[0]
+
+
+# the commands that read a config file (load_config); each refuses it before anything else runs
+COMMANDS = [["dryrun", "--world-size", "1"], ["train", "--no-progress"], ["compare", "--metrics-file", "{tmp}/m.jsonl"]]
+
+
+def command_in(tmp_path, command: list[str]) -> list[str]:
+    (tmp_path / "m.jsonl").write_text("")  # compare's metrics (it reads the config first)
+    return [arg.format(tmp=tmp_path) for arg in command]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("text, section, got", [
+    ('model = "tiny"\n', "model", "got 'tiny'"),
+    ("[[model]]\nlayers = 2\n", "model", "got an array of tables [[model]]"),
+    ("train = 3\n[model]\nlayers = 2\n", "train", "got 3"),
+])
+def test_a_section_that_is_not_a_table(tmp_path, capsys, command, text, section, got):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    line = refused(capsys, [*command_in(tmp_path, command), "--config", str(path)],
+                   f"{section}: expected a table of keys")
+    assert got in line and str(path) in line
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_a_config_that_is_not_utf8(tmp_path, capsys, command):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xff\xfe\x00")
+    line = refused(capsys, [*command_in(tmp_path, command), "--config", str(path)], f"--config {path}: not UTF-8 text")
+    assert "0xff" in line
+
+
+@pytest.mark.parametrize("key, value, limit", [
+    ("model.layers", 10**30, 10_000),  # hung: 10**30 blocks built one by one
+    ("model.layers", 10_001, 10_000),
+    ("model.hidden", 10**30, 2**31 - 1),  # a 50-line torch traceback
+    ("model.heads", 2**31, 2**31 - 1),
+    ("model.vocab_size", 10**30, 2**31 - 1),
+    ("model.seq_len", 10**30, 2**31 - 1),
+    ("model.moe_experts", 10**30, 2**31 - 1),
+    ("parallel.tp", 10**30, 2**31 - 1),
+    ("parallel.microbatches", 10**30, 2**31 - 1),
+    ("train.global_batch", 10**30, 2**31 - 1),
+    ("train.steps", 10**30, 2**31 - 1),
+    ("train.seed", 2**64, 2**63 - 1),
+])
+def test_a_huge_integer_is_refused_with_its_bound(capsys, key, value, limit):
+    refused(capsys, ["dryrun", "--world-size", "1", "--set", f"{key}={value}"],
+            f"{key}: {value} is too large (at most {limit})")
+
+
+def test_a_huge_value_as_a_string_is_refused_too(capsys):
+    refused(capsys, ["dryrun", "--world-size", "1", "--set", 'model.hidden="1000000000000000000000000000000"'],
+            "model.hidden: 1000000000000000000000000000000 is too large")
+
+
+def test_real_sizes_stay_valid():
+    """Llama 3 405B at 128k tokens on 16,384 GPUs, DeepSeek-V3's experts and batch."""
+    cfg = configure.load_config(None, ["model.layers=126", "model.hidden=16384", "model.heads=128", "model.kv_heads=8",
+                                       "model.ffn=53248", "model.vocab_size=128256", "model.seq_len=131072",
+                                       "parallel.tp=8", "parallel.pp=16", "parallel.dp=128", "parallel.cp=16",
+                                       "train.global_batch=2048", "train.micro_batch=1", "train.seed=18446744073",
+                                       "train.steps=1200000"])
+    assert cfg.parallel.world_size == 128 * 8 * 16 * 16
+    cfg = configure.load_config(None, ["model.layers=61", "model.hidden=7168", "model.heads=128",
+                                       "model.moe_experts=256", "model.moe_top_k=8", "model.moe_ffn=2048",
+                                       "model.moe_first_dense=3", "train.global_batch=15360", "train.micro_batch=1"])
+    assert cfg.model.moe_experts == 256
+
+
+def test_sizes_whose_product_overflows_torch_are_one_line(capsys):
+    """Each key within its bound, hidden × the FFN width beyond the bytes torch can address."""
+    refused(capsys, ["dryrun", "--world-size", "1", "--json", *TINY, "--set", "model.hidden=1073741824"],
+            "model: a tensor of this run (sizes=[")
+
+
+def test_a_dry_run_of_endless_micro_batches_is_refused(capsys):
+    refused(capsys, ["dryrun", "--world-size", "1", *TINY, "--set", "train.global_batch=2147483647",
+                     "--set", "train.micro_batch=1"], "train.global_batch: 2147483647 sequences are 2147483647 "
+                                                      "micro-batches a step")
+
+
+@pytest.mark.parametrize("command", COMMANDS[:2], ids=lambda c: c[0])
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
+def test_a_pipeline_schedule_without_a_pipeline_is_refused(capsys, command, schedule):
+    refused(capsys, [*command, *TINY, "--set", f"parallel.schedule={schedule}", "--set", "parallel.pp=1"],
+            f"parallel.schedule: {schedule} needs a pipeline of at least 2 ranks (parallel.pp > 1), got pp=1")
+
+
+@pytest.mark.parametrize("sets, note", [
+    (["parallel.sequence_parallel=true", "parallel.tp=1"],
+     "note: parallel.sequence_parallel has no effect at parallel.tp = 1"),
+    (["parallel.schedule=gpipe", "parallel.pp=1"],
+     'note: parallel.schedule = "gpipe" has no effect at parallel.pp = 1'),
+    (["parallel.schedule=zb-h1"], 'note: parallel.schedule = "zb-h1" has no effect at parallel.pp = 1'),
+])
+def test_a_setting_the_engine_ignores_is_noted_once(capsys, sets, note):
+    configure._note_once.cache_clear()
+    argv = ["dryrun", "--world-size", "1", "--json", *TINY, *sum((["--set", s] for s in sets), [])]
+    assert main(argv) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith(note), lines
+    configure.load_config(None, ["model.preset=tiny", *sets])  # a second read in the process: no second note
+    assert capsys.readouterr().err == ""
