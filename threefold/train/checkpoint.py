@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -103,13 +104,60 @@ def resolve(path: str | Path) -> Path:
 
 
 def read_meta(path: Path) -> dict:
+    """trainer.json, checked: a JSON object of this format whose config holds every section, each
+    key of the type its field has (converted as ``--set`` converts it) and a valid model; anything
+    else is one line naming the file and what is wrong with it."""
+    file = path / "trainer.json"
     try:
-        meta = json.loads((path / "trainer.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"checkpoint: cannot read {path / 'trainer.json'} ({err.__class__.__name__})") from None
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(f"checkpoint: cannot read {file} ({err.__class__.__name__})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint: {file} is not a {FORMAT} checkpoint's metadata (a JSON "
+                          f"{_json_kind(meta)}, not an object)")
     if meta.get("format") != FORMAT:
         raise ConfigError(f"checkpoint: {str(path)!r} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    for key, least in (("step", 0), ("world_size", 1)):
+        value = meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"checkpoint: {file} has {key}={value!r}; expected an integer of at least {least}")
+    adam_step = meta.get("adam_step")
+    if adam_step is not None and (not isinstance(adam_step, (int, float)) or isinstance(adam_step, bool)
+                                  or not math.isfinite(adam_step) or adam_step < 0):
+        raise ConfigError(f"checkpoint: {file} has adam_step={adam_step!r}; expected a number of at least 0")
+    for key in ("imported_from", "eos_token", "chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ConfigError(f"checkpoint: {file} has {key}={meta[key]!r}; expected a string")
+    meta["config"] = _saved_config(meta, file)
     return meta
+
+
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _saved_config(meta: dict, file: Path) -> dict:
+    """The config a checkpoint was saved with, every key checked as a TOML file's would be."""
+    from threefold.config import SECTIONS, apply_values
+
+    if "config" not in meta:
+        raise ConfigError(f"checkpoint: {file} lacks the key 'config' (the run's config)")
+    saved = meta["config"]
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint: {file} has a config that is a JSON {_json_kind(saved)}, not an object")
+    missing = [section for section in SECTIONS if section not in saved]
+    if missing:
+        raise ConfigError(f"checkpoint: {file} has a config without the section {missing[0]!r}")
+    cfg = Config()
+    try:
+        apply_values(cfg, saved, origin=str(file))
+        cfg.model.validate()
+        if cfg.model.vocab_size is None:
+            raise ConfigError("model.vocab_size: must be set in a checkpoint, got None")
+    except ConfigError as err:
+        raise ConfigError(f"checkpoint: {file}: {err}") from None
+    return cfg.to_dict()
 
 
 def describe(path: Path, meta: dict) -> str:

@@ -1,6 +1,7 @@
 """``threefold train`` and ``threefold generate``."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -22,6 +23,8 @@ from threefold.configure import load_config, resolve_world
 @click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
 def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
+    if metrics_file is not None:
+        _check_metrics_file(metrics_file)
     cfg = load_config(config_path, overrides)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc: must be positive, got {nproc}")
@@ -39,6 +42,9 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
         from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
 
         check_run(resolved, warn=lambda line: click.echo(line, err=True))
+        if config_path is None and not overrides:  # nothing chose the run: say what it is before it starts
+            click.echo(f"note: no --config given: training the default config, {_default_run(cfg)}; "
+                       "see `threefold train --help`", err=True)
         if p.world_size > 1 or max_restarts:  # start the ranks
             from threefold.distributed.launch import relaunch
 
@@ -64,17 +70,52 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
         os._exit(1)
 
 
+# What ``threefold generate`` accepts: the window slides past the model's context, so --tokens is
+# bounded by time only (100,000 tokens take minutes on a CPU); a temperature of 100 already
+# samples the top 50 tokens about uniformly; a seed is bounded as train.seed is (63 bits).
+MAX_NEW_TOKENS = 100_000
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+
+
+def _check_metrics_file(metrics_file: str) -> None:
+    """Refuse, before anything is built, a --metrics-file that cannot be written: an empty path, or
+    one below a file (a folder path is refused by click)."""
+    from pathlib import Path
+
+    if not metrics_file.strip():
+        raise ConfigError("--metrics-file: the path is empty; name a file (or leave the option out)")
+    above = Path(metrics_file).absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"--metrics-file: {above} is a file, so no file {metrics_file} can be made below it")
+
+
+def _default_run(cfg) -> str:
+    """The defaults' run in a few words: model, corpus and steps."""
+    m = cfg.model
+    return (f"a model of {m.layers} layers and hidden {m.hidden} on the corpus {cfg.data.corpus!r} for "
+            f"{cfg.train.steps} steps")
+
+
 @click.command()
 @click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
               help="A checkpoint folder, or a checkpoint_dir (its latest checkpoint is used).")
 @click.option("--prompt", default="ROMEO:", show_default=True)
-@click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0.0, min_open=True))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1, MAX_NEW_TOKENS),
+              help=f"Tokens to sample after the prompt (at most {MAX_NEW_TOKENS:,}).")
+@click.option("--temperature", default=0.8, show_default=True,
+              type=click.FloatRange(0.0, MAX_TEMPERATURE, min_open=True),
+              help=f"Above 0, at most {MAX_TEMPERATURE:g} (hotter is already uniform over the top 50 tokens).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED),
+              help="Of the sampler: 0 to 2**63 - 1, as train.seed.")
 @click.option("--chat", is_flag=True, help="Put the prompt in the model's chat template (a chat model's checkpoint "
                                            "carries one) and print only the reply.")
 def generate(checkpoint_path, prompt, new_tokens, temperature, seed, chat):
     """Generate text from a checkpoint; stops at the tokenizer's end-of-text token."""
+    if not math.isfinite(temperature):  # click's range lets NaN through: no comparison holds for it
+        raise ConfigError(f"--temperature: must be a finite number, got {temperature}")
     import torch
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
@@ -134,7 +175,8 @@ def inspect(checkpoint_path, key, as_json):
     console = Console()
     layout = summary["layout"]
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
-                  + (" (weights only)" if summary["weights_only"] else f", Adam step {summary['adam_step']:.0f}")
+                  + (" (weights only)" if summary["weights_only"] else
+                     f", Adam step {summary['adam_step']:.0f}" if summary["adam_step"] is not None else "")
                   + f"; saved by {summary['world_size']} ranks, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
                   f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}")
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
