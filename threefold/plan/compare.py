@@ -33,6 +33,7 @@ from threefold.configure import load_config
 from threefold.models.sizes import stage_param_count
 from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import costs
+from threefold.plan.records import read_records
 from threefold.plan.simulate import peak_in_flight
 
 BULK_AXES = ("dp", "tp", "pp")
@@ -102,33 +103,10 @@ def load_run(config_path, overrides=()) -> Config:
     return resolved(load_config(config_path, overrides))
 
 
-METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
-
-
-def read_steps(metrics_path: str | Path) -> list[dict]:
-    """The step records of a metrics file, without the first step when there are others;
-    ConfigError, one line, for a file that is not one."""
-    records = []
-    try:
-        lines = Path(metrics_path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--metrics-file: cannot read {metrics_path} as text ({err})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        missing = [key for key in METRICS_KEYS if not isinstance(record, dict) or key not in record]
-        if missing:
-            why = ("not a JSON object: a run stopped mid-write leaves half a line" if not isinstance(record, dict)
-                   else f"no {missing[0]!r}")
-            raise ConfigError(f"--metrics-file: {metrics_path} line {number} is not a step record of "
-                              f"`threefold train --metrics-file` ({why})")
-        records.append(record)
-    if not records:
-        raise ConfigError(f"--metrics-file: {metrics_path} holds no steps")
+def read_steps(metrics_path: str | Path, flag: str = "--metrics-file") -> list[dict]:
+    """The step records of a metrics file (``read_records``), without the first step when there
+    are others; ConfigError, one line, for a file that is not one."""
+    records = read_records(metrics_path, flag)
     return records[1:] if len(records) > 1 else records
 
 
@@ -216,8 +194,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
     from threefold.plan.hardware import CATALOG, local_gpu
 
+    steps = read_steps(metrics_path)  # a bad file is refused before the tokenizer is read
     cfg = resolved(cfg)
-    steps = read_steps(metrics_path)
     timeline = steps[-1].get("timeline")
     cfg = with_run_split(cfg, steps)
 

@@ -69,12 +69,12 @@ def read_runs(specs, one_model: bool = True) -> list[Run]:
                 if not isinstance(entry, dict) or not {"config", "metrics"} <= set(entry):
                     raise ConfigError(f"--from-runs: {spec}: run {name!r} needs 'config' and 'metrics'")
                 runs.append(_run(name, path.parent / entry["config"], path.parent / entry["metrics"],
-                                 entry.get("set", [])))
+                                 entry.get("set", []), f"--from-runs {spec}: run {name!r}"))
         else:
             config, sep, metrics = spec.rpartition(":")
             if not sep or not config:
                 raise ConfigError(f"--from-runs: {spec!r} is neither CONFIG.toml:METRICS.jsonl nor a manifest .json")
-            runs.append(_run(Path(metrics).stem, Path(config), Path(metrics), []))
+            runs.append(_run(Path(metrics).stem, Path(config), Path(metrics), [], f"--from-runs {spec}"))
     if len(runs) < 2:
         raise ConfigError(f"--from-runs: needs at least two runs to fit and cross-validate, got {len(runs)}")
     if one_model:
@@ -105,12 +105,14 @@ def _describe(cfg: Config) -> str:
     return f"hidden {m.hidden}, {m.heads} heads, ffn {m.ffn_hidden}, vocab {m.vocab_size}, seq {m.seq_len}"
 
 
-def _run(name: str, config: Path, metrics: Path, overrides) -> Run:
+def _run(name: str, config: Path, metrics: Path, overrides, given: str) -> Run:
+    """One run to fit; ``given``: the run as the user named it (``--from-runs CONFIG:METRICS``, or
+    its manifest and name), which starts the one line of a ConfigError for a bad metrics file."""
     if not config.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no config file {config}")
     if not metrics.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
-    steps = read_steps(metrics)
+    steps = read_steps(metrics, given)  # compare's reader: every field's type and value checked
     cfg = with_run_split(load_run(config, overrides), steps)
     return Run(name, cfg, measured_step_time(steps), *run_layout(cfg), run_split(cfg))
 

@@ -4,12 +4,12 @@ simulator predicts for the same schedule on the same measured stage costs. The r
 executes; the comparison lives here, in the planner (``threefold schedule --from-metrics``)."""
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Kind, build_schedule
+from threefold.plan.records import read_records
 from threefold.plan.simulate import ActionCosts, SimResult, replay, simulate
 
 
@@ -101,9 +101,11 @@ def mean_idle(timelines: list[dict], idle=measured_idle) -> list[float]:
 
 def read_timelines(metrics_path: str | Path) -> list[dict]:
     """Every step's measured timeline in a metrics file written by ``threefold train
-    --metrics-file`` on a pipeline run, in order; one line and exit 2 if it holds none."""
-    with open(metrics_path) as lines:
-        timelines = [record["timeline"] for record in map(json.loads, lines) if "timeline" in record]
+    --metrics-file`` on a pipeline run, in order, read by compare's reader (each line checked,
+    its timeline by ``timeline_problem``); one line and exit 2 for a file that is not one or
+    that holds no timeline."""
+    timelines = [record["timeline"] for record in read_records(metrics_path, "--from-metrics", required=("step",))
+                 if "timeline" in record]
     if not timelines:
         raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for any step "
                           "(it is written by runs with parallel.pp > 1)")

@@ -7,6 +7,7 @@ Costs are relative to one pipeline stage's forward (= 1). An interleaved schedul
 from __future__ import annotations
 
 import json
+import math
 
 import click
 from rich.console import Console
@@ -18,6 +19,10 @@ from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
 
+# what --from-metrics reads off the run: a flag for them beside it would be ignored
+FROM_RUN_FLAGS = {"name": "--schedule", "pp": "--pp", "microbatches": "--microbatches",
+                  "virtual_stages": "--virtual-stages", "backward_ratio": "--backward-ratio",
+                  "weight_grad_share": "--weight-grad-share", "p2p_ratio": "--p2p-ratio", "show_actions": "--actions"}
 MAX_PAIRS = 50_000  # (stage, micro-batch) pairs played: about 10 s of building and simulating here
 
 
@@ -39,11 +44,17 @@ MAX_PAIRS = 50_000  # (stage, micro-batch) pairs played: about 10 s of building 
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--from-metrics", "metrics_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Metrics file of a pipeline run: its last step's measured timeline beside the simulation of "
-                   "the same schedule on the measured stage costs (the schedule flags come from the run).")
+                   "the same schedule on the measured stage costs (the schedule and cost flags come from the run: "
+                   "giving one with it is refused).")
 def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad_share, p2p_ratio, out,
              show_actions, as_json, metrics_file):
     """Draw a pipeline schedule and print its bubble fraction and peak activations per rank."""
     if metrics_file:
+        given = [flag for param, flag in FROM_RUN_FLAGS.items()
+                 if click.get_current_context().get_parameter_source(param) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise ConfigError(f"{given[0]}: the schedule and its costs come from the run with --from-metrics; "
+                              f"leave {given[0]} out")
         from threefold.plan.measured import measured_vs_simulated
 
         check_picture_path("--out", out)
@@ -57,6 +68,10 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
                  report["mean_replayed_idle"]))]
             + [report["bottleneck"]["line"]]))
         return
+    for flag, value in (("--backward-ratio", backward_ratio), ("--weight-grad-share", weight_grad_share),
+                        ("--p2p-ratio", p2p_ratio)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag}: must be a finite number, got {value}")
     check_picture_path("--out", out)
     spec = check_schedule(name, pp, microbatches, virtual_stages,
                           flags={"schedule": "--schedule", "pp": "--pp", "microbatches": "--microbatches",
