@@ -60,6 +60,8 @@ def test_schedule_out_must_be_a_picture(tmp_path):
 def test_a_huge_schedule_is_refused_fast_with_the_limit():
     code, _, err = run_cli("schedule", "--pp", "1000", "--microbatches", "100000")
     assert_one_line(code, err, "more than the 50,000 this command plays")
+    code, _, err = run_cli("schedule", "--pp", "1000000")  # the flags as given, the default's too
+    assert_one_line(code, err, "--pp 1000000 × --microbatches 8 × --virtual-stages 1 = 8,000,000")
 
 
 def test_zb_h1_with_fewer_microbatches_than_ranks_is_the_simulators_bubble(capsys):

@@ -79,8 +79,9 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
     virtual_stages = stages_per_rank(name, virtual_stages)  # DualPipeV: always 2
     pairs = pp * microbatches * virtual_stages
     if pairs > MAX_PAIRS:
-        raise ConfigError(f"--microbatches: pp × microbatches × virtual_stages = {pairs:,} (stage, micro-batch) "
-                          f"pairs, more than the {MAX_PAIRS:,} this command plays (about 10 s here); at uniform "
+        raise ConfigError(f"--pp {pp} × --microbatches {microbatches} × --virtual-stages {virtual_stages} = {pairs:,} "
+                          f"(stage, micro-batch) pairs, more than the {MAX_PAIRS:,} this command plays (about 10 s "
+                          f"here); at uniform "
                           f"costs the bubble is {float(spec.bubble(pp, microbatches, virtual_stages)):.1%} "
                           "(the registry's closed form)")
     plan = build_schedule(name, pp, microbatches, virtual_stages)
