@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from threefold import configure
+from threefold import config, configure
 from threefold.cli import main
 
 TINY = ["--set", "model.preset=tiny", "--set", "model.vocab_size=256", "--set", "model.seq_len=32"]
@@ -117,7 +117,7 @@ def test_a_pipeline_schedule_without_a_pipeline_is_refused(capsys, command, sche
     (["parallel.schedule=zb-h1"], 'note: parallel.schedule = "zb-h1" has no effect at parallel.pp = 1'),
 ])
 def test_a_setting_the_engine_ignores_is_noted_once(capsys, sets, note):
-    configure._note_once.cache_clear()
+    config.note_once.cache_clear()
     argv = ["dryrun", "--world-size", "1", "--json", *TINY, *sum((["--set", s] for s in sets), [])]
     assert main(argv) == 0
     lines = capsys.readouterr().err.strip().splitlines()

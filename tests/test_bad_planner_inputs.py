@@ -79,9 +79,9 @@ def test_a_cluster_section_that_is_not_a_table_says_so(capsys, tmp_path):
     (["--cp-method", "ulysses"], "--cp-method ulysses has no effect at --cp 1"),
     (["--schedule", "zb-h1"], "--schedule zb-h1 has no effect at --pp 1")])
 def test_a_flag_without_effect_gets_a_note(capsys, extra, note):
-    from threefold.plan import commands
+    from threefold import config
 
-    commands._note_once.cache_clear()
+    config.note_once.cache_clear()
     code, out, err = run(capsys, "estimate", *BASE, *extra, "--json")
     assert code == 0 and note in err and json.loads(out)["step_time_s"] > 0
 

@@ -213,9 +213,9 @@ def test_commands_that_train_nothing_do_not_import_torch(args):
 def test_sequence_parallel_at_tp_1_is_turned_off_with_a_note(capsys):
     """As Megatron does (it disables SP when the tensor-parallel size is 1): a published run's
     flags may carry it, and there is nothing to split the sequence over."""
-    from threefold.plan import commands
+    from threefold import config
 
-    commands._note_once.cache_clear()  # once per process: a --batch file may carry it on every line
+    config.note_once.cache_clear()  # once per process: a --batch file may carry it on every line
     layout = ["estimate", "--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "8", "--json"]
     code, with_sp, err = run(capsys, *layout, "--sequence-parallel")
     assert code == 0 and err.count("no effect at --tp 1") == 1
@@ -229,9 +229,9 @@ def test_sequence_parallel_at_tp_1_is_turned_off_with_a_note(capsys):
 def test_virtual_stages_read_as_megatron_reads_them(capsys):
     """1F1B with virtual stages is Megatron's interleaved 1F1B, and interleaved with one chunk a
     rank is 1F1B: a published run may state either; each is estimated as the other, with a note."""
-    from threefold.plan import commands
+    from threefold import config
 
-    commands._note_once.cache_clear()
+    config.note_once.cache_clear()
     layout = ["estimate", "--model", "gpt3-175b", "--global-batch", "512", "--gpu", "a100-80gb", "--num-gpus", "64",
               "--tp", "8", "--pp", "8", "--json"]
     code, stated, err = run(capsys, *layout, "--schedule", "1f1b", "--virtual-stages", "4")

@@ -12,7 +12,10 @@ all before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -371,6 +374,15 @@ def _positive(obj, section: str, keys) -> None:
 # train.seed: any 63-bit seed (torch.manual_seed takes up to 2**64 - 1).
 INT_MAX = 2**31 - 1
 INT_LIMITS = {("model", "layers"): 10_000, ("train", "seed"): 2**63 - 1}
+
+
+@functools.cache
+def note_once(line: str) -> None:
+    """A ``note:`` on stderr for a setting that has no effect: once per process (a --batch file or a
+    second read of a config may carry it again), and not again in the ranks torchrun starts (the
+    command that launched them printed it)."""
+    if "LOCAL_RANK" not in os.environ:
+        print(line, file=sys.stderr)
 
 
 def _at_most(section: str, key: str, value: int) -> int:

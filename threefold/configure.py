@@ -8,13 +8,10 @@ imports torch.
 """
 from __future__ import annotations
 
-import functools
-import os
-import sys
 import typing
 from pathlib import Path
 
-from threefold.config import Config, read_config
+from threefold.config import Config, note_once, read_config
 from threefold.models.presets import get_preset
 from threefold.parallel.layout import check_layout
 
@@ -23,7 +20,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     cfg = read_config(path, overrides, preset_of=get_preset)
     check_layout(cfg)
     for line in unused_settings(cfg):
-        _note_once(line)
+        note_once(line)
     if cfg.parallel.stage_costs == "planner":  # the planned GPU is the planner's catalog's
         from threefold.plan.stage_costs import check_stage_costs
 
@@ -54,11 +51,3 @@ def unused_settings(cfg: Config) -> list[str]:
         notes.append(f"note: parallel.virtual_stages = {p.virtual_stages} has no effect at parallel.pp = 1 "
                      "(no pipeline to split into stages)")
     return notes
-
-
-@functools.cache
-def _note_once(line: str) -> None:
-    """Print a note on stderr once per process, and not again in the ranks torchrun starts (the
-    command that launched them printed it)."""
-    if "LOCAL_RANK" not in os.environ:
-        print(line, file=sys.stderr)

@@ -7,14 +7,13 @@ the command line are the defaults every line starts from.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import click
 import numpy as np
 from rich.console import Console
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import INT_MAX, ConfigError, ModelConfig, note_once
 from threefold.models.presets import PRESETS, get_preset
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
@@ -158,21 +157,17 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     gpu = gpu.with_power_limit(o.get("power_limit_w"))
     if o.get("power_limit_w") and gpu.rated_power_w and o["power_limit_w"] > gpu.rated_power_w:
-        _note_once(f"note: --power-limit-w {o['power_limit_w']:g} is above {gpu.name}'s rated "
+        note_once(f"note: --power-limit-w {o['power_limit_w']:g} is above {gpu.name}'s rated "
                    f"{gpu.rated_power_w:g} W: its clock stays at the rated one")
     return work, gpu.with_gpus_per_node(o.get("gpus_per_node"))
 
 
-# The largest size any flag takes (a GPU count, a layer count, a batch): beyond it numpy's 64-bit
-# arithmetic overflows, and no cluster or model comes near it.
-MAX_SIZE = 2**31 - 1
-
-
 def check_sizes(o: dict) -> None:
-    """ConfigError, one line, for an integer option too large to be a real size."""
+    """ConfigError, one line, for an integer option too large to be a real size (config's bound:
+    beyond it numpy's 64-bit arithmetic overflows, and no cluster or model comes near it)."""
     for key, value in o.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE:
-            raise ConfigError(f"--{key.replace('_', '-')}: {value} is too large (at most {MAX_SIZE:,})")
+        if isinstance(value, int) and not isinstance(value, bool) and value > INT_MAX:
+            raise ConfigError(f"--{key.replace('_', '-')}: {value} is too large (at most {INT_MAX:,})")
 
 
 def _given(o: dict, key: str, default):
@@ -185,12 +180,6 @@ def check_positive(o: dict, keys) -> None:
     for key in keys:
         if o.get(key) is not None and o[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be a positive integer, got {o[key]}")
-
-
-@functools.cache
-def _note_once(line: str) -> None:
-    """Print a note on stderr once per process (a --batch file may give it on every line)."""
-    click.echo(line, err=True)
 
 
 LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "num_gpus")
@@ -212,21 +201,21 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     # Megatron's 1F1B with virtual stages is its interleaved schedule, and interleaved with one
     # chunk a rank is 1F1B: a published run may state either, as Megatron reads it
     if schedule == "1f1b" and (o.get("virtual_stages") or 1) > 1 and pp > 1:
-        _note_once("note: 1f1b with --virtual-stages > 1 is Megatron's interleaved 1F1B; estimating interleaved")
+        note_once("note: 1f1b with --virtual-stages > 1 is Megatron's interleaved 1F1B; estimating interleaved")
         schedule = "interleaved"
     elif schedule == "interleaved" and o.get("virtual_stages") == 1:
-        _note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
+        note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
         schedule = "1f1b"
     if pp == 1 and o.get("schedule") not in (None, "1f1b") and not SCHEDULE_REGISTRY[schedule].chunked:
-        _note_once(f"note: --schedule {schedule} has no effect at --pp 1 (no pipeline); estimating 1f1b")
+        note_once(f"note: --schedule {schedule} has no effect at --pp 1 (no pipeline); estimating 1f1b")
         schedule = "1f1b"
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
     if cp == 1 and o.get("cp_method") not in (None, "ring"):
-        _note_once(f"note: --cp-method {o['cp_method']} has no effect at --cp 1")
+        note_once(f"note: --cp-method {o['cp_method']} has no effect at --cp 1")
     sequence_parallel = bool(o.get("sequence_parallel"))
     if sequence_parallel and tp == 1:  # nothing to split the sequence over: Megatron turns it off too
-        _note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
+        note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
         sequence_parallel = False
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
@@ -479,8 +468,7 @@ def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:
         if len(np.atleast_1d(search.candidate_layouts(work, num_gpus, {knob: value}).tp)):
             continue
         try:  # the layout check's own words: "--tp: 3 does not divide the 32 heads …"
-            sizes = {k: value for k in (knob,) if k in LAYOUT_SIZES}
-            layout = costs.Layout.named(**({knob: value} if knob in ("recompute", "schedule", "cp_method") else sizes))
+            layout = costs.Layout.named(**{knob: value})
             costs.check_layout(work.model, layout, work.global_batch,
                                int(layout.tp * layout.pp * layout.dp * layout.cp))
         except ConfigError as err:

@@ -112,7 +112,7 @@ def _run(name: str, config: Path, metrics: Path, overrides, given: str) -> Run:
         raise ConfigError(f"--from-runs: run {name!r}: no config file {config}")
     if not metrics.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
-    steps = read_steps(metrics, given)  # compare's reader: every field's type and value checked
+    steps = read_steps(metrics, given)  # records.read_records: every field's type and value checked
     cfg = with_run_split(load_run(config, overrides), steps)
     return Run(name, cfg, measured_step_time(steps), *run_layout(cfg), run_split(cfg))
 

@@ -101,7 +101,7 @@ def mean_idle(timelines: list[dict], idle=measured_idle) -> list[float]:
 
 def read_timelines(metrics_path: str | Path) -> list[dict]:
     """Every step's measured timeline in a metrics file written by ``threefold train
-    --metrics-file`` on a pipeline run, in order, read by compare's reader (each line checked,
+    --metrics-file`` on a pipeline run, in order, read by ``records.read_records`` (each line checked,
     its timeline by ``timeline_problem``); one line and exit 2 for a file that is not one or
     that holds no timeline."""
     timelines = [record["timeline"] for record in read_records(metrics_path, "--from-metrics", required=("step",))
