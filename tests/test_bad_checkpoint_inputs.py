@@ -72,6 +72,9 @@ DAMAGES = {
     "no data section": (_without_data, "has a config without the section 'data'"),
     "layers = 'four'": (_four_layers, "model.layers: expected an integer, got 'four'"),
     "step = 'x'": (lambda meta: dict(meta, step="x"), "has step='x'; expected an integer"),
+    "sampler = 'x'": (lambda meta: dict(meta, sampler="x"), "has sampler='x'; expected an object with seed"),
+    "sampler.step = -1": (lambda meta: dict(meta, sampler=dict(meta["sampler"], step=-1)),
+                          "has sampler.step=-1; expected an integer of at least 0"),
 }
 
 
@@ -166,6 +169,64 @@ def test_a_file_that_is_not_gguf_is_one_clean_line(tmp_path, capsys, content, ne
     file.write_bytes(content)
     line = refused(capsys, ["import", str(file), "--out", str(tmp_path / "imported")])
     assert line == f"error: {file}: {needle}", line
+
+
+def metadata_only_gguf(path: Path, **changes) -> Path:
+    """A GGUF file with a tiny Llama's metadata and no tensors; ``changes`` replace fields (``__`` for ``.``)."""
+    import gguf
+
+    fields = {"llama.block_count": 2, "llama.context_length": 32, "llama.embedding_length": 64,
+              "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+              "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+              "llama.vocab_size": 3, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+              "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.token_type": [1, 1, 1],
+              "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 2}
+    fields.update({key.replace("__", "."): value for key, value in changes.items()})
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in fields.items():
+        add = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32, str: writer.add_string,
+               list: writer.add_array}[type(value)]
+        add(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"llama__block_count": "four"}, "llama.block_count is 'four'; expected an integer"),
+    ({"llama__block_count": True}, "llama.block_count is True; expected an integer"),
+    ({"llama__embedding_length": 64.5}, "llama.embedding_length is 64.5; expected an integer"),
+    ({"llama__attention__head_count": [4, 4]}, "llama.attention.head_count is [4, 4]; expected an integer"),
+    ({"llama__attention__layer_norm_rms_epsilon": "x"},
+     "llama.attention.layer_norm_rms_epsilon is 'x'; expected a number"),
+])
+def test_gguf_metadata_of_the_wrong_type_is_one_line(tmp_path, capsys, change, needle):
+    """Each of these was a TypeError traceback, or went on to a misleading complaint."""
+    file = metadata_only_gguf(tmp_path / "model.gguf", **change)
+    line = refused(capsys, ["import", str(file), "--out", str(tmp_path / "imported")])
+    assert line == f"error: {file}: the GGUF metadata's {needle}", line
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"tokenizer__ggml__tokens": [1, 2, 3]}, "tokenizer.ggml.tokens is [1, 2, 3]; expected an array of strings"),
+    ({"tokenizer__ggml__merges": ["ab"]}, "tokenizer.ggml.merges holds 'ab'; expected two tokens and one space"),
+    ({"tokenizer__ggml__merges": ["a c"]}, "holds 'a c'; expected two tokens and one space, each token and their "
+                                           "join in the vocabulary"),  # the BPE builder panicked
+    ({"tokenizer__ggml__token_type": [1]}, "has 3 tokens but 1 token types"),
+    ({"tokenizer__ggml__eos_token_id": 7}, "tokenizer.ggml.eos_token_id is 7, outside its 3 tokens"),
+])
+def test_a_gguf_tokenizer_that_cannot_be_built_is_one_line(tmp_path, change, needle):
+    from threefold.config import ConfigError
+    from threefold.interop.gguf import gguf_tokenizer, open_gguf
+
+    reader = open_gguf(metadata_only_gguf(tmp_path / "model.gguf", **change))
+    with pytest.raises(ConfigError, match="^model.gguf: ") as refusal:
+        gguf_tokenizer(reader, "model.gguf")
+    assert needle in str(refusal.value)
+    assert gguf_tokenizer(open_gguf(metadata_only_gguf(tmp_path / "good.gguf")), "good").encode("ab") == [2]
 
 
 @pytest.mark.parametrize("below", ["m.jsonl", "sub/m.jsonl"])

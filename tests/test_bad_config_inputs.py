@@ -71,6 +71,23 @@ def test_a_huge_integer_is_refused_with_its_bound(capsys, key, value, limit):
             f"{key}: {value} is too large (at most {limit})")
 
 
+@pytest.mark.parametrize("command", [["dryrun", "--world-size", "1"], ["train", "--no-progress"]], ids=lambda c: c[0])
+def test_a_vocabulary_the_bpe_trainer_cannot_build_is_refused_before_training(capsys, command):
+    """``data prepare --vocab-size`` had this bound; a train config's ``data.vocab_size`` reached
+    the tokenizer trainer, which panics on it."""
+    refused(capsys, [*command, "--set", "data.vocab_size=2000000"],
+            "data.vocab_size: at most 1,000,000 tokens (the largest vocabularies in use have about 256,000), "
+            "got 2,000,000")
+
+
+def test_a_refused_config_gets_its_error_line_without_the_notes_it_earned(capsys):
+    """Sequence parallelism at tp 1 earns a note; the unknown GPU is then refused. The note came first."""
+    config.note_once.cache_clear()
+    refused(capsys, ["dryrun", "--world-size", "1", *TINY, "--set", "parallel.sequence_parallel=true",
+                     "--set", 'parallel.stage_costs="planner"', "--set", 'parallel.stage_costs_gpu="nope"'],
+            "parallel.stage_costs_gpu: unknown GPU 'nope'")
+
+
 def test_a_huge_value_as_a_string_is_refused_too(capsys):
     refused(capsys, ["dryrun", "--world-size", "1", "--set", 'model.hidden="1000000000000000000000000000000"'],
             "model.hidden: 1000000000000000000000000000000 is too large")

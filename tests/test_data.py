@@ -189,6 +189,15 @@ def test_an_epoch_covers_every_window_once():
     assert not torch.equal(next_epoch, torch.cat([sampler.global_batch_at(s)[0][:, 0] for s in range(11)]))
 
 
+def test_resuming_from_a_checkpoint_without_a_sampler_state_is_refused():
+    """A checkpoint saved outside ``train`` (``checkpoint.save(..., sampler_state={})``) was a KeyError."""
+    sampler = BatchSampler(counting_tokens(), seq_len=10, global_batch=4, seed=1)
+    with pytest.raises(ConfigError, match="holds no seed, step, seq_len, global_batch"):
+        sampler.load_state_dict({})
+    sampler.load_state_dict({"seed": 1, "step": 3, "seq_len": 10, "global_batch": 4})
+    assert sampler.step == 3
+
+
 def test_sampler_depends_only_on_seed_and_step():
     tokens = counting_tokens()
     a, b = BatchSampler(tokens, 10, 8, seed=7), BatchSampler(tokens, 10, 8, seed=7)

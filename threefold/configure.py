@@ -19,12 +19,12 @@ from threefold.parallel.layout import check_layout
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     cfg = read_config(path, overrides, preset_of=get_preset)
     check_layout(cfg)
-    for line in unused_settings(cfg):
-        note_once(line)
     if cfg.parallel.stage_costs == "planner":  # the planned GPU is the planner's catalog's
         from threefold.plan.stage_costs import check_stage_costs
 
         check_stage_costs(cfg)
+    for line in unused_settings(cfg):  # after every check: a refused config gets its error line alone
+        note_once(line)
     return cfg
 
 

@@ -7,10 +7,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from threefold.config import ConfigError, DataConfig, ModelConfig
+from threefold.config import MAX_VOCAB_SIZE, ConfigError, DataConfig, ModelConfig, too_large_vocab
 
 _DEFAULTS = DataConfig()
-MAX_VOCAB_SIZE = 1_000_000  # the BPE trainer takes 32 bits and panics far below their limit; no corpus needs more
 
 
 @click.group()
@@ -36,8 +35,7 @@ def prepare(corpus, tokenizer, vocab_size, val_fraction, cache_dir, seq_len):
         if not value.strip():  # an empty path would mean the current folder
             raise ConfigError(f"{flag}: the path is empty; name a {'folder' if flag == '--cache-dir' else 'corpus'}")
     if vocab_size > MAX_VOCAB_SIZE:
-        raise ConfigError(f"--vocab-size: at most {MAX_VOCAB_SIZE:,} tokens (the largest vocabularies in use have "
-                          f"about 256,000), got {vocab_size:,}")
+        raise ConfigError(f"--vocab-size: {too_large_vocab(vocab_size)}")
     data_cfg = DataConfig(corpus=corpus, tokenizer=tokenizer, vocab_size=vocab_size,
                           val_fraction=val_fraction, cache_dir=cache_dir)
     started = time.perf_counter()

@@ -59,6 +59,9 @@ class BatchSampler:
         return {"seed": self.seed, "step": self.step, "seq_len": self.seq_len, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
+        if missing := [key for key in self.state_dict() if key not in state]:
+            raise ConfigError(f"sampler state: the checkpoint holds no {', '.join(missing)} (it was not saved by "
+                              f"train), so a run cannot resume from it")
         for key in ("seed", "seq_len", "global_batch"):
             if state[key] != getattr(self, key):
                 raise ConfigError(

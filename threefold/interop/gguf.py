@@ -14,6 +14,8 @@ Two things need care:
 from __future__ import annotations
 
 import importlib.util
+import math
+import reprlib
 from pathlib import Path
 
 import gguf
@@ -94,41 +96,56 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     return cfg, gguf_state_dict(reader, cfg, str(path)), gguf_tokenizer(reader, str(path))
 
 
-def _metadata(reader: gguf.GGUFReader, key: str, where: str, default=None):
+_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"), list: ("an array", "arrays")}
+
+
+def _metadata(reader: gguf.GGUFReader, key: str, where: str, kind: type, default=None, of: type | None = None):
+    """One metadata value, of ``kind`` (a list's items of ``of``): a file written by another tool
+    may hold a string where a count belongs, and that is one line, not a traceback further on."""
     field = reader.get_field(key)
-    if field is not None:
-        return field.contents()
-    if default is None:
-        raise ConfigError(f"{where}: the GGUF metadata lacks {key}")
-    return default
+    if field is None:
+        if default is None:
+            raise ConfigError(f"{where}: the GGUF metadata lacks {key}")
+        return default
+    value = field.contents()
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    items = value if kind is list and isinstance(value, list) else [value]
+    wanted = of if kind is list else kind
+    if (not isinstance(value, kind) or any(not isinstance(item, wanted) or isinstance(item, bool) for item in items)
+            or (kind is float and not math.isfinite(value))):
+        expected = f"an array of {_KINDS[of][1]}" if kind is list else _KINDS[kind][0]
+        raise ConfigError(f"{where}: the GGUF metadata's {key} is {reprlib.repr(value)}; expected {expected}")
+    return value
 
 
 def gguf_model_config(reader: gguf.GGUFReader, where: str) -> ModelConfig:
     """The model's shape from the ``llama.*`` metadata, refusing what our model cannot represent."""
-    arch = _metadata(reader, "general.architecture", where)
+    arch = _metadata(reader, "general.architecture", where, str)
     if arch != "llama":
         raise ConfigError(f"{where}: architecture {arch!r} is not supported (only 'llama')")
-    scaling = _metadata(reader, "llama.rope.scaling.type", where, "none")
+    scaling = _metadata(reader, "llama.rope.scaling.type", where, str, "none")
     if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ConfigError(f"{where}: rope scaling is not supported (only plain rotary embeddings)")
-    hidden = _metadata(reader, "llama.embedding_length", where)
-    heads = _metadata(reader, "llama.attention.head_count", where)
-    rotary_dim = _metadata(reader, "llama.rope.dimension_count", where, hidden // heads)
+    hidden = _metadata(reader, "llama.embedding_length", where, int)
+    heads = _metadata(reader, "llama.attention.head_count", where, int)
+    rotary_dim = _metadata(reader, "llama.rope.dimension_count", where, int, hidden // heads)
     if rotary_dim != hidden // heads:
         raise ConfigError(f"{where}: rotary dimension {rotary_dim} differs from the head dimension {hidden // heads}")
     names = {t.name for t in reader.tensors}
+    vocab_size = (_metadata(reader, "llama.vocab_size", where, int) if reader.get_field("llama.vocab_size")
+                  else len(_metadata(reader, "tokenizer.ggml.tokens", where, list, of=str)))
     cfg = ModelConfig(
-        layers=_metadata(reader, "llama.block_count", where),
+        layers=_metadata(reader, "llama.block_count", where, int),
         hidden=hidden,
         heads=heads,
-        kv_heads=_metadata(reader, "llama.attention.head_count_kv", where, heads),
-        ffn=_metadata(reader, "llama.feed_forward_length", where),
-        vocab_size=_metadata(reader, "llama.vocab_size", where,
-                             len(_metadata(reader, "tokenizer.ggml.tokens", where))),
-        seq_len=_metadata(reader, "llama.context_length", where),
+        kv_heads=_metadata(reader, "llama.attention.head_count_kv", where, int, heads),
+        ffn=_metadata(reader, "llama.feed_forward_length", where, int),
+        vocab_size=vocab_size,
+        seq_len=_metadata(reader, "llama.context_length", where, int),
         tie_embeddings="output.weight" not in names,
-        norm_eps=_float32(_metadata(reader, "llama.attention.layer_norm_rms_epsilon", where)),
-        rope_theta=_float32(_metadata(reader, "llama.rope.freq_base", where, 10000.0)),
+        norm_eps=_float32(_metadata(reader, "llama.attention.layer_norm_rms_epsilon", where, float)),
+        rope_theta=_float32(_metadata(reader, "llama.rope.freq_base", where, float, 10000.0)),
     )
     cfg.validate()
     return cfg
@@ -184,15 +201,22 @@ def gguf_state_dict(reader: gguf.GGUFReader, cfg: ModelConfig, where: str) -> di
 
 def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
     """The byte-level BPE tokenizer stored in the metadata, as a ``tokenizers`` tokenizer."""
-    kind = _metadata(reader, "tokenizer.ggml.model", where)
+    kind = _metadata(reader, "tokenizer.ggml.model", where, str)
     if kind != "gpt2":
         raise ConfigError(f"{where}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = _metadata(reader, "tokenizer.ggml.pre", where)
+    pre = _metadata(reader, "tokenizer.ggml.pre", where, str)
     if pre not in PRE_TOKENIZERS:
         raise ConfigError(f"{where}: pre-tokenizer {pre!r} is not supported (known: {', '.join(PRE_TOKENIZERS)})")
-    tokens = _metadata(reader, "tokenizer.ggml.tokens", where)
-    kinds = _metadata(reader, "tokenizer.ggml.token_type", where)
-    merges = [tuple(merge.split(" ")) for merge in _metadata(reader, "tokenizer.ggml.merges", where)]
+    tokens = _metadata(reader, "tokenizer.ggml.tokens", where, list, of=str)
+    kinds = _metadata(reader, "tokenizer.ggml.token_type", where, list, of=int)
+    merges = [tuple(merge.split(" ")) for merge in _metadata(reader, "tokenizer.ggml.merges", where, list, of=str)]
+    known = set(tokens)
+    for merge in merges:  # the BPE builder panics on a merge of, or into, a token it does not have
+        if len(merge) != 2 or not {*merge, "".join(merge)} <= known:
+            raise ConfigError(f"{where}: the GGUF metadata's tokenizer.ggml.merges holds {' '.join(merge)!r}; "
+                              f"expected two tokens and one space, each token and their join in the vocabulary")
+    if len(kinds) != len(tokens):
+        raise ConfigError(f"{where}: the GGUF metadata has {len(tokens):,} tokens but {len(kinds):,} token types")
     hf = HFTokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
     hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
     hf.decoder = decoders.ByteLevel()
@@ -201,7 +225,10 @@ def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
                            for token, token_kind in zip(tokens, kinds) if token_kind == gguf.TokenType.CONTROL])
     hf.add_tokens([AddedToken(token, normalized=False)
                    for token, token_kind in zip(tokens, kinds) if token_kind == gguf.TokenType.USER_DEFINED])
-    eos_id, template = (reader.get_field(key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.chat_template"))
-    return Tokenizer(hf, _metadata(reader, "general.basename", where, Path(where).stem),
-                     eos=EOS if eos_id is None else tokens[int(eos_id.contents())],
-                     chat_template=None if template is None else template.contents())
+    eos_id = _metadata(reader, "tokenizer.ggml.eos_token_id", where, int, -1)  # -1: none (llama.cpp's null token)
+    if not -1 <= eos_id < len(tokens):
+        raise ConfigError(f"{where}: the GGUF metadata's tokenizer.ggml.eos_token_id is {eos_id}, outside its "
+                          f"{len(tokens):,} tokens")
+    return Tokenizer(hf, _metadata(reader, "general.basename", where, str, Path(where).stem),
+                     eos=EOS if eos_id == -1 else tokens[eos_id],
+                     chat_template=_metadata(reader, "tokenizer.chat_template", where, str, "") or None)

@@ -128,8 +128,22 @@ def read_meta(path: Path) -> dict:
     for key in ("imported_from", "eos_token", "chat_template"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise ConfigError(f"checkpoint: {file} has {key}={meta[key]!r}; expected a string")
+    if not meta.get("weights_only"):  # a training checkpoint: resuming reads where the sampler was
+        _check_sampler(meta.get("sampler"), file)
     meta["config"] = _saved_config(meta, file)
     return meta
+
+
+def _check_sampler(state, file: Path) -> None:
+    """The sampler's state as ``BatchSampler.state_dict`` writes it: four integers (none when the
+    checkpoint was saved outside ``train``, which resuming then refuses)."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint: {file} has sampler={state!r}; expected an object with seed, step, "
+                          f"seq_len and global_batch")
+    for key, least in (("seed", 0), ("step", 0), ("seq_len", 1), ("global_batch", 1)):
+        value = state.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"checkpoint: {file} has sampler.{key}={value!r}; expected an integer of at least {least}")
 
 
 def _json_kind(value) -> str:
