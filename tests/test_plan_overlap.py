@@ -415,3 +415,53 @@ def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
     row = next(r for r in published_score.json.loads(published_score.DATA.read_text()) if r["id"].startswith("mcore"))
     assert "dtype" not in published_score.batch_lines(row)[0]
     assert published_score.batch_lines(dict(row, precision="FP8 (Transformer Engine)"))[0]["dtype"] == "float8"
+
+
+@pytest.mark.parametrize("tp, cp, dp, gpus_per_node", [(2, 4, 2, 8), (1, 8, 4, 8), (2, 2, 8, 4), (8, 2, 4, 8),
+                                                       (1, 16, 2, 8)])
+def test_context_parallel_ranks_share_the_replicas_nics(tp, cp, dp, gpus_per_node):
+    """The gradients reduce over the dp × cp replicas, ranks tp apart whatever axis they are on:
+    a node holds gpus_per_node / tp of them, its cp neighbours included. Counted without them,
+    tp2·cp4·dp2 of Llama 3 8B reduced over one NIC a GPU: 3.8 times the time of tp2·dp8, whose
+    replicas and bytes are the same."""
+    model = costs.ModelConfig(layers=8, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=128_256,
+                              seq_len=8192)
+    gpu = CATALOG["h100-sxm"].with_gpus_per_node(gpus_per_node)
+    work = costs.Workload(model, 4 * cp * dp)
+    with_cp = costs.estimate(work, costs.Layout.named(tp=tp, cp=cp, dp=dp, zero=1, micro_batch=1), gpu)
+    without = costs.estimate(work, costs.Layout.named(tp=tp, dp=cp * dp, zero=1, micro_batch=1), gpu)
+    assert with_cp["dp_bytes"] == without["dp_bytes"]
+    assert with_cp["dp_s"] == pytest.approx(without["dp_s"], rel=1e-12)
+
+
+def test_expert_replicas_skip_the_expert_parallel_ranks():
+    """Experts reduce over edp × cp: in a node of 8 at tp 1, ep 4, dp 8 their 2 replicas are 4
+    ranks apart, so the node holds both; at ep 8 each has its own node, and one NIC carries it."""
+    assert costs.members_in_node(8, (1, 1), (4, 2)) == 2
+    assert costs.members_in_node(8, (1, 1), (8, 2)) == 1
+    assert costs.members_in_node(8, (2, 4), (8, 2)) == 4  # tp 2, cp 4: the node is one replica's cp ring
+    assert costs.members_in_node(16, (2, 4), (8, 4)) == 8
+
+
+def test_zero3_over_one_replica_is_plain_data_parallelism():
+    """The engine runs ZeRO over one rank as DDP over one (train/engine.py): nothing is sharded, so
+    nothing is gathered. The planner had added a gathered block, its gradient and the root unit."""
+    model = costs.ModelConfig(layers=8, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=128_256,
+                              seq_len=8192)
+    gpu, work = CATALOG["h100-sxm"], costs.Workload(model, 8)
+    for recompute in ("none", "full"):
+        zero0, zero3 = (costs.estimate(work, costs.Layout.named(tp=8, zero=zero, micro_batch=1, recompute=recompute),
+                                       gpu) for zero in (0, 3))
+        assert zero3["memory_bytes"] == zero0["memory_bytes"]
+
+
+def test_zero3_gathers_no_next_block_on_a_stage_of_one():
+    """ZeRO-3 holds the current block gathered and the next one prefetched, and the root unit
+    (what is outside the blocks) unsharded. On stages of one block there is no next one: a stage
+    holds its 1/8 shard plus all of itself gathered, once. The planner had added a second block."""
+    model = costs.ModelConfig(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=32_000,
+                              seq_len=4096)
+    gpu, work = CATALOG["h100-sxm"], costs.Workload(model, 64)
+    zero2, zero3 = (costs.estimate(work, costs.Layout.named(pp=4, dp=8, micro_batch=1, zero=zero), gpu)["params_bytes"]
+                    for zero in (2, 3))
+    assert zero3 == pytest.approx(zero2 * (1 + 1 / 8), rel=1e-12)

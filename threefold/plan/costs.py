@@ -954,6 +954,16 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     return parts
 
 
+def members_in_node(gpus_per_node, *dims):
+    """How many members of a group one node holds: the group spans grid dimensions given as
+    (stride, size), innermost first, and a node is ``gpus_per_node`` consecutive ranks. A dimension
+    whose stride is a node or more has one member in it."""
+    members = 1
+    for stride, size in dims:
+        members = members * np.clip(gpus_per_node // stride, 1, size)
+    return members
+
+
 def all_reduce_call_latency(gpu, ranks, members_per_node, ring_step_latency):
     """Seconds of latency of one all-reduce over ``ranks`` ranks, ``members_per_node`` of them in
     each node: the ring's 2(n − 1) steps, or across nodes NCCL's double binary tree where that is
@@ -1225,8 +1235,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     in_flight_first = _per_schedule("in_flight_first", schedule, p, m, v, single=1.0)
     in_flight_last = _per_schedule("in_flight_last", schedule, p, m, v, single=1.0)
     # the block being recomputed during backward: all it saves without recomputation (op: its
-    # saved outputs are among them, an upper bound)
-    recompute_workspace = np.where(full | op, layer_all, 0)
+    # saved outputs are among them, an upper bound); selective: the attention core it rebuilds,
+    # live until that core's backward (eager attention's scores: the larger part at long sequences)
+    selective = recompute == RECOMPUTE.index("selective")
+    recompute_workspace = np.where(full | op, layer_all, np.where(selective, tokens * coef["core"] / t, 0))
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
     if moe:
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes)
@@ -1250,7 +1262,11 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
 
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
-    largest_block = block_params / t  # one tp rank's share of the largest block (ZeRO-3 gathers it)
+    # What ZeRO-3 gathers of the largest block: one tp rank's share of it, and of an MoE block the
+    # experts only where they have replicas to shard over (the engine runs ZeRO over one rank as
+    # plain data parallelism: it shards and gathers nothing).
+    sharded = (zero == 3) & (replicas > 1)
+    largest_block = block_params / t
     final_norm = h if cfg.arch == "llama" else 2 * h
     block_numel = stage_layers * block_params / t
     expert_first = expert_last = 0
@@ -1259,7 +1275,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
         block_numel = block_numel + moe_first * (moe_block - block_params / t)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
-        largest_block = np.maximum(largest_block, moe_block + expert_block)
+        largest_block = np.maximum(largest_block, moe_block + np.where(expert_replicas > 1, expert_block, 0))
     else:
         block_numel_last = block_numel
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
@@ -1267,20 +1283,22 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
     last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
-    gathered_grads = np.where(zero == 3, largest_block * work.grad_bytes, 0)
+    gathered_grads = np.where(sharded, largest_block * work.grad_bytes, 0)
     # What a stage holds outside its blocks (embedding, final norm, head): ZeRO-3's root unit
     first_root, last_root = first_numel - block_numel, last_numel - block_numel_last
 
     def states(numel, expert_numel, outside_blocks):
-        """ZeRO-3 also holds gathered: the current and the prefetched block, and the parameters
-        outside the blocks (embedding, final norm, head), FSDP's root unit, which FSDP and FSDP2
-        never reshard after the forward (the backward needs them at once)."""
+        """ZeRO-3 also holds gathered: the current and the prefetched block (a stage of one block
+        has no next one), and the parameters outside the blocks (embedding, final norm, head),
+        FSDP's root unit, which FSDP and FSDP2 never reshard after the forward (the backward needs
+        them at once)."""
         st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
         if moe:  # the experts' states: ZeRO shards them over the ranks that hold the same experts
             ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
                                    work.optimizer_bytes)
             st = {key: st[key] + ex[key] for key in st}
-        gathered_params = np.where(zero == 3, (2 * largest_block + outside_blocks) * work.param_bytes, 0)
+        gathered_params = np.where(sharded, (np.minimum(2, stage_layers) * largest_block + outside_blocks)
+                                   * work.param_bytes, 0)
         return st["params"] + gathered_params, st["grads"] + gathered_grads, st["optimizer"]
 
     first_states = states(first_numel, expert_first, first_root)
@@ -1399,7 +1417,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     if moe:
         ep_sent_mb = ep_bytes_per_step(tokens, cfg.moe_top_k_experts, h, e, moe_last, 1, cfg.moe_experts, recompute,
                                        work.activation_bytes)
-        in_node = np.clip(gpu.gpus_per_node // (t * c), 1, e)  # ep ranks in one node, this one included
+        in_node = members_in_node(gpu.gpus_per_node, (t * c, e))  # ep ranks in one node, this one included
         peers = np.maximum(e - 1, 1)
         intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
         inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)
@@ -1435,7 +1453,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     pipeline_s = busy_s + bubble_s
 
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
-    dp_members_per_node = np.clip(gpu.gpus_per_node // (t * c), 1, d)
+    # The replicas are dp × cp ranks t apart (the mesh's grid: pp, edp, ep, cp, tp), so a node
+    # holds its cp neighbours as well as its dp ones; the experts' replicas skip the ep ranks.
+    dp_members_per_node = members_in_node(gpu.gpus_per_node, (t, c), (t * c, d))
     dp_bw, dp_lat = link(t * c * d, members_per_node=dp_members_per_node)
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
@@ -1450,14 +1470,20 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
                               forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params / t,
                               head=single_stage | v_shape, embedding=True, **dp_kinds)
-    if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), on the same
-        # link and behind the same backward as the rest: the two groups' exposure together
-        dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, dp_bw, dp_lat, backward_s,
-                                 forward_s, mb_s, drain_s, also=dp_last, unit_numel=np.where(moe_last > 0, expert_block, 0),
-                                 head=False, embedding=False, **dp_kinds)
-        dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, dp_bw, dp_lat, backward_s,
-                                  forward_s, mb_s, 0, also=dp_first, unit_numel=np.where(moe_first > 0, expert_block, 0),
-                                  head=False, embedding=False, **dp_kinds)
+    if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), behind the
+        # same backward as the rest: the two groups' exposure together
+        expert_members = members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, d / e))
+        expert_bw, expert_lat = link(t * c * d, members_per_node=expert_members)
+        expert_kinds = dict(dp_kinds, members_per_node=expert_members,
+                            wait=group_wait(wait, expert_replicas, runnable, pair_wait))
+        dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, expert_bw, expert_lat,
+                                 backward_s, forward_s, mb_s, drain_s, also=dp_last,
+                                 unit_numel=np.where(moe_last > 0, expert_block, 0), head=False, embedding=False,
+                                 **expert_kinds)
+        dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, expert_bw, expert_lat,
+                                  backward_s, forward_s, mb_s, 0, also=dp_first,
+                                  unit_numel=np.where(moe_first > 0, expert_block, 0), head=False, embedding=False,
+                                  **expert_kinds)
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute
