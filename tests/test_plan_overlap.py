@@ -391,6 +391,15 @@ def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
     rows, hbm = 8192, h100.elementwise_rate
     casts = sum(4 * (rows * k + k * n + rows * n) for k, n in costs.layer_products(model, 1)) / hbm
     assert fp8["block"]["memory"] - mixed["block"]["memory"] == pytest.approx(casts)
+    # Transformer Engine casts a weight in the first micro-batch of a step and reuses it (Megatron's
+    # set_is_first_microbatch): at 8 micro-batches each pays an eighth; under ZeRO-3 every
+    # micro-batch gathers the weights anew and casts them again
+    weights = sum(4 * k * n for k, n in costs.layer_products(model, 1)) / hbm
+    for zero, share in ((1, 1 / 8), (3, 1.0)):
+        eight = costs.Layout.named(dp=8, micro_batch=1, zero=zero)
+        cached = costs.part_seconds(costs.Workload(model, 64, precision="fp8"), eight, h100)
+        plain = costs.part_seconds(costs.Workload(model, 64), eight, h100)
+        assert cached["block"]["memory"] - plain["block"]["memory"] == pytest.approx(casts - (1 - share) * weights)
     common = ["--model", "llama3-8b", "--global-batch", "64", "--num-gpus", "8", "--zero", "1"]
     bf16, f8 = (estimate(capsys, *common, "--gpu", "h100-sxm", "--dtype", d) for d in ("bf16", "fp8"))
     assert 1.1 < bf16["step_time_s"] / f8["step_time_s"] < 1.9  # products are most of the step, not all

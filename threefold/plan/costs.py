@@ -548,8 +548,9 @@ PRECISIONS = {"mixed": dict(param_bytes=PARAM_BYTES, activation_bytes=ACTIVATION
 PRECISIONS["fp8"] = dict(PRECISIONS["mixed"])
 # Bytes a float8 cast moves per element: Transformer Engine's fused cast-transpose reads the
 # 16-bit tensor once and writes its fp8 copy and the copy's transpose (2 + 1 + 1), the scale's
-# amax taken in the same pass. Each block product casts its input and weight in the forward and
-# the output's gradient in the backward.
+# amax taken in the same pass. Each block product casts its input in the forward and the
+# output's gradient in the backward, and its weight once a step (or per micro-batch under ZeRO-3:
+# part_seconds).
 FLOAT8_CAST_BYTES = 4
 BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
 RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
@@ -900,18 +901,26 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     recomputed_core = np.where(selective, 0.5 * tokens * coef["core"] / t, 0)  # selective: the core's tensors again
 
     float8 = work.precision == "fp8"  # the blocks' products in fp8, the head's and the router's in 16 bits
+    # A weight's fp8 copy: Transformer Engine casts it in the step's first micro-batch and reuses
+    # it (Megatron's forward_step calls set_is_first_microbatch), so a micro-batch pays 1/m of the
+    # cast; under ZeRO-3 each micro-batch gathers the weights anew and casts them anew (torchao's
+    # Float8Linear under FSDP2), in a recomputed forward too.
+    microbatches = work.global_batch / (np.asarray(layout.dp) * b)
+    gathered = np.asarray(layout.zero) == 3
 
-    def block(gemm_s, saved, op_gemm_s, casts=(0.0, 0.0)):
+    def block(gemm_s, saved, op_gemm_s, casts=(0.0, 0.0, 0.0)):
         """A block whose forward products take ``gemm_s`` and which saves ``saved`` bytes without recomputation:
         full recomputation runs its forward again (and its tensors' traffic half again); op-level
         SAC runs every memory-bound operator of the forward again, as full does, but of the
         products only those it does not save (``op_gemm_s``) and not the attention core.
-        ``casts``: the float8 casts' seconds in the forward and in the backward (``cast_seconds``)."""
+        ``casts``: the float8 casts' seconds: the inputs' in the forward, the gradients' in the
+        backward, and the weights' (``cast_seconds``)."""
         again = full | op  # the forward's memory-bound operators run twice
         math = 3 * (gemm_s + core_s) + np.where(full, gemm_s + core_s, np.where(selective, core_s,
                                                                                  np.where(op, op_gemm_s, 0)))
         memory = ELEMENTWISE_PASSES * (saved * np.where(again, 1.5, 1.0) + recomputed_core) / hbm
-        memory = memory + casts[0] * np.where(again, 2, 1) + casts[1]
+        weight_casts = casts[2] * np.where(gathered, np.where(again, 2, 1), 1 / microbatches)
+        memory = memory + casts[0] * np.where(again, 2, 1) + casts[1] + weight_casts
         # a CPU's fixed cost per block and micro-batch (0 on a GPU); a recomputed forward's again
         memory = memory + gpu.block_overhead_s * np.where(again, 4 / 3, 1.0)
         return {"math": math, "gemm": 3 * gemm_s, "memory": memory}
@@ -920,12 +929,13 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         return sum(matmul_seconds(m, k, n, gpu, a_bytes, float8) for k, n in products)
 
     def cast_seconds(products, m=rows):
-        """The float8 casts of products of ``m`` rows: (forward: the input and the weight; backward:
-        the output's gradient), at FLOAT8_CAST_BYTES an element; 0 without float8."""
+        """The float8 casts of products of ``m`` rows, at FLOAT8_CAST_BYTES an element: (the
+        inputs in the forward, the outputs' gradients in the backward, the weights); 0 without float8."""
         if not float8:
-            return 0.0, 0.0
-        return (sum(FLOAT8_CAST_BYTES * (m * k + k * n) for k, n in products) / hbm,
-                sum(FLOAT8_CAST_BYTES * m * n for _, n in products) / hbm)
+            return 0.0, 0.0, 0.0
+        return (sum(FLOAT8_CAST_BYTES * m * k for k, _ in products) / hbm,
+                sum(FLOAT8_CAST_BYTES * m * n for _, n in products) / hbm,
+                sum(FLOAT8_CAST_BYTES * k * n for k, n in products) / hbm)
 
     layer_gemm_s = products_s(layer_products(cfg, t))
     layer_all = block_activation_bytes(cfg, tokens, t, sp, "none", work.attention, a_bytes)
