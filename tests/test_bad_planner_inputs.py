@@ -105,3 +105,17 @@ def test_a_command_without_its_subcommand_prints_its_help(capsys):
     assert code == 0 and "Commands:" in out and "estimate" in out and not err
     code, out, err = run(capsys, "data", "prepare", "--seq-len", "0")
     one_line_error(code, err, "(see `threefold data prepare --help`)")
+
+
+def test_a_refused_layout_gets_its_error_without_the_notes_it_earned(capsys):
+    """--cp-method at --cp 1 earns a note; the batch that no layout divides is then refused. The
+    note used to come first, two lines for one bad input. A layout that runs keeps its note."""
+    from threefold import config
+
+    config.note_once.cache_clear()
+    code, _, err = run(capsys, "estimate", "--model", "llama3-8b", "--num-gpus", "8", "--global-batch", "7",
+                       "--gpu", "h100-sxm", "--cp-method", "ulysses")
+    one_line_error(code, err, "--global-batch: 7 is not divisible")
+    config.note_once.cache_clear()
+    code, _, err = run(capsys, "estimate", *BASE, "--cp-method", "ulysses", "--json")
+    assert code == 0 and err.strip() == "note: --cp-method ulysses has no effect at --cp 1"

@@ -11,6 +11,7 @@ all before any process starts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -387,13 +388,37 @@ INT_MAX = 2**31 - 1
 INT_LIMITS = {("model", "layers"): 10_000, ("train", "seed"): 2**63 - 1}
 
 
+_held_notes: list[str] | None = None  # inside notes_after_checks: the notes waiting for the checks
+
+
 @functools.cache
 def note_once(line: str) -> None:
     """A ``note:`` on stderr for a setting that has no effect: once per process (a --batch file or a
     second read of a config may carry it again), and not again in the ranks torchrun starts (the
-    command that launched them printed it)."""
-    if "LOCAL_RANK" not in os.environ:
+    command that launched them printed it). Inside ``notes_after_checks`` it waits for the checks."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    if _held_notes is not None:
+        _held_notes.append(line)
+    else:
         print(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def notes_after_checks():
+    """Hold the notes of the checks inside and print them only when every check passed: a refused
+    input gets its one error line, not the notes its other settings earned first."""
+    global _held_notes
+    outer, _held_notes = _held_notes, []
+    try:
+        yield
+    finally:
+        held, _held_notes = _held_notes, outer
+    for line in held:  # reached only without an exception
+        if outer is not None:
+            outer.append(line)
+        else:
+            print(line, file=sys.stderr)
 
 
 def _at_most(section: str, key: str, value: int) -> int:

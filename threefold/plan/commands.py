@@ -13,7 +13,7 @@ import click
 import numpy as np
 from rich.console import Console
 
-from threefold.config import INT_MAX, ConfigError, ModelConfig, note_once
+from threefold.config import INT_MAX, ConfigError, ModelConfig, note_once, notes_after_checks
 from threefold.models.presets import PRESETS, get_preset
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
@@ -365,9 +365,10 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
             click.echo(json.dumps(result))
         return
     check_picture_path("--out", out)
-    work, gpu = build_workload(options)
-    layout, num_gpus = build_layout(options, work)
-    split = stage_split(options, work, layout)
+    with notes_after_checks():
+        work, gpu = build_workload(options)
+        layout, num_gpus = build_layout(options, work)
+        split = stage_split(options, work, layout)
     result = report.result_json(costs.estimate(work, layout, gpu, split), layout)
     described = layout.describe() + (f" stages {'-'.join(map(str, split))}" if split else "")
     if out:

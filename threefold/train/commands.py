@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from threefold.config import AUTO, ConfigError
+from threefold.config import AUTO, ConfigError, notes_after_checks
 from threefold.configure import load_config, resolve_world
 
 
@@ -25,23 +25,26 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
     if metrics_file is not None:
         _check_metrics_file(metrics_file)
-    cfg = load_config(config_path, overrides)
-    if nproc is not None and nproc < 1:
-        raise ConfigError(f"--nproc: must be positive, got {nproc}")
-    if max_restarts and not cfg.train.checkpoint_dir:
-        raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
-    if "LOCAL_RANK" not in os.environ:  # not yet under torchrun (a rank resolves dp = "auto" from WORLD_SIZE)
-        if cfg.parallel.dp == AUTO and nproc is None:
-            raise ConfigError('parallel.dp: "auto" takes the data-parallel degree from the number of processes; '
-                              "give --nproc N (or start the ranks with torchrun)")
-        resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
-        p = resolved.parallel
-        if nproc is not None and nproc != p.world_size:
-            raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp = "
-                              f"{p.dp}×{p.tp}×{p.pp}×{p.cp} = {p.world_size}")
-        from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
+    launching = "LOCAL_RANK" not in os.environ  # not yet under torchrun (a rank resolves dp = "auto" from WORLD_SIZE)
+    with notes_after_checks():
+        cfg = load_config(config_path, overrides)
+        if nproc is not None and nproc < 1:
+            raise ConfigError(f"--nproc: must be positive, got {nproc}")
+        if max_restarts and not cfg.train.checkpoint_dir:
+            raise ConfigError("--max-restarts: restarted ranks resume from a checkpoint; set train.checkpoint_dir")
+        if launching:
+            if cfg.parallel.dp == AUTO and nproc is None:
+                raise ConfigError('parallel.dp: "auto" takes the data-parallel degree from the number of processes; '
+                                  "give --nproc N (or start the ranks with torchrun)")
+            resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
+            p = resolved.parallel
+            if nproc is not None and nproc != p.world_size:
+                raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp = "
+                                  f"{p.dp}×{p.tp}×{p.pp}×{p.cp} = {p.world_size}")
+            from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
 
-        check_run(resolved, warn=lambda line: click.echo(line, err=True))
+            check_run(resolved, warn=lambda line: click.echo(line, err=True))
+    if launching:
         if config_path is None and not overrides:  # nothing chose the run: say what it is before it starts
             click.echo(f"note: no --config given: training the default config, {_default_run(cfg)}; "
                        "see `threefold train --help`", err=True)

@@ -38,7 +38,7 @@ import time
 import click
 import torch
 
-from threefold.config import AUTO, Config, ConfigError
+from threefold.config import AUTO, Config, ConfigError, notes_after_checks
 from threefold.configure import load_config, resolve_world
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
@@ -266,7 +266,8 @@ def result_table(cfg: Config, result: dict):
 def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
     """One training step of the real engine as rank R of a world of N, on fake tensors."""
     ranks = check_ranks(ranks, world_size)
-    cfg = dry_run_config(load_config(config_path, overrides), world_size)
+    with notes_after_checks():
+        cfg = dry_run_config(load_config(config_path, overrides), world_size)
     results = dry_run(cfg, ranks, compare, device, progress=not as_json)
     if as_json:
         for result in results:
