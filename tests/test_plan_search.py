@@ -95,3 +95,64 @@ def test_the_knob_line_prints_two_step_times_apart():
     assert search._apart(16.0404, 16.0431) == ("16.040", "16.043")
     assert search._apart(12.90, 12.92) == ("12.90", "12.92")
     assert search._apart(1.00001, 1.00004) == ("1.0000", "1.0000")  # four decimals at most
+
+
+def test_the_search_takes_every_uneven_split_that_estimate_prices():
+    """estimate prices a chunked schedule on an uneven split at its busiest chunk (126 layers
+    over 16 stages, as Llama 3 405B ran); the search skipped those layouts, and its #1 was 1.7%
+    slower than a DualPipeV layout estimate accepted. Ten layers on four ranks: DualPipeV's eight
+    chunks and interleaving's are uneven, and the search now offers them all."""
+    work = costs.Workload(ModelConfig(layers=10, hidden=1024, heads=16, vocab_size=32_000, seq_len=1024), 64)
+    layouts = search.candidate_layouts(work, 8, {"pp": 4})
+    for name in ("dualpipev", "interleaved"):
+        chosen = layouts.take(np.flatnonzero(layouts.schedule == costs.SCHEDULES.index(name)))
+        assert len(chosen.tp), name
+        for i in range(len(chosen.tp)):
+            costs.check_layout(work.model, chosen.take(i), work.global_batch, 8)
+
+
+def test_op_level_checkpointing_is_searched_at_every_zero_stage_under_flash():
+    """op below ZeRO-3 is a layout estimate prices (torchtitan runs it under DDP too); at ZeRO-3
+    selective already means op, and under eager attention op cannot run."""
+    layouts = search.candidate_layouts(SMALL, 16, {"tp": 1, "pp": 1})
+    op = costs.RECOMPUTE.index("op")
+    assert set(np.unique(layouts.zero[layouts.recompute == op])) == {0, 1, 2, 3}
+    rows = np.stack([np.asarray(getattr(layouts, f)).astype(int) for f in costs.Layout.__dataclass_fields__], axis=1)
+    assert len(np.unique(rows, axis=0)) == len(rows)  # op at ZeRO-3 once, not also as selective's twin
+    eager = costs.Workload(SMALL.model, 64, attention="eager")
+    assert op not in search.candidate_layouts(eager, 16, {"tp": 1, "pp": 1}).recompute
+
+
+def test_the_knob_line_names_the_fastest_layout_at_the_changed_bandwidth():
+    """Every fitting layout is priced again at each bandwidth, not only those shown; the line
+    names the fastest of them, the layout a search at that bandwidth puts first."""
+    import dataclasses
+
+    work = costs.Workload(get_preset("mixtral-8x7b"), 1024)
+    h100 = CATALOG["h100-sxm"]
+    found = search.search(work, h100, 64)
+    line = found.what_would_change(found.shown(5))[0]
+    assert line.startswith("with 200 Gb/s per GPU across nodes (now 400), ")
+    again = search.search(work, dataclasses.replace(h100, inter_node_bw=h100.inter_node_bw / 2), 64)
+    winner = found.layouts.describe(int(again.order[0]))
+    assert f", {winner} (" in line and " would overtake " in line
+
+
+def test_a_tie_names_what_the_layout_drops_as_well_as_what_it_adds():
+    found = search.search(costs.Workload(get_preset("gpt3-175b"), 1536), A100, 1024)
+    (first, _), (second, why) = found.ranked(2)
+    assert "CP=2" in first["describe"] and "CP" not in second["describe"]
+    assert why.startswith("ties #1") and "with DP=32, without CP=2 ring:" in why
+
+
+def test_an_uneven_interleaved_split_idles_for_its_longest_chunk():
+    """7 blocks on 3 ranks × 2 chunks: chunks of 2 and 1 blocks, the busiest rank 3. Its
+    bubble's slots take the longest chunk, 2 blocks, not the mean 3/2: the idle time of the
+    closed form (p − 1)/(v·m + p − 1) grows by 4/3, and the reported fraction with it."""
+    work = costs.Workload(ModelConfig(layers=7, hidden=1024, heads=16, vocab_size=32_000, seq_len=1024), 12)
+    layout = costs.Layout.named(pp=3, schedule="interleaved", virtual_stages=2, micro_batch=1)
+    closed, longest = 2 / (2 * 12 + 2), 4 / 3
+    assert costs.estimate(work, layout, A100)["bubble_fraction"] == pytest.approx(
+        longest * closed / (1 - closed + longest * closed), rel=1e-12)
+    even = costs.Workload(ModelConfig(layers=6, hidden=1024, heads=16, vocab_size=32_000, seq_len=1024), 12)
+    assert costs.estimate(even, layout, A100)["bubble_fraction"] == pytest.approx(closed, rel=1e-12)

@@ -96,7 +96,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     return cfg, gguf_state_dict(reader, cfg, str(path)), gguf_tokenizer(reader, str(path))
 
 
-_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"), list: ("an array", "arrays")}
+_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+          list: ("an array", "arrays")}
 
 
 def _metadata(reader: gguf.GGUFReader, key: str, where: str, kind: type, default=None, of: type | None = None):

@@ -494,7 +494,14 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         if chunks > model.layers:
             raise ConfigError(f"--pp: pp × virtual_stages = {p} × {chunks // p} = {chunks} stages, more than the "
                               f"model's {model.layers} layers (each stage needs a block)")
-        check_schedule(schedule, p, global_batch // (d * b), v, -(-model.layers // chunks) * chunks, flags=PLAN_FLAGS)
+        check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
+
+
+def balanced_layers(layers: int, chunks: int) -> int:
+    """The layers of a split into ``chunks`` model chunks whose every chunk is as long as the
+    longest, ceil(layers/chunks): what the registry's equal-chunk rules are checked on, since an
+    uneven split is priced at its busiest rank (``check_layout``; ``search`` enumerates the same)."""
+    return -(-layers // chunks) * chunks
 
 
 def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
@@ -1444,7 +1451,12 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     mb_s = math_s + memory_bound_s + tp_exposed_mb + cp_exposed_mb + ep_mb_s
     slot_s = mb_s / v + 2 * p2p_s  # p2p is exposed: Megatron's sends and receives block the schedule
     busy_s = busy_slots * slot_s
-    idle_s = busy_s * bubble / (1 - bubble)  # every rank's, with uniform stages
+    # Every rank's idle time, with uniform stages. Of an uneven split the bubble's slots take the
+    # longest chunk, ceil(L/(p·v)) blocks, where the uniform chunk is stage_layers/v (61 layers
+    # on 16 ranks × 3 chunks: 2 blocks against 4/3); 1 where the chunks divide the layers.
+    longest_chunk = np.ceil(L / (p * v)) * v / stage_layers
+    idle_s = busy_s * bubble / (1 - bubble) * longest_chunk
+    bubble = idle_s / (busy_s + idle_s)
     bubble_s = idle_s / gpu.bubble_speedup
     # rank 0's wait for its neighbours: while it waits the pp − 1 ranks after it compute
     first_rank_speedup = gpu.first_rank_wait_speedup(p)

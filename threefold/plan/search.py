@@ -44,9 +44,13 @@ def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None 
 
 @functools.lru_cache(maxsize=None)
 def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> bool:
-    """Whether the registry accepts the schedule for this layout (its constraints, one per entry)."""
+    """Whether the registry accepts the schedule for this layout (its constraints, one per entry),
+    on a split of ``layers`` as ``estimate`` checks it: every chunk as long as the longest."""
+    chunks = pp * (SCHEDULE_REGISTRY[SCHEDULES[schedule]].stages_per_rank or v)
+    if chunks > layers:
+        return False
     try:
-        check_schedule(SCHEDULES[schedule], pp, microbatches, v, layers)
+        check_schedule(SCHEDULES[schedule], pp, microbatches, v, costs.balanced_layers(layers, chunks))
     except ConfigError:
         return False
     return True
@@ -110,11 +114,16 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     base = np.array(grids, dtype=np.int64)
     # Every base row with every ZeRO stage and recomputation mode (or the fixed ones).
     zeros = np.array([fixed["zero"]] if "zero" in fixed else range(4))
-    # The named modes none, selective, full; recompute_policy reads selective at ZeRO-3 as op.
-    modes = np.array([RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed else range(RECOMPUTE.index("op")))
+    # Every mode; recompute_policy reads selective at ZeRO-3 under flash attention as op, so op is
+    # searched below ZeRO-3 only there (and not at all under eager attention, which it needs flash for).
+    modes = np.array([RECOMPUTE.index(fixed["recompute"])] if "recompute" in fixed
+                     else range(len(RECOMPUTE) - (work.attention != "flash")))
     rows = np.repeat(base, len(zeros) * len(modes), axis=0)
     zero = np.tile(np.repeat(zeros, len(modes)), len(base))
-    recompute = recompute_policy(np.tile(modes, len(zeros) * len(base)), zero, work.attention)
+    named = np.tile(modes, len(zeros) * len(base))
+    twice = (named == RECOMPUTE.index("op")) & (zero == 3) & ("recompute" not in fixed)  # selective's row is it
+    rows, zero, named = rows[~twice], zero[~twice], named[~twice]
+    recompute = recompute_policy(named, zero, work.attention)
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                      sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
@@ -227,6 +236,9 @@ class SearchResult:
         if gap <= 0.005 * step_best:  # a tie: say what differs instead of a gap of +0.00 s
             mine, theirs = self.layouts.describe(i).split(), self.layouts.describe(best).split()
             differs = " ".join(part for part in mine if part not in theirs) or "a variant of #1"
+            keys = {part.split("=")[0] for part in mine}
+            dropped = [part for part in theirs if part not in mine and part.split("=")[0] not in keys and part != "none"]
+            differs += f", without {' '.join(dropped)}" if dropped else ""
             memory = self._get("memory_bytes", i) / 2**30, self._get("memory_bytes", best) / 2**30
             cost = (f"{deltas[worst]:+.2f} s of {worst.replace('_', ' ')}{trade}" if deltas[worst] > 0.005
                     else "the same time in every part of the step")
@@ -242,27 +254,25 @@ class SearchResult:
         return len(np.unique(mesh, axis=0))
 
     def what_would_change(self, shown: list[int]) -> list[str]:
-        """The cluster knob that would reorder the layouts shown: each link bandwidth halved or
-        doubled, re-evaluated on those layouts; one line for the first swap of #1 found."""
-        if len(shown) < 2:
+        """The cluster knob that would change #1: each link bandwidth halved or doubled, every
+        fitting layout re-evaluated (memory does not depend on the links, so what fits stays the
+        same); one line for the first variant whose fastest layout is not #1."""
+        if not self.fitting:
             return []
         import dataclasses
 
-        sub = self.layouts.take(np.array(shown))
-        variants = []
-        for key, label, unit in (("inter_node_bw", "across nodes", 8e-9), ("intra_node_bw", "within a node", 8e-9)):
+        sub = self.layouts.take(self.order)  # fitting, fastest first: #1 is row 0
+        for key, label in (("inter_node_bw", "across nodes"), ("intra_node_bw", "within a node")):
             for factor in (2.0, 0.5):
                 value = getattr(self.gpu, key) * factor
-                variants.append((dataclasses.replace(self.gpu, **{key: value}),
-                                 f"with {value * unit:,.0f} Gb/s per GPU {label} (now {getattr(self.gpu, key) * unit:,.0f})"))
-        for gpu, phrase in variants:
-            est = costs.estimate(self.work, sub, gpu)
-            steps, fits = np.asarray(est["step_time_s"]), np.asarray(est["fits"])
-            for j in range(1, len(shown)):
-                if fits[j] and steps[j] < steps[0]:
+                steps = np.asarray(estimate_all(self.work, sub, dataclasses.replace(self.gpu, **{key: value}))
+                                   ["step_time_s"])
+                j = int(np.argmin(steps))
+                if steps[j] < steps[0]:
                     faster, slower = _apart(steps[j], steps[0])
-                    return [f"{phrase}, {self.layouts.describe(shown[j])} ({faster} s) would overtake "
-                            f"{self.layouts.describe(shown[0])} ({slower} s)."]
+                    return [f"with {value * 8e-9:,.0f} Gb/s per GPU {label} (now {getattr(self.gpu, key) * 8e-9:,.0f}), "
+                            f"{self.layouts.describe(int(self.order[j]))} ({faster} s) would overtake "
+                            f"{self.layouts.describe(int(self.order[0]))} ({slower} s)."]
         return ["Halving or doubling either link bandwidth would not change #1."]
 
     def notes(self) -> list[str]:
@@ -297,11 +307,28 @@ def _apart(faster: float, slower: float) -> tuple[str, str]:
     return f"{faster:.{digits}f}", f"{slower:.{digits}f}"
 
 
+BLOCK = 1 << 15  # layouts per vectorised call: its temporaries stay in the allocator's arenas
+
+
+def estimate_all(work: Workload, layouts: Layout, gpu) -> dict:
+    """``costs.estimate`` of every layout, in blocks of BLOCK: one call over a million layouts
+    makes a hundred temporaries of megabytes each, and mapping and unmapping them took most of
+    the time (DeepSeek-V3's 1.8M layouts: 14.8 s of 18 in the kernel)."""
+    n = len(np.asarray(layouts.tp))
+    if n <= BLOCK:
+        return costs.estimate(work, layouts, gpu)
+    starts = range(0, n, BLOCK)
+    parts = [costs.estimate(work, layouts.take(slice(start, start + BLOCK)), gpu) for start in starts]
+    sizes = [min(BLOCK, n - start) for start in starts]
+    return {key: np.concatenate([np.broadcast_to(part[key], (size,)) for part, size in zip(parts, sizes)])
+            for key in parts[0]}
+
+
 def search(work: Workload, gpu, num_gpus: int, fixed: dict | None = None) -> SearchResult:
     """Enumerate, evaluate, drop what does not fit, rank by step time (ties: less memory first)."""
     start, cpu_start = time.perf_counter(), time.process_time()
     layouts = candidate_layouts(work, num_gpus, fixed)
-    est = costs.estimate(work, layouts, gpu)
+    est = estimate_all(work, layouts, gpu)
     fits = np.asarray(est["fits"], dtype=bool)
     step, memory = np.asarray(est["step_time_s"]), np.asarray(est["memory_bytes"])
     candidates = np.flatnonzero(fits)
