@@ -447,7 +447,7 @@ def plan(as_json, top, out, **options):
                       "(the others differ in ZeRO stage, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
                                     _title(options, work, num_gpus, gpu)))
-    for line in found.notes() + found.what_would_change(found.shown(top)):
+    for line in found.notes() + found.what_would_change():
         console.print(line)
     if out:
         draw_breakdown([r for r, _ in best], [r["describe"] for r, _ in best], gpu.hbm_bytes / 2**30, out,

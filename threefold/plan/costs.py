@@ -1453,7 +1453,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     busy_s = busy_slots * slot_s
     # Every rank's idle time, with uniform stages. Of an uneven split the bubble's slots take the
     # longest chunk, ceil(L/(p·v)) blocks, where the uniform chunk is stage_layers/v (61 layers
-    # on 16 ranks × 3 chunks: 2 blocks against 4/3); 1 where the chunks divide the layers.
+    # on 16 ranks × 3 chunks: 2 blocks against 4/3); 1 where the chunks divide the layers. An
+    # upper bound: played with the longer chunks first (simulate.play_costs), 61 layers on 16 × 3
+    # take 157.7 block-times against 158.0 priced, 20 on 8 × 2 take 57 against 62.
     longest_chunk = np.ceil(L / (p * v)) * v / stage_layers
     idle_s = busy_s * bubble / (1 - bubble) * longest_chunk
     bubble = idle_s / (busy_s + idle_s)

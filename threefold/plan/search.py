@@ -10,7 +10,7 @@ import functools
 import itertools
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -253,19 +253,17 @@ class SearchResult:
         mesh = np.stack([np.asarray(getattr(self.layouts, a))[self.order] for a in MESH_AXES], axis=1)
         return len(np.unique(mesh, axis=0))
 
-    def what_would_change(self, shown: list[int]) -> list[str]:
+    def what_would_change(self) -> list[str]:
         """The cluster knob that would change #1: each link bandwidth halved or doubled, every
         fitting layout re-evaluated (memory does not depend on the links, so what fits stays the
         same); one line for the first variant whose fastest layout is not #1."""
         if not self.fitting:
             return []
-        import dataclasses
-
         sub = self.layouts.take(self.order)  # fitting, fastest first: #1 is row 0
         for key, label in (("inter_node_bw", "across nodes"), ("intra_node_bw", "within a node")):
             for factor in (2.0, 0.5):
                 value = getattr(self.gpu, key) * factor
-                steps = np.asarray(estimate_all(self.work, sub, dataclasses.replace(self.gpu, **{key: value}))
+                steps = np.asarray(estimate_all(self.work, sub, replace(self.gpu, **{key: value}))
                                    ["step_time_s"])
                 j = int(np.argmin(steps))
                 if steps[j] < steps[0]:
