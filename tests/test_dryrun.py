@@ -250,3 +250,14 @@ def test_a_rank_of_tp2_holds_only_its_shards(monkeypatch):
     assert sharded == 4 * 7 + (1 if cfg.model.tie_embeddings else 2)  # every block's 7 matrices, embedding, head
     held = sum(q.numel() for q in model.parameters())
     assert held < 0.6 * sum(v.numel() for v in full.values())
+
+
+def test_a_long_steps_actions_are_shown_by_their_ends():
+    """512 micro-batches printed 2,000 actions on one line; the table shows the first 36 and last 12."""
+    from threefold.train.dryrun import SHOWN_ACTIONS, actions_line
+
+    actions = [[0.0, 0.0, kind, mb, 0] for mb in range(512) for kind in ("F", "B", "W")]
+    line = actions_line(actions).split(" ")
+    assert line[:3] == ["F0", "B0", "W0"] and line[-3:] == ["F511", "B511", "W511"]
+    assert f"{len(actions) - SHOWN_ACTIONS:,}" in " ".join(line) and len(line) < SHOWN_ACTIONS + 5
+    assert actions_line(actions[:6]) == "F0 B0 W0 F1 B1 W1"

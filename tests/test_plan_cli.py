@@ -372,3 +372,45 @@ def test_a_gpu_holds_what_its_driver_reports(capsys):
     main(["estimate", "--list-gpus"])
     listed = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
     assert "140.4" in listed["h200"] and "79.6" in listed["h100-sxm"] and "80" in listed["a100-80gb"]
+
+
+SMALL_LLAMA = ["--arch", "llama", "--layers", "4", "--hidden", "256", "--heads", "8", "--vocab", "512",
+               "--seq-len", "128", "--global-batch", "16", "--gpu", "h100-sxm", "--num-gpus", "8"]
+
+
+def test_plan_writes_its_winner_as_a_config_the_engine_dry_runs(capsys, tmp_path):
+    """--config-out: the search's fastest layout that the engine runs, as a config that loads, whose
+    layout is the one plan names, and that one step of the engine runs at the planned world size."""
+    from threefold.configure import load_config
+
+    path = tmp_path / "run.toml"
+    code, out, err = run(capsys, "plan", *SMALL_LLAMA, "--top", "1", "--json", "--config-out", str(path))
+    assert code == 0, err
+    found = json.loads(out)
+    written, best = found["config_out"], found["layouts"][0]
+    assert written["rank"] == 1 and written["layout"] == best["describe"]
+    cfg = load_config(path)
+    lay = best["layout"]
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero, cfg.train.micro_batch,
+            cfg.parallel.schedule, cfg.train.recompute) == (lay["tp"], lay["pp"], lay["dp"], lay["zero"],
+                                                              lay["micro_batch"], lay["schedule"], lay["recompute"])
+    assert (cfg.model.layers, cfg.model.hidden, cfg.model.vocab_size, cfg.train.global_batch) == (4, 256, 512, 16)
+    assert path.read_text().startswith("# threefold plan --arch llama --layers 4")
+    assert main(["dryrun", "--config", str(path), "--world-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["rank"] == 0
+
+
+def test_config_out_skips_layouts_the_engine_does_not_run(capsys, tmp_path):
+    """Op-level checkpointing is priced, not run by the engine: with it fixed nothing qualifies,
+    and a model the engine cannot build is refused before the search."""
+    code, _, err = run(capsys, "plan", *SMALL_LLAMA, "--recompute", "op", "--config-out", str(tmp_path / "a.toml"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --config-out: none of the "), err
+    assert lines[0].endswith("fastest layouts runs on threefold's engine (most often: op-level checkpointing)")
+    gpt = ["--arch", "gpt", *SMALL_LLAMA[2:]]
+    code, out, err = run(capsys, "plan", *gpt, "--config-out", str(tmp_path / "b.toml"))
+    assert code == 2 and not out and err.strip() == ("error: --config-out: threefold's engine trains Llama-style "
+                                                     "blocks; this model is gpt")
+    code, _, err = run(capsys, "plan", *SMALL_LLAMA, "--config-out", str(tmp_path / "c.txt"))
+    assert code == 2 and "must end in .toml" in err
+    assert not any(tmp_path.iterdir())

@@ -415,22 +415,33 @@ LARGER = (2, 4, 8, 16, 32, 64, 128)
 @_fixed_knobs
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many layouts to show.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Draw the top layouts' breakdowns side by side to this PNG.")
-def plan(as_json, top, out, **options):
+@click.option("--config-out", type=click.Path(dir_okay=False),
+              help="Write the fastest layout that threefold's engine runs as a config (TOML) for "
+                   "`threefold dryrun` and `threefold train`.")
+def plan(as_json, top, out, config_out, **options):
     """Search layouts for the fastest one that fits; any layout flag given fixes that knob."""
     check_picture_path("--out", out)
+    if config_out is not None and not config_out.endswith(".toml"):
+        raise ConfigError(f"--config-out: {config_out} is not a config; the file name must end in .toml")
     if options.get("num_gpus") is None:
         raise ConfigError("--num-gpus: required")
     check_positive(options, LAYOUT_SIZES)
     work, gpu = build_workload(options)
+    if config_out is not None:
+        from threefold.plan.engine_config import check_model
+
+        check_model(work)
     fixed = {knob: options.get(knob) for knob in search.KNOBS}
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)
+    written = _write_config(config_out, options, work, gpu, found) if config_out and found.fitting else None
     if as_json:
         click.echo(json.dumps({"evaluated": found.count, "seconds": found.seconds, "layouts_per_s": found.rate,
                                "fitting": found.fitting, "meshes": found.meshes(),
                                "fixed": {k: v for k, v in fixed.items() if v is not None},
-                               "layouts": [dict(r, why=why) for r, why in best]}))
+                               "layouts": [dict(r, why=why) for r, why in best],
+                               **({"config_out": written} if written else {})}))
         return
     console = Console()
     given = _flags(fixed)
@@ -453,6 +464,32 @@ def plan(as_json, top, out, **options):
         draw_breakdown([r for r, _ in best], [r["describe"] for r, _ in best], gpu.hbm_bytes / 2**30, out,
                        _title(options, work, num_gpus, gpu))
         console.print(f"drawn to {out}", highlight=False)
+    if written:
+        skipped = (f" (the {written['rank'] - 1:,} faster use what the engine does not run: {written['why']})"
+                   if written["rank"] > 1 else "")
+        console.print(f"config of the search's #{written['rank']:,} layout, {written['layout']} "
+                      f"({written['step_time_s']:.3g} s){skipped}, written to {config_out}; one step of it on the "
+                      f"engine: threefold dryrun --config {config_out} --world-size {num_gpus} --compare",
+                      highlight=False, markup=False)
+
+
+def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) -> dict:
+    """Write the fastest layout the engine runs (``engine_config``) to ``path``; what was written."""
+    from threefold.plan import engine_config
+
+    rank, keys, why = engine_config.first_runnable(work, found.layouts, found.order)
+    i = int(found.order[rank])
+    step, memory = found._get("step_time_s", i), found._get("memory_bytes", i) / 2**30
+    params = click.get_current_context().command.params
+    given = " ".join(f"--{p.name.replace('_', '-')} {options[p.name]}" for p in params
+                     if p.name in options and options[p.name] is not None and options[p.name] != p.default)
+    engine_config.write(path, keys, [
+        f"threefold plan {given}",
+        f"layout {rank + 1:,} of the search, fastest first: the fastest that threefold's engine runs",
+        f"predicted on {options['num_gpus']} × {gpu.name}: {step:.3g} s a step, "
+        f"{memory:.1f} GiB per GPU",
+        f"one step on the engine: threefold dryrun --config {path} --world-size {options['num_gpus']} --compare"])
+    return {"path": path, "rank": rank + 1, "layout": found.layouts.describe(i), "step_time_s": step, "why": why}
 
 
 def _flags(knobs: dict) -> str:

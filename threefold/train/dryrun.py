@@ -219,10 +219,18 @@ def stage_split_note(cfg: Config) -> str | None:
     return None
 
 
+SHOWN_ACTIONS = 48  # of a long step: the warm-up, the start of the steady state and the drain's end
+
+
 def actions_line(actions: list[list]) -> str:
-    """``F0 F1 B0 …`` (micro-batch; ``F0.2``: of stage 2 when the rank runs several)."""
+    """``F0 F1 B0 …`` (micro-batch; ``F0.2``: of stage 2 when the rank runs several). A step of
+    hundreds of micro-batches shows its first and last actions (--json keeps them all)."""
     several = len({a[4] for a in actions}) > 1
-    return " ".join(f"{kind}{mb}" + (f".{stage}" if several else "") for _, _, kind, mb, stage in actions)
+    names = [f"{kind}{mb}" + (f".{stage}" if several else "") for _, _, kind, mb, stage in actions]
+    if len(names) > SHOWN_ACTIONS:
+        names = [*names[:SHOWN_ACTIONS * 3 // 4], f"… {len(names) - SHOWN_ACTIONS:,} more …",
+                 *names[-(SHOWN_ACTIONS // 4):]]
+    return " ".join(names)
 
 
 def result_table(cfg: Config, result: dict):

@@ -1,0 +1,87 @@
+"""``threefold plan --config-out FILE.toml``: the fastest layout of a search that threefold's own
+engine runs, written as a config for ``threefold dryrun`` and ``threefold train``.
+
+The planner prices layouts the engine does not run (op-level checkpointing, GPT blocks, fp8,
+interleaved chunks of unequal length); each candidate, fastest first, is turned into the
+config's keys and checked by the engine's own loader (``configure.load_config``: the fields and
+every strategy's layout check), and the first it accepts is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from threefold.config import ConfigError, ModelConfig, notes_after_checks
+from threefold.plan import costs
+
+TRIED = 500  # candidates checked, fastest first, before saying none runs
+SHAPE = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "seq_len", "tie_embeddings")  # always written
+
+
+def config_keys(model: ModelConfig, layout: costs.Layout, i: int, global_batch: int, precision: str) -> dict:
+    """{section: {key: value}} of the config that runs layout ``i`` of ``layout``."""
+    default = ModelConfig()
+    shape = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)
+             if getattr(model, f.name) is not None and f.name not in ("preset", "init_from")
+             and (f.name in SHAPE or getattr(model, f.name) != getattr(default, f.name))
+             and (model.moe_experts or not f.name.startswith("moe_"))}
+    lay = {f.name: np.asarray(getattr(layout, f.name))[i].item() for f in dataclasses.fields(costs.Layout)}
+    parallel = dict(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], cp=lay["cp"], ep=lay["ep"], zero=lay["zero"],
+                    sequence_parallel=bool(lay["sequence_parallel"]), schedule=costs.SCHEDULES[lay["schedule"]],
+                    virtual_stages=lay["virtual_stages"], cp_method=costs.CP_METHODS[lay["cp_method"]])
+    train = dict(global_batch=global_batch, micro_batch=lay["micro_batch"], recompute=costs.RECOMPUTE[lay["recompute"]],
+                 dtype="float32" if precision == "fp32" else "bfloat16")
+    return {"model": shape, "parallel": parallel, "train": train}
+
+
+def _toml(value) -> str:
+    return json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def overrides(keys: dict) -> list[str]:
+    return [f"{section}.{key}={_toml(value)}" for section, values in keys.items() for key, value in values.items()]
+
+
+def check_model(work: costs.Workload) -> None:
+    """ConfigError, one line, for a model or precision the engine does not train at all: before the search."""
+    if work.model.arch != "llama":
+        raise ConfigError(f"--config-out: threefold's engine trains Llama-style blocks; this model is {work.model.arch}")
+    if work.precision == "fp8":
+        raise ConfigError("--config-out: threefold's engine does not train in float8; plan with --dtype bf16")
+
+
+def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[int, dict, str]:
+    """(rank in ``order``, config keys, why the faster ones do not run) of the fastest layout the
+    engine's loader accepts."""
+    from threefold.configure import load_config  # the engine's own checks, only when a config is written
+
+    check_model(work)
+    reasons = []
+    for rank, i in enumerate(order[:TRIED]):
+        keys = config_keys(work.model, layouts, int(i), work.global_batch, work.precision)
+        if keys["train"]["recompute"] == "op":  # the engine's selective is the attention core, at every stage
+            reasons.append("op-level checkpointing")
+            continue
+        try:
+            with notes_after_checks():
+                load_config(None, overrides(keys))
+        except ConfigError as err:
+            reasons.append(str(err).split(":")[0])
+            continue
+        return rank, keys, ", ".join(dict.fromkeys(reasons))
+    common = max(set(reasons), key=reasons.count) if reasons else "nothing fits"
+    raise ConfigError(f"--config-out: none of the {min(len(order), TRIED):,} fastest layouts runs on threefold's "
+                      f"engine (most often: {common})")
+
+
+def write(path: str | Path, keys: dict, header: list[str]) -> Path:
+    lines = [f"# {line}" for line in header]
+    for section, values in keys.items():
+        lines += ["", f"[{section}]", *(f"{key} = {_toml(value)}" for key, value in values.items())]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
