@@ -384,7 +384,7 @@ def test_plan_writes_its_winner_as_a_config_the_engine_dry_runs(capsys, tmp_path
     from threefold.configure import load_config
 
     path = tmp_path / "run.toml"
-    code, out, err = run(capsys, "plan", *SMALL_LLAMA, "--top", "1", "--json", "--config-out", str(path))
+    code, out, err = run(capsys, "plan", *SMALL_LLAMA, "--no-overlap-dp", "--top", "1", "--json", "--config-out", str(path))
     assert code == 0, err
     found = json.loads(out)
     written, best = found["config_out"], found["layouts"][0]
@@ -395,7 +395,12 @@ def test_plan_writes_its_winner_as_a_config_the_engine_dry_runs(capsys, tmp_path
             cfg.parallel.schedule, cfg.train.recompute) == (lay["tp"], lay["pp"], lay["dp"], lay["zero"],
                                                               lay["micro_batch"], lay["schedule"], lay["recompute"])
     assert (cfg.model.layers, cfg.model.hidden, cfg.model.vocab_size, cfg.train.global_batch) == (4, 256, 512, 16)
-    assert path.read_text().startswith("# threefold plan --arch llama --layers 4")
+    assert cfg.parallel.overlap_grad_reduce is False  # --no-overlap-dp, carried to the engine's switch
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("# threefold plan --arch llama --layers 4")
+    # the command in the first line runs again as written (switches as --flag / --no-flag)
+    code, out, err = run(capsys, *header.removeprefix("# threefold ").split(), "--top", "1", "--json")
+    assert code == 0 and json.loads(out)["layouts"][0]["describe"] == best["describe"], err
     assert main(["dryrun", "--config", str(path), "--world-size", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0])["rank"] == 0
 
@@ -406,7 +411,12 @@ def test_config_out_skips_layouts_the_engine_does_not_run(capsys, tmp_path):
     code, _, err = run(capsys, "plan", *SMALL_LLAMA, "--recompute", "op", "--config-out", str(tmp_path / "a.toml"))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --config-out: none of the "), err
-    assert lines[0].endswith("fastest layouts runs on threefold's engine (most often: op-level checkpointing)")
+    assert "the fastest: op-level checkpointing, which the engine does not run" in lines[0]
+    assert lines[0].endswith("plan with --recompute full or none, or a ZeRO stage below 3")
+    # nothing fits: an error in JSON too, so a config left by an earlier plan is not taken for this one's
+    code, out, err = run(capsys, "plan", *SMALL_LLAMA[:-2], "--num-gpus", "8", "--tp", "3", "--json",
+                         "--config-out", str(tmp_path / "d.toml"))
+    assert code == 2 and not out and "--config-out: no layout fits on 8 × h100-sxm" in err
     gpt = ["--arch", "gpt", *SMALL_LLAMA[2:]]
     code, out, err = run(capsys, "plan", *gpt, "--config-out", str(tmp_path / "b.toml"))
     assert code == 2 and not out and err.strip() == ("error: --config-out: threefold's engine trains Llama-style "

@@ -435,7 +435,9 @@ def plan(as_json, top, out, config_out, **options):
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)
-    written = _write_config(config_out, options, work, gpu, found) if config_out and found.fitting else None
+    if config_out and not found.fitting:  # in JSON too: a config left from an earlier plan must not look like this one's
+        raise ConfigError(f"--config-out: no layout fits on {num_gpus} × {gpu.name}; {config_out} not written")
+    written = _write_config(config_out, options, work, gpu, found) if config_out else None
     if as_json:
         click.echo(json.dumps({"evaluated": found.count, "seconds": found.seconds, "layouts_per_s": found.rate,
                                "fitting": found.fitting, "meshes": found.meshes(),
@@ -465,7 +467,7 @@ def plan(as_json, top, out, config_out, **options):
                        _title(options, work, num_gpus, gpu))
         console.print(f"drawn to {out}", highlight=False)
     if written:
-        skipped = (f" (the {written['rank'] - 1:,} faster use what the engine does not run: {written['why']})"
+        skipped = (f" (the {written['rank'] - 1:,} faster do not run on the engine; the fastest: {written['why']})"
                    if written["rank"] > 1 else "")
         console.print(f"config of the search's #{written['rank']:,} layout, {written['layout']} "
                       f"({written['step_time_s']:.3g} s){skipped}, written to {config_out}; one step of it on the "
@@ -480,16 +482,28 @@ def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) ->
     rank, keys, why = engine_config.first_runnable(work, found.layouts, found.order)
     i = int(found.order[rank])
     step, memory = found._get("step_time_s", i), found._get("memory_bytes", i) / 2**30
-    params = click.get_current_context().command.params
-    given = " ".join(f"--{p.name.replace('_', '-')} {options[p.name]}" for p in params
-                     if p.name in options and options[p.name] is not None and options[p.name] != p.default)
     engine_config.write(path, keys, [
-        f"threefold plan {given}",
+        f"threefold plan {_command_line(options)}",
         f"layout {rank + 1:,} of the search, fastest first: the fastest that threefold's engine runs",
-        f"predicted on {options['num_gpus']} × {gpu.name}: {step:.3g} s a step, "
-        f"{memory:.1f} GiB per GPU",
+        f"the planner's estimate on {options['num_gpus']} × {gpu.name}: {step:.3g} s a step, {memory:.1f} GiB per GPU "
+        "(a GPU framework's bf16 run; dryrun --compare puts the engine's own figures beside its model of them)",
+        *(f"not carried over: {line}" for line in engine_config.not_carried(work)),
         f"one step on the engine: threefold dryrun --config {path} --world-size {options['num_gpus']} --compare"])
     return {"path": path, "rank": rank + 1, "layout": found.layouts.describe(i), "step_time_s": step, "why": why}
+
+
+def _command_line(options: dict) -> str:
+    """The options given (those that differ from their defaults) as they are typed, so the line reruns."""
+    words = []
+    for param in click.get_current_context().command.params:
+        value = options.get(param.name)
+        if param.name not in options or value is None or value == param.default:
+            continue
+        if param.is_flag:
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            words += [param.opts[0], str(value)]
+    return " ".join(words)
 
 
 def _flags(knobs: dict) -> str:

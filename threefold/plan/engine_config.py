@@ -21,8 +21,13 @@ TRIED = 500  # candidates checked, fastest first, before saying none runs
 SHAPE = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "seq_len", "tie_embeddings")  # always written
 
 
-def config_keys(model: ModelConfig, layout: costs.Layout, i: int, global_batch: int, precision: str) -> dict:
+OP = ("op-level checkpointing, which the engine does not run (its selective recomputation is the attention "
+      "core at every ZeRO stage): plan with --recompute full or none, or a ZeRO stage below 3")
+
+
+def config_keys(work: costs.Workload, layout: costs.Layout, i: int) -> dict:
     """{section: {key: value}} of the config that runs layout ``i`` of ``layout``."""
+    model = work.model
     default = ModelConfig()
     shape = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)
              if getattr(model, f.name) is not None and f.name not in ("preset", "init_from")
@@ -31,9 +36,12 @@ def config_keys(model: ModelConfig, layout: costs.Layout, i: int, global_batch: 
     lay = {f.name: np.asarray(getattr(layout, f.name))[i].item() for f in dataclasses.fields(costs.Layout)}
     parallel = dict(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], cp=lay["cp"], ep=lay["ep"], zero=lay["zero"],
                     sequence_parallel=bool(lay["sequence_parallel"]), schedule=costs.SCHEDULES[lay["schedule"]],
-                    virtual_stages=lay["virtual_stages"], cp_method=costs.CP_METHODS[lay["cp_method"]])
-    train = dict(global_batch=global_batch, micro_batch=lay["micro_batch"], recompute=costs.RECOMPUTE[lay["recompute"]],
-                 dtype="float32" if precision == "fp32" else "bfloat16")
+                    virtual_stages=lay["virtual_stages"], cp_method=costs.CP_METHODS[lay["cp_method"]],
+                    overlap_grad_reduce=work.overlap_dp)
+    if work.tp_comm_overlap and parallel["sequence_parallel"]:  # the engine's overlap: SP's collectives as rings
+        parallel["tp_overlap"] = True
+    train = dict(global_batch=work.global_batch, micro_batch=lay["micro_batch"],
+                 recompute=costs.RECOMPUTE[lay["recompute"]], dtype="float32" if work.precision == "fp32" else "bfloat16")
     return {"model": shape, "parallel": parallel, "train": train}
 
 
@@ -54,27 +62,32 @@ def check_model(work: costs.Workload) -> None:
 
 
 def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[int, dict, str]:
-    """(rank in ``order``, config keys, why the faster ones do not run) of the fastest layout the
-    engine's loader accepts."""
+    """(rank in ``order``, config keys, why the fastest layout does not run, if it does not) of the
+    fastest layout the engine's loader accepts."""
     from threefold.configure import load_config  # the engine's own checks, only when a config is written
 
     check_model(work)
-    reasons = []
+    first = ""
     for rank, i in enumerate(order[:TRIED]):
-        keys = config_keys(work.model, layouts, int(i), work.global_batch, work.precision)
-        if keys["train"]["recompute"] == "op":  # the engine's selective is the attention core, at every stage
-            reasons.append("op-level checkpointing")
-            continue
+        keys = config_keys(work, layouts, int(i))
         try:
+            if keys["train"]["recompute"] == "op":
+                raise ConfigError(OP)
             with notes_after_checks():
                 load_config(None, overrides(keys))
         except ConfigError as err:
-            reasons.append(str(err).split(":")[0])
+            first = first or str(err)
             continue
-        return rank, keys, ", ".join(dict.fromkeys(reasons))
-    common = max(set(reasons), key=reasons.count) if reasons else "nothing fits"
+        return rank, keys, first
     raise ConfigError(f"--config-out: none of the {min(len(order), TRIED):,} fastest layouts runs on threefold's "
-                      f"engine (most often: {common})")
+                      f"engine; the fastest: {first}")
+
+
+def not_carried(work: costs.Workload) -> list[str]:
+    """What the plan assumed that the engine's config does not say (the engine runs its own way)."""
+    return [line for line, differs in (
+        ("eager attention (the engine runs PyTorch's fused attention)", work.attention != "flash"),
+        ("bf16 gradients (the engine keeps fp32 gradients)", work.grad_bytes == 2)) if differs]
 
 
 def write(path: str | Path, keys: dict, header: list[str]) -> Path:
