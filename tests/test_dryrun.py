@@ -261,3 +261,20 @@ def test_a_long_steps_actions_are_shown_by_their_ends():
     assert line[:3] == ["F0", "B0", "W0"] and line[-3:] == ["F511", "B511", "W511"]
     assert f"{len(actions) - SHOWN_ACTIONS:,}" in " ".join(line) and len(line) < SHOWN_ACTIONS + 5
     assert actions_line(actions[:6]) == "F0 B0 W0 F1 B1 W1"
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "pipedream"])
+def test_compare_predicts_the_weight_versions_the_engine_keeps(schedule):
+    """2bw and pipedream keep whole copies of each stage's weights; --compare had no figure for them."""
+    from threefold.configure import load_config
+    from threefold.plan.dryrun_predict import predict_rank
+
+    sets = ['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "parallel.pp=2", "parallel.dp=2",
+            f'parallel.schedule="{schedule}"', f"train.global_batch={8 if schedule == '2bw' else 4}",
+            "train.micro_batch=2"]  # pipedream steps once a micro-batch
+    cfg = dry_run_config(load_config(None, sets), 4)
+    for rank in (0, 2):
+        got, want = dry_run_rank(cfg, rank)["memory"], predict_rank(cfg, rank)["memory"]
+        assert got.get("weight_versions", 0) == want.get("weight_versions", 0)
+        if rank == 0:  # the first stage's batches use more than one version
+            assert want["weight_versions"] >= 2 * got["params"]

@@ -129,6 +129,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
     memory["activations"] = (share.blocks_in_flight * block
                              + head_activation_bytes(cfg, share, act_bytes, residual_bytes))
+    # 2bw, pipedream: whole fp32 copies of this stage's weights, one per version its batches use
+    versions, _ = costs.weight_versions(costs.SCHEDULES.index(p.schedule), p.pp, pp_rank)
+    if versions:
+        memory["weight_versions"] = float(versions) * (share.numel + experts) * 4
 
     comm = {}
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)

@@ -253,8 +253,8 @@ def result_table(cfg: Config, result: dict):
             cells += ["—" if want is None else f"{want:,.0f}", ratio]
         table.add_row(*cells)
 
-    for key in MEMORY_KEYS:
-        row(f"memory: {key} (B)", result["memory"][key], predicted and predicted["memory"][key])
+    for key in (*MEMORY_KEYS, *(["weight_versions"] if "weight_versions" in result["memory"] else [])):
+        row(f"memory: {key} (B)", result["memory"][key], predicted and predicted["memory"].get(key))
     keys = sorted(set(result["comm_bytes"]) | set(predicted["comm_bytes"] if predicted else ()))
     for key in keys:
         row(f"bytes/step: {key}", result["comm_bytes"].get(key, 0), predicted and predicted["comm_bytes"].get(key))

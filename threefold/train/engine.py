@@ -392,7 +392,8 @@ class Engine:
                                        self._compute_context, wire=wire,
                                        before_last_backward=lambda stage: self.syncs[stage].last_microbatch())
         self.last_timeline: dict | None = None
-        if self.cfg.microbatches < self.pp and self.rank == 0:
+        steady = SCHEDULE_REGISTRY[self.schedule.name].steady is not None  # never flushes: no bubble a step
+        if self.cfg.microbatches < self.pp and self.rank == 0 and not steady:
             from threefold.plan.simulate import ActionCosts, simulate
 
             chunk = 1.0 / self.schedule.virtual_stages
