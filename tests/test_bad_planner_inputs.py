@@ -119,3 +119,17 @@ def test_a_refused_layout_gets_its_error_without_the_notes_it_earned(capsys):
     config.note_once.cache_clear()
     code, _, err = run(capsys, "estimate", *BASE, "--cp-method", "ulysses", "--json")
     assert code == 0 and err.strip() == "note: --cp-method ulysses has no effect at --cp 1"
+
+
+@pytest.mark.parametrize("flag, name", [("--config-out", "x.toml"), ("--out", "x.png")])
+def test_an_output_below_a_file_or_unwritable_is_one_line(capsys, tmp_path, flag, name):
+    """Both were tracebacks (FileExistsError from mkdir, FileNotFoundError from the write)."""
+    (tmp_path / "a-file").write_text("x")
+    small = ["--arch", "llama", "--layers", "4", "--hidden", "256", "--heads", "8", "--vocab", "512", "--seq-len",
+             "128", "--global-batch", "16", "--gpu", "h100-sxm", "--num-gpus", "8", "--top", "1"]
+    below = tmp_path / "a-file" / name
+    code, out, err = run(capsys, "plan", *small, flag, str(below))
+    one_line_error(code, err, f"{flag}: {tmp_path / 'a-file'} is a file, so no file {below} can be made below it")
+    assert not out  # refused before the search
+    code, _, err = run(capsys, "plan", *small, flag, f"/proc/{name}")
+    one_line_error(code, err, f"{flag}: cannot write /proc/{name}")

@@ -421,6 +421,16 @@ def notes_after_checks():
             print(line, file=sys.stderr)
 
 
+def check_below_folder(flag: str, path: str | Path, made: str = "file") -> None:
+    """ConfigError, one line, for an output ``path`` below a file: nothing can be made there (the
+    nearest part of the path that exists must be a folder)."""
+    above = Path(path).absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"{flag}: {above} is a file, so no {made} {path} can be made below it")
+
+
 def _at_most(section: str, key: str, value: int) -> int:
     limit = INT_LIMITS.get((section, key), INT_MAX)
     if value > limit:

@@ -13,7 +13,7 @@ import click
 import numpy as np
 from rich.console import Console
 
-from threefold.config import INT_MAX, ConfigError, ModelConfig, note_once, notes_after_checks
+from threefold.config import INT_MAX, ConfigError, ModelConfig, check_below_folder, note_once, notes_after_checks
 from threefold.models.presets import PRESETS, get_preset
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
@@ -423,6 +423,8 @@ def plan(as_json, top, out, config_out, **options):
     check_picture_path("--out", out)
     if config_out is not None and not config_out.endswith(".toml"):
         raise ConfigError(f"--config-out: {config_out} is not a config; the file name must end in .toml")
+    if config_out is not None:
+        check_below_folder("--config-out", config_out)
     if options.get("num_gpus") is None:
         raise ConfigError("--num-gpus: required")
     check_positive(options, LAYOUT_SIZES)
@@ -481,7 +483,8 @@ def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) ->
 
     rank, keys, why = engine_config.first_runnable(work, found.layouts, found.order)
     i = int(found.order[rank])
-    step, memory = found._get("step_time_s", i), found._get("memory_bytes", i) / 2**30
+    step, memory = (float(np.asarray(found.est[key])[i]) for key in ("step_time_s", "memory_bytes"))
+    memory /= 2**30
     engine_config.write(path, keys, [
         f"threefold plan {_command_line(options)}",
         f"layout {rank + 1:,} of the search, fastest first: the fastest that threefold's engine runs",
@@ -494,22 +497,14 @@ def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) ->
 
 def _command_line(options: dict) -> str:
     """The options given (those that differ from their defaults) as they are typed, so the line reruns."""
-    words = []
-    for param in click.get_current_context().command.params:
-        value = options.get(param.name)
-        if param.name not in options or value is None or value == param.default:
-            continue
-        if param.is_flag:
-            words.append(param.opts[0] if value else param.secondary_opts[0])
-        else:
-            words += [param.opts[0], str(value)]
-    return " ".join(words)
+    return _flags({p.name: options[p.name] for p in click.get_current_context().command.params
+                   if p.name in options and options[p.name] != p.default}, sep=" ")
 
 
-def _flags(knobs: dict) -> str:
-    """Fixed knobs as they are typed: ``--tp 2, --sequence-parallel``."""
-    return ", ".join(f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool)
-                     else f"--{k.replace('_', '-')} {v}" for k, v in knobs.items() if v is not None)
+def _flags(knobs: dict, sep: str = ", ") -> str:
+    """Options as they are typed: ``--tp 2, --sequence-parallel, --no-overlap-dp``."""
+    return sep.join(f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool)
+                    else f"--{k.replace('_', '-')} {v}" for k, v in knobs.items() if v is not None)
 
 
 def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:

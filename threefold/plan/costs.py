@@ -490,11 +490,16 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         # runs one (--decoder-first/last-pipeline-num-layers; Llama 3 405B: 126 layers over 16
         # stages), so the registry's equal-chunk rules, which the engine needs, are checked on the
         # layers of a split whose every chunk is as long as the longest.
-        chunks = p * (SCHEDULE_REGISTRY[schedule].stages_per_rank or v)
+        chunks = model_chunks(schedule, p, v)
         if chunks > model.layers:
             raise ConfigError(f"--pp: pp × virtual_stages = {p} × {chunks // p} = {chunks} stages, more than the "
                               f"model's {model.layers} layers (each stage needs a block)")
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
+
+
+def model_chunks(schedule: str, pp: int, virtual_stages: int) -> int:
+    """The model chunks a pipeline splits the blocks into: pp × the schedule's chunks a rank."""
+    return pp * (SCHEDULE_REGISTRY[schedule].stages_per_rank or virtual_stages)
 
 
 def balanced_layers(layers: int, chunks: int) -> int:

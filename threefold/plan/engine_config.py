@@ -63,10 +63,9 @@ def check_model(work: costs.Workload) -> None:
 
 def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[int, dict, str]:
     """(rank in ``order``, config keys, why the fastest layout does not run, if it does not) of the
-    fastest layout the engine's loader accepts."""
+    fastest layout the engine's loader accepts; the model has passed ``check_model`` (before the search)."""
     from threefold.configure import load_config  # the engine's own checks, only when a config is written
 
-    check_model(work)
     first = ""
     for rank, i in enumerate(order[:TRIED]):
         keys = config_keys(work, layouts, int(i))
@@ -95,6 +94,9 @@ def write(path: str | Path, keys: dict, header: list[str]) -> Path:
     for section, values in keys.items():
         lines += ["", f"[{section}]", *(f"{key} = {_toml(value)}" for key, value in values.items())]
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+    except OSError as err:  # a folder this process may not write to, a full disk, …
+        raise ConfigError(f"--config-out: cannot write {path} ({err.strerror or err})") from None
     return path

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from threefold.config import ConfigError
+from threefold.config import ConfigError, check_below_folder
 from threefold.plan.report import TIME_PARTS
 from threefold.plan.report import capacity_gib as capacity_text
 
@@ -26,6 +26,8 @@ def check_picture_path(flag: str, path: str | None) -> None:
     """ConfigError, one line, unless ``path`` names a picture matplotlib writes here."""
     if path is not None and Path(path).suffix.lower() not in FORMATS:
         raise ConfigError(f"{flag}: {path} is not a picture; the file name must end in {', '.join(FORMATS)}")
+    if path is not None:
+        check_below_folder(flag, path)
 
 
 def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib: float, path: str | Path,
@@ -58,7 +60,15 @@ def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib:
     time_ax.set_title("where the step's time goes (exposed communication per axis, bubble, memory-bound work)")
     memory_ax.set_title("memory per GPU (fuller pipeline stage) against the GPU's capacity")
     fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Save ``fig`` to ``path``, its folders made; a path this process cannot write is one line."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as err:  # a folder this process may not write to, a full disk, …
+        raise ConfigError(f"--out: cannot write {path} ({err.strerror or err})") from None
     return path

@@ -46,7 +46,7 @@ def _pipelines(layers: int, pp: int, schedule: str | None = None, v: int | None 
 def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> bool:
     """Whether the registry accepts the schedule for this layout (its constraints, one per entry),
     on a split of ``layers`` as ``estimate`` checks it: every chunk as long as the longest."""
-    chunks = pp * (SCHEDULE_REGISTRY[SCHEDULES[schedule]].stages_per_rank or v)
+    chunks = costs.model_chunks(SCHEDULES[schedule], pp, v)
     if chunks > layers:
         return False
     try:

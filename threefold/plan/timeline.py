@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from threefold.parallel.pipeline.schedule import Kind
+from threefold.plan.pictures import save_figure
 from threefold.plan.simulate import Segment, bubble_fraction
 
 COLOURS = {Kind.FORWARD: "#4c72b0", Kind.BACKWARD: "#dd8452", Kind.WEIGHT_GRAD: "#55a868"}
@@ -48,10 +49,7 @@ def draw_timelines(timelines: Sequence[tuple[str, Sequence[Sequence[Segment]]]],
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False)
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path)
 
 
 def _draw_panel(ax, label: str, ranks: Sequence[Sequence[Segment]]) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from threefold.config import AUTO, ConfigError, notes_after_checks
+from threefold.config import AUTO, ConfigError, check_below_folder, notes_after_checks
 from threefold.configure import load_config, resolve_world
 
 
@@ -84,15 +84,9 @@ MAX_SEED = 2**63 - 1
 def _check_metrics_file(metrics_file: str) -> None:
     """Refuse, before anything is built, a --metrics-file that cannot be written: an empty path, or
     one below a file (a folder path is refused by click)."""
-    from pathlib import Path
-
     if not metrics_file.strip():
         raise ConfigError("--metrics-file: the path is empty; name a file (or leave the option out)")
-    above = Path(metrics_file).absolute().parent
-    while not above.exists():
-        above = above.parent
-    if not above.is_dir():
-        raise ConfigError(f"--metrics-file: {above} is a file, so no file {metrics_file} can be made below it")
+    check_below_folder("--metrics-file", metrics_file)
 
 
 def _default_run(cfg) -> str:
