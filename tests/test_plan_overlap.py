@@ -363,7 +363,7 @@ def test_ddp_all_reduce_latency_is_the_ring_or_nccls_tree_whichever_is_shorter(t
     without = costs.estimate(work, layout, dataclasses.replace(gpu, intra_node_latency_s=0.0, inter_node_latency_s=0.0))
     est = costs.estimate(work, layout, gpu)
     numel = est["dp_bytes"] / (2 * (dp - 1) / dp * work.grad_bytes)  # DDP sends 2(n−1)/n of its gradients
-    buckets = -(-numel * work.grad_bytes // costs.BUCKET_BYTES)
+    buckets = -(-numel // max(40e6, 1e6 * dp))  # Megatron-Core's default bucket: max(40M, 1M × dp) parameters
     k = min(max(gpus_per_node // tp, 1), dp)
     nodes, intra, inter = dp / k, gpu.intra_node_latency_s, gpu.inter_node_latency_s
     ring = 2 * (dp - 1) * (intra if nodes == 1 else (inter + (k - 1) * intra) / k)

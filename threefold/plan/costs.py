@@ -564,7 +564,10 @@ PRECISIONS["fp8"] = dict(PRECISIONS["mixed"])
 # output's gradient in the backward, and its weight once a step (or per micro-batch under ZeRO-3:
 # part_seconds).
 FLOAT8_CAST_BYTES = 4
-BUCKET_BYTES = 25 * 2**20  # gradient bucket of DDP / Megatron: the part of the DP reduction never overlapped
+# Megatron-Core's default gradient bucket, in parameters: max(40M, 1M × dp) (megatron/core/
+# distributed/distributed_data_parallel_config.py: "larger DP sizes need larger buckets to ensure
+# collectives do not become latency-bound"); DeepSpeed's default, 5e8, is larger still
+BUCKET_PARAMS, BUCKET_PARAMS_PER_REPLICA = 40_000_000, 1_000_000
 RESERVED_BYTES = 2 * 2**30  # CUDA context, NCCL and cuBLAS workspaces, allocator slack
 
 
@@ -578,6 +581,9 @@ class Workload:
     grad_bytes: int = 4
     overlap_dp: bool = True  # data-parallel reductions (and ZeRO gathers) run behind compute, as DDP/FSDP do
     tp_comm_overlap: bool = False  # Megatron-Core's --tp-comm-overlap: TP collectives pipelined with the GEMMs
+    # parameters in one DDP / ZeRO-1/2 gradient bucket; None: Megatron-Core's default, which grows
+    # with the replicas (bucket_params); threefold's engine: parallel.bucket_mb of fp32 gradients
+    bucket_params: float | None = None
     # threefold's engine keeps activations as (batch, sequence, hidden): each sequence-parallel
     # gather and reduce-scatter reorders the whole tensor to and from rank-major order, a copy,
     # where a micro-batch holds more than one sequence; Megatron's (sequence, batch, hidden) needs none
@@ -998,6 +1004,14 @@ def all_reduce_call_latency(gpu, ranks, members_per_node, ring_step_latency):
     return np.where(nodes > 1, np.minimum(ring, tree), ring)
 
 
+def bucket_params(work: Workload, replicas):
+    """Parameters in one gradient bucket: the workload's, or Megatron-Core's default for
+    ``replicas`` ranks, max(40M, 1M × replicas)."""
+    if work.bucket_params is not None:
+        return work.bucket_params
+    return np.maximum(BUCKET_PARAMS, BUCKET_PARAMS_PER_REPLICA * replicas)
+
+
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
                    drain_s, gpu, intra, wait=0.0, also: dict | None = None, root_numel=0, unit_numel=0,
                    head=True, embedding=True, members_per_node=1) -> dict:
@@ -1022,7 +1036,7 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
-    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel * work.grad_bytes / BUCKET_BYTES)))
+    buckets = np.where(zero == 3, stage_layers + 1, np.maximum(1, np.ceil(numel / bucket_params(work, replicas))))
     reductions = np.where(zero >= 2, m, 1) * buckets
     gathers = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * buckets)
     # DDP all-reduces the gradients; ZeRO reduce-scatters them and all-gathers the parameters.
