@@ -405,6 +405,24 @@ def test_plan_writes_its_winner_as_a_config_the_engine_dry_runs(capsys, tmp_path
     assert json.loads(capsys.readouterr().out.splitlines()[0])["rank"] == 0
 
 
+@pytest.mark.parametrize("dp, cp, zero, bucket_mb", [(8, 1, 1, 152.6), (16, 4, 0, 244.1), (4, 1, 2, 152.6),
+                                                      (8, 1, 3, 25.0), (1, 1, 0, 25.0)])
+def test_config_out_runs_the_gradient_buckets_the_layout_was_priced_with(capsys, tmp_path, dp, cp, zero, bucket_mb):
+    """The planner prices Megatron-Core's bucket, max(40M, 1M × dp·cp) parameters; the config makes
+    the engine run it, in MiB of fp32 gradients (40M → 152.6, 64M → 244.1). ZeRO-3 reduces unit by
+    unit and one replica reduces nothing: the engine's default (25 MiB) stays."""
+    from threefold.configure import load_config
+
+    path = tmp_path / "run.toml"
+    code, _, err = run(capsys, "plan", *SMALL_LLAMA[:-2], "--num-gpus", str(dp * cp), "--dp", str(dp), "--cp", str(cp),
+                       "--zero", str(zero), "--top", "1", "--config-out", str(path))
+    assert code == 0, err
+    cfg = load_config(path)
+    assert (cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.zero) == (dp, cp, zero)
+    assert cfg.parallel.bucket_mb == bucket_mb
+    assert ("bucket_mb" in path.read_text()) == (bucket_mb != 25.0)
+
+
 def test_config_out_skips_layouts_the_engine_does_not_run(capsys, tmp_path):
     """Op-level checkpointing is priced, not run by the engine: with it fixed nothing qualifies,
     and a model the engine cannot build is refused before the search."""
