@@ -233,6 +233,10 @@ CASES.update({
     "pp2-cp2-zb-h1-allgather": ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=zb-h1",
                                 "parallel.cp_method=allgather"],
     "dp2-cp2-zero3-ulysses": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=3", "parallel.cp_method=ulysses"],
+    # hybrid sharding: ZeRO-3 over pairs of dp ranks (with their cp ranks), the pairs all-reduced
+    "dp4-hsdp2": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"],
+    "dp4-cp2-hsdp2-ring": ["parallel.dp=4", "parallel.cp=2", "parallel.zero=3", "parallel.dp_shard=2",
+                           "parallel.cp_method=ring"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
     "cp2-ulysses-full": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.recompute=full"],
 })

@@ -151,3 +151,28 @@ def test_a_setting_the_engine_ignores_is_noted_once(capsys, sets, note):
     assert lines == [lines[0]] and lines[0].startswith(note), lines
     configure.load_config(None, ["model.preset=tiny", *sets])  # a second read in the process: no second note
     assert capsys.readouterr().err == ""
+
+
+BATCH = ["--set", "train.global_batch=48", "--set", "train.micro_batch=2"]  # whole micro-batches on 4 or 6 ranks
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["parallel.dp=4", "parallel.zero=1", "parallel.dp_shard=2"],
+     "parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of 2 dp ranks; it needs parallel.zero "
+     "= 3, got zero=1"),
+    (["parallel.dp=6", "parallel.zero=3", "parallel.dp_shard=4"],
+     "parallel.dp_shard: must divide parallel.dp=6 and be at least 2 (a group of one rank shards nothing), got 4"),
+    (["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=1"], "parallel.dp_shard: must divide parallel.dp=4 and "
+                                                                  "be at least 2"),
+    (["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=-2"], "parallel.dp_shard: must not be negative"),
+    (["model.moe_experts=4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"],
+     "parallel.dp_shard: hybrid sharding with expert parallelism (ep=2) is not supported"),
+])
+def test_a_hybrid_sharding_the_engine_cannot_run_is_refused(capsys, sets, message):
+    world = ["--world-size", str(4 if "parallel.dp=4" in sets else 6)]
+    refused(capsys, ["dryrun", *world, *TINY, *BATCH, *sum((["--set", s] for s in sets), [])], message)
+
+
+def test_hybrid_sharding_of_an_automatic_dp_is_checked_once_the_world_is_known(capsys):
+    refused(capsys, ["dryrun", "--world-size", "6", *TINY, *BATCH, "--set", "parallel.dp=auto", "--set", "parallel.zero=3",
+                     "--set", "parallel.dp_shard=4"], "parallel.dp_shard: must divide parallel.dp=6")

@@ -97,6 +97,26 @@ def test_llama3_8b_at_256_ranks_equals_the_planner():
     assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.02)  # 1.0028
 
 
+def test_hybrid_sharding_at_256_ranks_equals_the_planner():
+    """HSDP at scale: ZeRO-3 over groups of 8 dp ranks and their cp pair (16 ranks), the 16 groups
+    all-reduced: states 1/16 a rank, not 1/256; the gathers and reduce-scatters under "dp+cp",
+    the all-reduce between the groups, over dp ranks alone, under "dp"."""
+    cfg = dry_run_config(load(["model.preset=tiny", "model.vocab_size=4096", "model.seq_len=128", "parallel.dp=auto",
+                               "parallel.cp=2", "parallel.zero=3", "parallel.dp_shard=8", "train.global_batch=256",
+                               "train.micro_batch=2"]), 256)
+    assert (cfg.parallel.dp, cfg.parallel.dp_replicate) == (128, 16)
+    result, want = dry_run_rank(cfg, 255), predict_rank(cfg, 255)
+    assert set(want["comm_bytes"]) == {"dp", "dp+cp", "cp"}
+    for key in ("params", "grads", "optimizer"):
+        assert result["memory"][key] == want["memory"][key], key
+    for key, value in want["comm_bytes"].items():
+        assert result["comm_bytes"][key] == pytest.approx(value, rel=1e-9, abs=1), key
+    plain = predict_rank(dry_run_config(load(["model.preset=tiny", "model.vocab_size=4096", "model.seq_len=128",
+                                              "parallel.dp=auto", "parallel.cp=2", "parallel.zero=3",
+                                              "train.global_batch=256", "train.micro_batch=2"]), 256), 255)
+    assert want["memory"]["optimizer"] == pytest.approx(16 * plain["memory"]["optimizer"])
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_a_context_parallel_step_equals_the_planner(method):
     """tp2 · cp2 · dp2 with sequence parallelism, each method, selective recomputation (which

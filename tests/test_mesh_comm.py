@@ -19,7 +19,7 @@ from dist_pool import RankFailure
 # --- the mesh without processes ------------------------------------------------------------------
 def test_grid_order_puts_tp_innermost_and_pp_outermost():
     mesh = ParallelMesh({"dp": 2, "tp": 2, "pp": 2}, rank=5)
-    assert mesh.coords == {"pp": 1, "dp": 0, "edp": 0, "ep": 0, "cp": 0, "tp": 1}
+    assert mesh.coords == {"pp": 1, "dp": 0, "edp": 0, "dpr": 0, "dps": 0, "ep": 0, "cp": 0, "tp": 1}
     assert mesh.ranks("tp") == [4, 5] and mesh.ranks("dp") == [5, 7] and mesh.ranks("pp") == [1, 5]
     assert mesh.ranks("dp", "tp") == [4, 5, 6, 7] and mesh.coord("dp", "tp") == 1
     assert (mesh.size("dp"), mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")) == (2, 0, 1, 1)
@@ -38,6 +38,19 @@ def test_every_axis_partitions_the_world(sizes):
         for r in range(world):  # coord is the position inside the group
             mesh = ParallelMesh(sizes, rank=r)
             assert mesh.ranks(axis)[mesh.coord(axis)] == r
+
+
+def test_hybrid_sharding_splits_dp_into_replicas_of_consecutive_shard_groups():
+    """dp = 4 as dpr 2 × dps 2 (tp 2 inside): the shard groups are consecutive dp ranks, the
+    replicate groups hold the same dps coordinate; both count as dp in the ledger."""
+    mesh = ParallelMesh({"dp": 4, "tp": 2, "dpr": 2}, rank=5)  # dp coordinate 2, tp coordinate 1
+    assert (mesh.coord("dp"), mesh.coord("dpr"), mesh.coord("dps")) == (2, 1, 0)
+    assert mesh.ranks("dp") == [1, 3, 5, 7] and mesh.ranks("dps") == [5, 7] and mesh.ranks("dpr") == [1, 5]
+    assert mesh.ranks("edp") == mesh.ranks("dp") and mesh.size("dps", "dpr") == 4
+    assert mesh.label("dpr") == "dp" and mesh.label("dps") == "dp" and mesh.label("dps", "tp") == "dp+tp"
+    for sizes in ({"dp": 4, "dpr": 3}, {"dp": 4, "ep": 2, "dpr": 2}):
+        with pytest.raises(ValueError, match="hybrid sharding"):
+            ParallelMesh(sizes)
 
 
 def test_world_of_one_needs_no_process_group():

@@ -166,6 +166,9 @@ class ParallelConfig:
     cp: int = 1
     cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
     ep: int = 1  # expert parallelism, carved out of the dp ranks (it divides dp): not a factor of the world
+    # hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of dp_shard
+    # dp ranks, and the dp / dp_shard groups hold the same shards; 0: one group of all dp ranks
+    dp_shard: int = 0
     zero: int = 0
     sequence_parallel: bool = False
     tp_overlap: bool = False  # SP's gathers and reduce-scatters as rings of sends pipelined with the products
@@ -186,6 +189,11 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def dp_replicate(self) -> int:
+        """Groups of ZeRO-3 shards that hold the same states (hybrid sharding); 1 without it."""
+        return self.dp // self.dp_shard if self.dp_shard and self.dp != AUTO else 1
+
+    @property
     def ranks_per_replica(self) -> int:
         """tp·pp·cp: the ranks of one data-parallel replica (ep splits the experts over dp ranks)."""
         return self.tp * self.pp * self.cp
@@ -194,6 +202,8 @@ class ParallelConfig:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
+        if self.dp_shard < 0:
+            raise ConfigError(f"parallel.dp_shard: must not be negative (0: shard over all dp ranks), got {self.dp_shard}")
         if self.cp_method not in CP_METHODS:
             raise ConfigError(f"parallel.cp_method: must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.schedule not in SCHEDULES:

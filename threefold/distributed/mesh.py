@@ -13,6 +13,11 @@ is the group that splits the experts (each holds E/ep of them and the tokens are
 there); ``"edp"`` the expert-data-parallel group, the ranks holding the same experts, over which
 expert gradients are reduced. With ep=1, edp is dp. The world is dp·tp·pp·cp.
 
+Hybrid sharding (HSDP) splits the dp ranks once more, ``dp = dpr × dps`` (dps the inner one, at
+ep = 1): ZeRO-3 shards over a "dps" group of consecutive dp ranks, and the "dpr" group holds the
+same shard on each of its ranks. Without it dpr = 1, and dps is edp. So the grid is
+``(pp, dpr, dps, ep, cp, tp)``, "edp" spans dpr and dps, and "dp" spans dpr, dps and ep.
+
 Example, world 8 with dp=2, tp=2, pp=2: rank 5 sits at (pp=1, dp=0, tp=1); its tp group is
 [4, 5], its dp group [5, 7], its pp group [1, 5]. With dp=4, ep=2 (world 4): rank 3 has dp
 coordinate 3, ep group [2, 3], edp group [1, 3].
@@ -35,11 +40,17 @@ import torch.distributed as dist
 from threefold.config import ConfigError, ParallelConfig
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # the config's axes, outermost first
-GRID = ("pp", "edp", "ep", "cp", "tp")  # the grid's dimensions in this order: dp is edp × ep
-SPANS = {"dp": ("edp", "ep")}  # an axis that spans several grid dimensions
+GRID = ("pp", "dpr", "dps", "ep", "cp", "tp")  # the grid's dimensions in this order: dp is dpr × dps × ep
+SPANS = {"dp": ("dpr", "dps", "ep"), "edp": ("dpr", "dps")}  # axes that span several grid dimensions
+DP_PARTS = ("edp", "dpr", "dps")  # groups of data-parallel ranks: their traffic counts as dp's
 # Groups over several axes created by default: weight gradients of a context-parallel model
-# are reduced over dp × cp (its experts' over edp × cp); and dp × tp.
-COMBINED = (("dp", "cp"), ("edp", "cp"), ("dp", "tp"))
+# are reduced over dp × cp (its experts' over edp × cp; hybrid sharding's shards over dps × cp); and dp × tp.
+COMBINED = (("dp", "cp"), ("edp", "cp"), ("dps", "cp"), ("dp", "tp"))
+
+
+def mesh_sizes(parallel: ParallelConfig) -> dict[str, int]:
+    """The sizes a config gives the mesh: its axes, and hybrid sharding's groups ("dpr")."""
+    return {axis: getattr(parallel, axis) for axis in AXES} | {"dpr": parallel.dp_replicate}
 
 
 def grid_axes(axes) -> tuple[str, ...]:
@@ -54,14 +65,19 @@ class ParallelMesh:
     def __init__(self, sizes: dict[str, int], rank: int = 0, timeout_s: float = 300.0,
                  combined: tuple[tuple[str, ...], ...] = COMBINED,
                  device: torch.device | None = None, owns_process_group: bool = False):
-        unknown = set(sizes) - set(AXES)
+        """``sizes``: the config's axes, and "dpr", hybrid sharding's groups holding the same shards."""
+        unknown = set(sizes) - set(AXES) - {"dpr"}
         if unknown:
-            raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES}")
-        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES} and dpr")
+        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES + ("dpr",)}
         if self.sizes["dp"] % self.sizes["ep"]:
             raise ValueError(f"ep={self.sizes['ep']} must divide dp={self.sizes['dp']}: the experts are split "
                              "over data-parallel ranks")
         self.sizes["edp"] = self.sizes["dp"] // self.sizes["ep"]
+        if self.sizes["edp"] % self.sizes["dpr"] or (self.sizes["dpr"] > 1 and self.sizes["ep"] > 1):
+            raise ValueError(f"dpr={self.sizes['dpr']} must divide dp={self.sizes['dp']}, at ep=1: hybrid sharding "
+                             "splits the data-parallel ranks")
+        self.sizes["dps"] = self.sizes["edp"] // self.sizes["dpr"]
         # numpy, not torch: the grid is bookkeeping, and stays plain integers under a FakeTensorMode
         self.grid = np.arange(self.world_size).reshape(*(self.sizes[a] for a in GRID))
         if not 0 <= rank < self.world_size:
@@ -69,7 +85,8 @@ class ParallelMesh:
         self.rank = rank
         self.coords = dict(zip(GRID, np.argwhere(self.grid == rank)[0].tolist()))
         self.coords["dp"] = self.coord("dp")
-        self.coords = {a: self.coords[a] for a in ("pp", "dp", "edp", "ep", "cp", "tp")}
+        self.coords["edp"] = self.coord("edp")
+        self.coords = {a: self.coords[a] for a in ("pp", "dp", "edp", "dpr", "dps", "ep", "cp", "tp")}
         self._rows: dict[tuple[str, ...], list[list[int]]] = {}
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device or torch.device("cpu")
@@ -78,7 +95,7 @@ class ParallelMesh:
         self._created: list[dist.ProcessGroup] = []
         if self.world_size > 1 and dist.is_initialized():  # without a process group: coordinates only
             # new_group is collective: every rank creates every group, in the same order.
-            for axes in [(axis,) for axis in AXES + ("edp",)] + [tuple(c) for c in combined]:
+            for axes in [(axis,) for axis in AXES + ("edp", "dpr", "dps")] + [tuple(c) for c in combined]:
                 self._create(axes)
 
     # --- construction from a config, inside or outside torchrun ---------------------------
@@ -104,9 +121,8 @@ class ParallelMesh:
             p = parallel
             raise ConfigError(f"parallel: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
                               f"{p.world_size} ranks, but {world} processes are running")
-        sizes = {axis: getattr(parallel, axis) for axis in AXES}
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return cls(sizes, rank, parallel.timeout_s, device=device, owns_process_group=owns)
+        return cls(mesh_sizes(parallel), rank, parallel.timeout_s, device=device, owns_process_group=owns)
 
     # --- what a strategy asks ---------------------------------------------------------------
     @property
@@ -142,10 +158,15 @@ class ParallelMesh:
         left out, joined in the grid's order ("dp+cp"), or the axes as given when all have size
         1. The expert-data-parallel group counts as "dp", even of one rank: its traffic is
         data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp group),
-        so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp."""
-        sizes = {("dp" if a == "edp" else a): self.size(a) for a in axes}
+        so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp; so do
+        hybrid sharding's dps and dpr groups."""
+        sizes: dict[str, int] = {}
+        for a in axes:
+            named_as = "dp" if a in DP_PARTS else a
+            sizes[named_as] = sizes.get(named_as, 1) * self.size(a)
         named = [a for a in AXES if a in sizes]
-        return "+".join([a for a in named if sizes[a] > 1 or (a == "dp" and "edp" in axes)] or named)
+        part = any(a in DP_PARTS for a in axes)
+        return "+".join([a for a in named if sizes[a] > 1 or (a == "dp" and part)] or named)
 
     def shutdown(self) -> None:
         """Destroy the groups this mesh created, and the job's group if the mesh started it."""
@@ -169,7 +190,7 @@ class ParallelMesh:
         """The grid dimensions ``axes`` span, in the grid's order."""
         for axis in axes:
             if axis not in self.sizes:
-                raise KeyError(f"unknown mesh axis {axis!r}; the axes are {AXES} and edp")
+                raise KeyError(f"unknown mesh axis {axis!r}; the axes are {AXES}, edp, dpr and dps")
         return grid_axes(axes)
 
     def _key(self, axes) -> tuple[str, ...]:

@@ -34,6 +34,14 @@ gathers a micro-batch (a dry run once counted three).
 The optimizer is torch's AdamW on this rank's chunks, exactly as in ZeRO-1/2
 (``chunk_optimizer_params``); gradient clipping all-reduces the squared norm of the chunks.
 
+Hybrid sharding (HSDP, FSDP's HYBRID_SHARD; ``parallel.dp_shard``): the units are sharded over
+groups of dp_shard consecutive dp ranks (the mesh's "dps"), each group holding a whole copy of
+the states, so the gathers stay inside the group (a node, typically) and only gradients cross
+between groups: each reduce-scattered shard is then all-reduced over the dp / dp_shard ranks that
+hold the same shard ("dpr"), behind the backward as the reduce-scatters are. Per micro-batch that
+adds ``2 (r−1)/r · numel/s · 4`` bytes a rank (r groups of s) to the gathers' and reduce-scatters'
+over s ranks (``costs.dp_bytes_per_step``), while each rank keeps 1/s of the states, not 1/dp.
+
 ``ShardedGradSync`` applies this to one model part: the whole model, or one pipeline stage (its
 root unit is then what the stage holds outside its blocks: the embedding on the first stage,
 the final norm and head on the last). The pipeline runtime embeds the tokens before it calls
@@ -113,13 +121,15 @@ class ShardedGradSync:
 
     def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
-                 axes: tuple[str, ...] = ("dp",), mean_over: int | None = None):
+                 axes: tuple[str, ...] = ("dp",), mean_over: int | None = None,
+                 replicate_axes: tuple[str, ...] = ()):
         """``key_of`` names the parameters synchronised here (others under ``part``, the experts
         that another sync shards over edp, are left alone); ``mean_over``: the ranks the sums are
-        divided by (the group's size, or all dp ranks for experts reduced over edp)."""
+        divided by (the groups' size, or all dp ranks for experts reduced over edp);
+        ``replicate_axes``: hybrid sharding's groups holding the same shards ("dpr")."""
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
-        self.axes = tuple(axes)
-        self.mean_over = mean_over or mesh.size(*self.axes)
+        self.axes, self.replicate_axes = tuple(axes), tuple(a for a in replicate_axes if mesh.size(a) > 1)
+        self.mean_over = mean_over or mesh.size(*self.axes, *self.replicate_axes)
         self.keys = list(key_of.values())  # the plain-model keys synchronised here
         params, uses = parameter_uses(part)
         params = [p for p in params if id(p) in key_of]
@@ -134,6 +144,7 @@ class ShardedGradSync:
         self.units = self.roots + self.blocks
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
+        self.replicating: tuple[ShardedUnit, Pending, torch.Tensor] | None = None  # HSDP's all-reduce
         part.register_forward_pre_hook(self._root_pre_forward)
         if getattr(part, "embed", None) is not None:
             part.embed.register_forward_pre_hook(self._root_pre_forward)  # the runtime embeds first
@@ -212,12 +223,22 @@ class ShardedGradSync:
         unit.free()
 
     def _finish_reduce(self) -> None:
+        """Finish the reduction in flight: the reduce-scatter, and under hybrid sharding the
+        all-reduce over the groups, which then stays in flight behind the next unit's backward."""
+        if self.replicating is not None:
+            unit, pending, out = self.replicating
+            pending.wait()
+            unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)
+            self.replicating = None
         if self.reducing is None:
             return
         unit, pending, out, _grad = self.reducing  # _grad: kept alive until the collective is done
         pending.wait()
-        unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)  # sum → mean over the group (see __init__)
         self.reducing = None
+        if self.replicate_axes:
+            self.replicating = (unit, self.comm.all_reduce(out, self.replicate_axes, async_op=True), out)
+            return
+        unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)  # sum → mean over the group (see __init__)
 
     # --- the step, as the engine drives it -----------------------------------------------------
     def start_step(self) -> None:
@@ -228,6 +249,7 @@ class ShardedGradSync:
 
     def finish(self) -> None:
         self._finish_reduce()
+        self._finish_reduce()  # hybrid sharding: the last all-reduce, started by the first call
 
     def after_optimizer_step(self) -> None:
         pass  # the chunks are the weights; the next forward gathers them

@@ -19,7 +19,24 @@ def check_layout(cfg: Config) -> None:
     if p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp} (expert parallelism splits "
                           "the experts over data-parallel ranks)")
+    check_hybrid_sharding(p)
     check_pipeline(cfg)
+
+
+def check_hybrid_sharding(p: ParallelConfig) -> None:
+    """fsdp.py shards ZeRO-3's units over groups of dp_shard consecutive dp ranks and all-reduces
+    each reduced shard over the dp / dp_shard groups that hold it."""
+    if not p.dp_shard:
+        return
+    if p.zero != 3:
+        raise ConfigError(f"parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of {p.dp_shard} "
+                          f"dp ranks; it needs parallel.zero = 3, got zero={p.zero}")
+    if p.dp_shard < 2 or p.dp % p.dp_shard:
+        raise ConfigError(f"parallel.dp_shard: must divide parallel.dp={p.dp} and be at least 2 (a group of one "
+                          f"rank shards nothing), got {p.dp_shard}")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.dp_shard: hybrid sharding with expert parallelism (ep={p.ep}) is not supported; "
+                          "leave parallel.dp_shard out, or set parallel.ep = 1")
 
 
 def check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

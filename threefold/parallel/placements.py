@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's states of each parameter, named as torch names them
-MESH_AXES = ("pp", "edp", "ep", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
-SPANS = {"dp": ("edp", "ep")}  # mesh.py's: the dp ranks are edp × ep (expert parallelism splits dp)
+MESH_AXES = ("pp", "dpr", "dps", "ep", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
+# mesh.py's: the dp ranks are edp × ep (expert parallelism splits dp), edp is dpr × dps (hybrid sharding)
+SPANS = {"dp": ("dpr", "dps", "ep"), "edp": ("dpr", "dps")}
 
 
 def grid_axes(axes) -> set[str]:
-    """The grid dimensions mesh ``axes`` span ("dp" is edp and ep)."""
+    """The grid dimensions mesh ``axes`` span ("dp" is dpr, dps and ep)."""
     return {g for a in axes for g in SPANS.get(a, (a,))}
 
 

@@ -134,7 +134,7 @@ def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
 ENGINE_BYTES = {"float32": (4, 4), "bfloat16": (2, 4)}
 
 
-def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4):
+def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4, shard=None):
     """Bytes each rank sends on the data-parallel axis per optimizer step (ring convention).
 
     ``numel`` is the number of parameter elements the dp group holds replicas of.
@@ -146,14 +146,20 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
                                                    (n−1)/n · numel · (m · grad_bytes + param_bytes)
       zero 3:    per micro-batch, all-gather of parameters for forward and again for backward,
                  and a reduce-scatter of gradients:  m · (n−1)/n · numel · (2·param_bytes + grad_bytes)
+      zero 3 sharded over groups of s of the n ranks (hybrid sharding, ``shard``; None or 0: s = n):
+                 as zero 3 over s ranks, and an all-reduce of each reduced shard over the r = n/s
+                 groups holding it:  m · [(s−1)/s · numel · (2·param_bytes + grad_bytes)
+                                          + 2(r−1)/r · numel/s · grad_bytes]
     With n = 1 every term is 0. Works elementwise on numpy arrays.
     """
     numel, dp, zero = np.asarray(numel, dtype=float), np.asarray(dp), np.asarray(zero)
-    share = (dp - 1) / dp
+    shard = dp if shard is None else np.where(np.asarray(shard) > 0, shard, dp)
+    share, groups = (dp - 1) / dp, dp / shard
     all_reduce = 2 * share * numel * grad_bytes
     sharded_optimizer = share * numel * (grad_bytes + param_bytes)
     sharded_gradients = share * numel * (microbatches * grad_bytes + param_bytes)
-    fully_sharded = microbatches * share * numel * (2 * param_bytes + grad_bytes)
+    fully_sharded = (microbatches * (shard - 1) / shard * numel * (2 * param_bytes + grad_bytes)
+                     + hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes))
     return _scalar_or_array(np.select([zero == 0, zero == 1, zero == 2], [all_reduce, sharded_optimizer, sharded_gradients],
                                       fully_sharded))
 
@@ -343,6 +349,14 @@ def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_e
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     per_layer = 2 * sent + counts + np.where(full, sent + counts, 0)
     return _scalar_or_array(microbatches * moe_layers * per_layer)
+
+
+def hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes: int = 4):
+    """Hybrid sharding's share of ``dp_bytes_per_step``: each micro-batch's reduced shards (numel/s
+    elements) all-reduced over the ``groups`` that hold them, on a group of dp ranks alone."""
+    groups = np.asarray(groups)
+    return _scalar_or_array(microbatches * 2 * (groups - 1) / groups * np.asarray(numel, dtype=float) / shard
+                            * grad_bytes)
 
 
 def model_state_bytes(numel, dp, zero, param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8) -> dict:

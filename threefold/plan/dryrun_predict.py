@@ -7,7 +7,7 @@ any rank, so this generalises it to the rank's pipeline coordinate, with the sam
 shards are equal (the vocabulary padded to a multiple of tp) and every dp replica is the same.
 
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
-               dp × cp (the ranks that hold the same parameters); activations, of its seq_len / cp
+               dp × cp (the ranks that hold the same parameters; hybrid sharding: dp_shard × cp); activations, of its seq_len / cp
                tokens: costs.block_activation_bytes × the most blocks whose activations
                the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
@@ -22,7 +22,7 @@ shards are equal (the vocabulary padded to a multiple of tp) and every dp replic
 Under context parallelism a rank holds seq_len / cp tokens of each sequence: its activations,
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
-when dp = 1); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
+when dp = 1; hybrid sharding's all-reduce between its shard groups, over dp ranks alone, under "dp"); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
 Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
 gradients under SP) are left out, so a dry run shows them as measured only.
 
@@ -106,7 +106,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # a product's output and the residual stream (costs.ENGINE_BYTES); fp32 weights, grads, moments
     act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
     replicas = p.dp * p.cp  # weight gradients are reduced over dp × cp together
-    memory = dict(costs.model_state_bytes(share.numel, replicas, p.zero))
+    shard = p.dp_shard * p.cp if p.dp_shard else replicas  # ZeRO-3's shards: over dp_shard × cp under HSDP
+    memory = dict(costs.model_state_bytes(share.numel, shard, p.zero))
     # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
@@ -137,7 +138,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     comm = {}
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
     if replicas > 1:
-        comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m)
+        comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m, shard=shard)
+    if p.dp_shard and p.cp > 1:  # hybrid sharding's all-reduce between the shard groups: dp ranks alone
+        comm["dp"] = costs.hsdp_all_reduce_bytes(share.numel, shard, p.dp_replicate, m)
+        comm[grad_key] -= comm["dp"]
     if p.cp > 1:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,

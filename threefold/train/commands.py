@@ -160,7 +160,7 @@ def inspect(checkpoint_path, key, as_json):
     files = Counter(piece["file"] for info in stored.values() for piece in info["pieces"])
     summary = {"checkpoint": str(path), "step": meta["step"], "adam_step": meta.get("adam_step"),
                "weights_only": bool(meta.get("weights_only")), "world_size": meta["world_size"],
-               "layout": {k: parallel[k] for k in ("dp", "tp", "pp", "zero", "sequence_parallel")},
+               "layout": {k: parallel.get(k, 0) for k in ("dp", "tp", "pp", "zero", "sequence_parallel", "dp_shard")},
                "parameters": sum(prod(i["shape"]) for n, i in stored.items() if n.startswith("model/")),
                "files": {f: {"bytes": _size(path / f), "pieces": n} for f, n in sorted(files.items())},
                "damage": checkpoint.damage(path)}
@@ -175,7 +175,8 @@ def inspect(checkpoint_path, key, as_json):
                   + (" (weights only)" if summary["weights_only"] else
                      f", Adam step {summary['adam_step']:.0f}" if summary["adam_step"] is not None else "")
                   + f"; saved by {summary['world_size']} ranks, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
-                  f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}")
+                  f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}"
+                  + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""))
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
     for file, info in summary["files"].items():
         size = "missing" if info["bytes"] is None else f"{info['bytes'] / 2**20:.2f}"

@@ -135,7 +135,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from threefold.distributed.comm import Comm
-    from threefold.distributed.mesh import AXES, ParallelMesh
+    from threefold.distributed.mesh import ParallelMesh, mesh_sizes
     from threefold.models.llama import Llama
     from threefold.train.engine import Engine, lr_at
     from threefold.train.metrics import ActivationMeter
@@ -148,7 +148,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
     try:
-        mesh = ParallelMesh({axis: getattr(p, axis) for axis in AXES}, rank, p.timeout_s, device=torch.device(device))
+        mesh = ParallelMesh(mesh_sizes(p), rank, p.timeout_s, device=torch.device(device))
         # meta tensors have no values either; under a FakeTensorMode they would be fake cpu ones
         with FakeTensorMode() if device != "meta" else contextlib.nullcontext():
             with torch.device("meta"):

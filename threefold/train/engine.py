@@ -10,7 +10,8 @@ transforms the plain model, which every rank built from the same seed, in one do
                                          of each MoE layer, tokens dispatched to them and combined back;
   4. pipeline                            parallel/pipeline/stages.py: this rank's stage modules;
   5. gradient synchronisation, per part  data_parallel.BucketGradSync (DDP, ZeRO-1/2),
-                                         fsdp.ShardedGradSync (ZeRO-3), or LocalGradSync (dp=cp=1),
+                                         fsdp.ShardedGradSync (ZeRO-3; hybrid sharding: over
+                                         dps, all-reduced over dpr), or LocalGradSync (dp=cp=1),
                                          over dp, or dp × cp together under context parallelism;
                                          the experts of an ep layout over edp = dp/ep (× cp) by a sync of
                                          their own (the two driven as one, ``GradSyncs``);
@@ -332,7 +333,7 @@ class Engine:
                 from threefold.parallel.fsdp import ShardedGradSync
 
                 sync = ShardedGradSync(part, {id(q): k for k, q in dense}, self.placements, mesh, comm,
-                                       isolated=alone, axes=self.grad_axes)
+                                       isolated=alone, **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
                                       overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
@@ -358,6 +359,13 @@ class Engine:
         if self.schedule is not None:
             self._build_runtime()
 
+    def _shard_axes(self, axes: tuple[str, ...]) -> dict:
+        """ZeRO-3's groups for gradients reduced over ``axes``: shards over all of them, or under
+        hybrid sharding over dps (× cp) within them, the dpr groups holding the same shards."""
+        if self.mesh.size("dpr") == 1:
+            return {"axes": axes}
+        return {"axes": ("dps",) + axes[1:], "replicate_axes": ("dpr",), "mean_over": self.mesh.size(*axes)}
+
     def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
         """The experts' gradient synchronisation: over edp = dp/ep (× cp), the ranks that hold the same
         experts, as ZeRO 0–3 shards them there; the sums divided by dp (× cp), not edp (an expert's
@@ -373,8 +381,8 @@ class Engine:
 
             units = nn.Module()  # one unit per layer's local experts, gathered around its forward
             units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
-            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm, axes=axes,
-                                   mean_over=dp)
+            return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm,
+                                   **dict(self._shard_axes(axes), mean_over=dp))
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
                               axes=axes, mean_over=dp)
 

@@ -256,10 +256,11 @@ def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int
 
 
 def _layout(parallel: dict) -> str:
-    """dp=2 tp=2 pp=2 zero=1 (cp=2): the parts of a layout that decide how states are split
-    (cp, which shards ZeRO's states over dp × cp, when it is used)."""
-    cp = parallel.get("cp", 1)
-    return " ".join(f"{key}={parallel[key]}" for key in ("dp", "tp", "pp", "zero")) + (f" cp={cp}" if cp > 1 else "")
+    """dp=2 tp=2 pp=2 zero=1 (cp=2, dp_shard=2): the parts of a layout that decide how states are
+    split (cp, which shards ZeRO's states over dp × cp, and hybrid sharding's groups, when used)."""
+    cp, dp_shard = parallel.get("cp", 1), parallel.get("dp_shard", 0)
+    return (" ".join(f"{key}={parallel[key]}" for key in ("dp", "tp", "pp", "zero")) + (f" cp={cp}" if cp > 1 else "")
+            + (f" dp_shard={dp_shard}" if dp_shard else ""))
 
 
 def _is_main_process() -> bool:
