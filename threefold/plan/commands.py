@@ -220,7 +220,8 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
-                                virtual_stages=virtual, sequence_parallel=sequence_parallel)
+                                virtual_stages=virtual, sequence_parallel=sequence_parallel,
+                                dp_shard=_given(o, "dp_shard", 0))
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
@@ -316,6 +317,10 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--dp-shard", type=int, default=0, show_default=True,
+              help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of this many "
+                   "dp ranks, which dp / N groups hold alike, all-reducing gradients between them; needs --zero 3. "
+                   "0: one group of all dp ranks.")
 @click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
@@ -398,6 +403,7 @@ def _fixed_knobs(command):
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
+        click.option("--dp-shard", type=int, help="Fix hybrid sharding's shard group (dp ranks; ZeRO-3 only)."),
         click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
         click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
     ]
@@ -434,6 +440,7 @@ def plan(as_json, top, out, config_out, **options):
 
         check_model(work)
     fixed = {knob: options.get(knob) for knob in search.KNOBS}
+    costs.check_hybrid_sharding(work.model, fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"])
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)
@@ -514,6 +521,8 @@ def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:
     for knob, value in given.items():
         if len(np.atleast_1d(search.candidate_layouts(work, num_gpus, {knob: value}).tp)):
             continue
+        if knob == "dp_shard":  # checked before the search: what is left is that no dp takes it
+            return f"--dp-shard {value}: no ZeRO-3 layout of this model on {num_gpus} GPUs has a dp that {value} divides"
         try:  # the layout check's own words: "--tp: 3 does not divide the 32 heads …"
             layout = costs.Layout.named(**{knob: value})
             costs.check_layout(work.model, layout, work.global_batch,

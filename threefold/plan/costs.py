@@ -421,6 +421,7 @@ class Layout:
     schedule: Any = 1
     ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
     cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
+    dp_shard: Any = 0  # hybrid sharding: ZeRO-3's shard group, in dp ranks (0: all of them)
 
     @classmethod
     def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
@@ -443,6 +444,8 @@ class Layout:
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
+        if int(v["dp_shard"]) > 0:
+            parts.append(f"hsdp={int(v['dp_shard'])}")
         if bool(v["sequence_parallel"]):
             parts.append("SP")
         parts.append(RECOMPUTE[int(v["recompute"])])
@@ -489,6 +492,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
             raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
                               f"rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
+    check_hybrid_sharding(model, int(layout.dp_shard), int(layout.zero), d)
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
     if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
         raise ConfigError(f"--recompute: full with --schedule {schedule} is not priced: its weight gradients (W) run "
@@ -509,6 +513,23 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
             raise ConfigError(f"--pp: pp × virtual_stages = {p} × {chunks // p} = {chunks} stages, more than the "
                               f"model's {model.layers} layers (each stage needs a block)")
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
+
+
+def check_hybrid_sharding(model: ModelConfig, dp_shard: int, zero: int | None = None, dp: int | None = None) -> None:
+    """--dp-shard: ZeRO-3 over groups of that many dp ranks, as threefold's engine runs it (the
+    ZeRO stage and dp checked where they are known: plan searches them)."""
+    if not dp_shard:
+        return
+    if dp_shard < 0:
+        raise ConfigError(f"--dp-shard: must not be negative (0: shard over all dp ranks), got {dp_shard}")
+    if model.moe_experts:
+        raise ConfigError("--dp-shard: the planner prices hybrid sharding for dense models only")
+    if zero is not None and zero != 3:
+        raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {dp_shard} dp ranks; "
+                          f"it needs --zero 3, got {zero}")
+    if dp_shard < 2 or (dp is not None and dp % dp_shard):
+        raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
+                          f"group of one rank shards nothing), got {dp_shard}")
 
 
 def model_chunks(schedule: str, pp: int, virtual_stages: int) -> int:
@@ -1028,7 +1049,7 @@ def bucket_params(work: Workload, replicas):
 
 def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, latency, backward_s, forward_s, mb_s,
                    drain_s, gpu, intra, wait=0.0, also: dict | None = None, root_numel=0, unit_numel=0,
-                   head=True, embedding=True, members_per_node=1) -> dict:
+                   head=True, embedding=True, members_per_node=1, between: dict | None = None) -> dict:
     """Bytes, seconds and exposed seconds of one stage's data-parallel traffic (and ZeRO's gathers).
 
     DDP and ZeRO-1/2 work in gradient buckets; ZeRO-3 gathers and reduce-scatters block by block
@@ -1046,7 +1067,11 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     line: ``_collective_time``). ``root_numel``: the stage's parameters outside its blocks (the
     embedding, the final norm and head), gathered as one unit; ``unit_numel``: one block's;
     ``head``, ``embedding``: whether the stage computes them. ``members_per_node``: the group's
-    ranks in one node (DDP's all-reduce may take NCCL's tree across nodes: ``all_reduce_call_latency``)."""
+    ranks in one node (DDP's all-reduce may take NCCL's tree across nodes: ``all_reduce_call_latency``).
+    ``between``: hybrid sharding, where ``replicas`` is one shard group: ``groups`` of them hold the
+    same shards, and each unit's reduced shard is all-reduced between them over their link
+    (``bw``, ``latency``, ``members_per_node``, ``intra``, ``wait``), behind the backward as the
+    reduce-scatters are; the last one after the last reduce-scatter."""
     share = (replicas - 1) / replicas
     sent = dp_bytes_per_step(numel, replicas, zero, m, work.grad_bytes, work.param_bytes)
     gather_bytes = np.where(zero == 0, 0, np.where(zero == 3, 2 * m, 1) * share * numel * work.param_bytes)
@@ -1065,6 +1090,16 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     one_collective_s = grad_s / reductions
     active = replicas > 1
     # the calls this rank makes: this group's, and the other group's (``also``) beside them
+    if between is not None:  # hybrid sharding: each micro-batch's reduced shards, all-reduced between the groups
+        groups = between["groups"]
+        between_bytes = np.where(zero == 3, hsdp_all_reduce_bytes(numel, replicas, groups, m, work.grad_bytes), 0)
+        between_calls = np.where((zero == 3) & (groups > 1), m * buckets, 0)
+        between_s = np.where(between_calls > 0, _collective_time(
+            gpu, ("all_reduce",), between_bytes, between_calls, 1, between["bw"],
+            all_reduce_call_latency(gpu, groups, between["members_per_node"], between["latency"]), between["intra"],
+            between["wait"]), 0)
+        sent, seconds, grad_s = sent + between_bytes, seconds + between_s, grad_s + between_s
+        reductions = reductions + between_calls
     calls = np.where(replicas > 1, reductions + gathers, 0) + (0 if also is None else also["calls"])
     parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active, "calls": calls}
     if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
@@ -1078,6 +1113,8 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
                 + np.where(zero == 0, 0, np.minimum(gather_s, np.maximum(gather_s - forward_s, one_collective_s))))
     first_s, last_reduce_s = zero3_unhidden(root_numel, unit_numel, head, embedding, replicas, work, bw, latency, gpu,
                                             intra, wait)
+    if between is not None:  # the last unit's all-reduce between the groups follows its reduce-scatter
+        last_reduce_s = last_reduce_s + between_s / np.maximum(between_calls, 1)
     if also is not None:
         first_s, last_reduce_s = first_s + also["first_s"], np.maximum(last_reduce_s, also["last_reduce_s"])
     # ZeRO-3, per micro-batch: the unhidden units' collectives, and what of the rest (the step's
@@ -1267,6 +1304,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     stage_layers = np.ceil(L / p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
+    # Hybrid sharding (--dp-shard): ZeRO-3 shards over groups of dp_shard dp ranks (× cp), the
+    # d / dp_shard groups holding the same shards; without it one group of all the replicas.
+    shard_dp = np.where((zero == 3) & (np.asarray(layout.dp_shard) > 0), layout.dp_shard, d)
+    shards, groups = shard_dp * c, d / shard_dp
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
     # stage (L−n … L−1); each rank holds E/ep whole experts (an MoE block is replicated over tp,
     # as the engine runs it), their states replicated on dp·cp/ep ranks.
@@ -1315,7 +1356,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # What ZeRO-3 gathers of the largest block: one tp rank's share of it, and of an MoE block the
     # experts only where they have replicas to shard over (the engine runs ZeRO over one rank as
     # plain data parallelism: it shards and gathers nothing).
-    sharded = (zero == 3) & (replicas > 1)
+    sharded = (zero == 3) & (shards > 1)
     largest_block = block_params / t
     final_norm = h if cfg.arch == "llama" else 2 * h
     block_numel = stage_layers * block_params / t
@@ -1342,7 +1383,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         has no next one), and the parameters outside the blocks (embedding, final norm, head),
         FSDP's root unit, which FSDP and FSDP2 never reshard after the forward (the backward needs
         them at once)."""
-        st = model_state_bytes(numel, replicas, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
+        st = model_state_bytes(numel, shards, zero, work.param_bytes, work.grad_bytes, work.optimizer_bytes)
         if moe:  # the experts' states: ZeRO shards them over the ranks that hold the same experts
             ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
                                    work.optimizer_bytes)
@@ -1358,7 +1399,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     versions_last, _ = weight_versions(schedule, p, p - 1)
     versions_first_bytes = versions_first * (first_numel + expert_first) * work.param_bytes
     versions_last_bytes = versions_last * (last_numel + expert_last) * work.param_bytes
-    block_states = sum(model_state_bytes(block_numel, replicas, zero, work.param_bytes, work.grad_bytes,
+    block_states = sum(model_state_bytes(block_numel, shards, zero, work.param_bytes, work.grad_bytes,
                                          work.optimizer_bytes).values())
     if moe:
         block_states = block_states + sum(model_state_bytes(expert_first, expert_replicas, zero, work.param_bytes,
@@ -1512,26 +1553,32 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # ---- data parallel (and ZeRO) over the dp × cp replicas --------------------------------
     # The replicas are dp × cp ranks t apart (the mesh's grid: pp, edp, ep, cp, tp), so a node
     # holds its cp neighbours as well as its dp ones; the experts' replicas skip the ep ranks.
-    dp_members_per_node = members_in_node(gpu.gpus_per_node, (t, c), (t * c, d))
-    dp_bw, dp_lat = link(t * c * d, members_per_node=dp_members_per_node)
+    dp_members_per_node = members_in_node(gpu.gpus_per_node, (t, c), (t * c, shard_dp))
+    dp_bw, dp_lat = link(t * c * shard_dp, members_per_node=dp_members_per_node)
     backward_s, forward_s = mb_s * 2 / 3, mb_s / 3
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * d <= gpu.gpus_per_node, wait=group_wait(wait, d * c, runnable, pair_wait),
-                    members_per_node=dp_members_per_node)
+    dp_kinds = dict(gpu=gpu, intra=t * c * shard_dp <= gpu.gpus_per_node,
+                    wait=group_wait(wait, shards, runnable, pair_wait), members_per_node=dp_members_per_node)
+    if np.any(groups > 1):  # hybrid sharding's groups: ranks t·c·dp_shard apart, all-reducing the shards
+        between_members = members_in_node(gpu.gpus_per_node, (t * c * shard_dp, groups))
+        between_bw, between_lat = link(t * c * d, members_per_node=between_members)
+        dp_kinds["between"] = dict(groups=groups, bw=between_bw, latency=between_lat, members_per_node=between_members,
+                                   intra=t * c * d <= gpu.gpus_per_node,
+                                   wait=group_wait(wait, groups, runnable, pair_wait))
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
-    dp_last = _data_parallel(last_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
+    dp_last = _data_parallel(last_numel, shards, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
                              mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
                              embedding=single_stage, **dp_kinds)
-    dp_first = _data_parallel(first_numel, replicas, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
+    dp_first = _data_parallel(first_numel, shards, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
                               forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params / t,
                               head=single_stage | v_shape, embedding=True, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), behind the
         # same backward as the rest: the two groups' exposure together
         expert_members = members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, d / e))
         expert_bw, expert_lat = link(t * c * d, members_per_node=expert_members)
-        expert_kinds = dict(dp_kinds, members_per_node=expert_members,
+        expert_kinds = dict(dp_kinds, members_per_node=expert_members, between=None,
                             wait=group_wait(wait, expert_replicas, runnable, pair_wait))
         dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, expert_bw, expert_lat,
                                  backward_s, forward_s, mb_s, drain_s, also=dp_last,
@@ -1548,7 +1595,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
 
     # ---- optimizer: memory-bound passes over this rank's share of the states: Adam's reads and
     # writes (PRECISIONS) and the gradient's; the gradient norm reads the gradients, zeroing writes them.
-    optimizer_numel = last_numel / np.where(zero >= 1, replicas, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
+    optimizer_numel = last_numel / np.where(zero >= 1, shards, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / gpu.elementwise_rate
 
     # ---- contention: overlapped data-parallel traffic is not free. NCCL's kernels run on the SMs

@@ -57,7 +57,7 @@ def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> boo
 
 
 KNOBS = ("tp", "pp", "dp", "cp", "ep", "cp_method", "zero", "micro_batch", "virtual_stages", "sequence_parallel",
-         "recompute", "schedule")
+         "recompute", "schedule", "dp_shard")
 
 
 def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
@@ -83,7 +83,8 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-16 dividing half the sequence (the zigzag split), with each method that
     runs (``_context_methods``); DP fills the rest; EP: each divisor of dp that divides the
-    experts (MoE models only). Then every ZeRO stage,
+    experts (MoE models only). Then every ZeRO stage (ZeRO-3 of a dense model also with hybrid
+    sharding over each divisor of dp from 2 up: ``_with_hybrid_sharding``),
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
     (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
     rank; pipelines only when PP > 1). A fixed knob replaces its range by its one value.
@@ -126,10 +127,30 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     recompute = recompute_policy(named, zero, work.attention)
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
-                     sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method)
+                     sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method,
+                     dp_shard=np.zeros_like(zero))
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
-    return layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
+    layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
+    return _with_hybrid_sharding(layouts, cfg, num_gpus, fixed.get("dp_shard"))
+
+
+def _with_hybrid_sharding(layouts: Layout, cfg, num_gpus: int, dp_shard: int | None) -> Layout:
+    """The ZeRO-3 layouts of a dense model again with hybrid sharding over shard groups of s dp
+    ranks, for every divisor s of dp with 2 ≤ s < dp (s = dp is ZeRO-3 itself); with --dp-shard
+    fixed, only those with that s (up to s = dp); --dp-shard 0, none."""
+    if dp_shard == 0:
+        return layouts
+    zero3 = np.flatnonzero(np.asarray(layouts.zero) == 3) if not cfg.moe_experts else np.zeros(0, dtype=int)
+    dp = np.asarray(layouts.dp)[zero3]
+    shards = [dp_shard] if dp_shard else [s for s in _divisors(num_gpus) if s >= 2]
+    parts = [] if dp_shard else [layouts]
+    for s in shards:
+        rows = layouts.take(zero3[(dp % s == 0) & ((dp > s) | (dp_shard == s))])
+        rows.dp_shard = np.full(np.shape(rows.dp), s)
+        parts.append(rows)
+    return Layout(**{f.name: np.concatenate([np.asarray(getattr(part, f.name)) for part in parts])
+                     if parts else np.zeros(0, dtype=int) for f in fields(Layout)})
 
 
 MESH_AXES = ("tp", "pp", "dp", "cp", "ep")  # what makes two layouts different meshes
@@ -174,6 +195,14 @@ class SearchResult:
     def _get(self, key: str, i: int) -> float:
         return float(np.asarray(self.est[key])[i])
 
+    @staticmethod
+    def _zero_phrase(lay: dict) -> str:
+        """ZeRO-1 over 32 replicas; hybrid sharding: ZeRO-3 over 8 ranks, all-reduced between 4 groups."""
+        if lay["dp_shard"]:
+            return (f"ZeRO-3 over {lay['dp_shard'] * lay['cp']} ranks, all-reduced between "
+                    f"{lay['dp'] // lay['dp_shard']} groups")
+        return f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas"
+
     def _phrase(self, part: str, i: int) -> str:
         """One clause saying what ``part`` of layout ``i``'s step time comes from."""
         lay = {f.name: int(np.asarray(getattr(self.layouts, f.name))[i]) for f in fields(Layout)}
@@ -185,7 +214,7 @@ class SearchResult:
             where = "crosses nodes" if lay["tp"] > self.gpu.gpus_per_node else "within a node"
             return f"TP={lay['tp']} {where}: {seconds:.2f} s of exposed TP traffic"
         if part == "dp_exposed":
-            return f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas: {seconds:.2f} s of exposed DP traffic"
+            return f"{self._zero_phrase(lay)}: {seconds:.2f} s of exposed DP traffic"
         if part == "pp_exposed":
             return f"PP={lay['pp']}: {seconds:.2f} s of exposed pipeline transfers"
         if part == "cp_exposed":
@@ -212,8 +241,7 @@ class SearchResult:
             sp = "with" if lay["sequence_parallel"] else "without"
             return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
         if part == "contention":
-            return (f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas: {seconds:.2f} s of compute slowed by "
-                    "the data-parallel traffic it hides")
+            return f"{self._zero_phrase(lay)}: {seconds:.2f} s of compute slowed by the data-parallel traffic it hides"
         if part == "optimizer":
             return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
         raise ValueError(f"no phrase for the step's part {part!r}")

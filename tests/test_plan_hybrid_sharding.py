@@ -1,0 +1,134 @@
+"""Hybrid sharding (HSDP, --dp-shard) in the planner: the same formulas as the engine's bytes
+(tests/test_equivalence.py holds the engine to them), the memory of a shard group, the
+all-reduce between the groups on its own link, the search and the config it writes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from threefold.cli import main
+from threefold.configure import load_config
+from threefold.plan import costs, search
+from threefold.plan.hardware import CATALOG
+
+H100 = CATALOG["h100-sxm"]
+LLAMA3_8B = costs.ModelConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=128_256, seq_len=8192)
+
+
+def estimate(dp_shard, dp=512, cp=1, global_batch=1024, gpu=H100):
+    layout = costs.Layout.named(recompute="op", dp=dp, cp=cp, zero=3, micro_batch=1, dp_shard=dp_shard)
+    return costs.estimate(costs.Workload(LLAMA3_8B, global_batch), layout, gpu)
+
+
+def test_one_shard_group_of_all_ranks_is_zero3():
+    """dp_shard = dp is ZeRO-3 itself, to the last digit of every figure."""
+    plain, whole = estimate(0), estimate(512)
+    for key, value in plain.items():
+        if isinstance(value, float):
+            assert whole[key] == pytest.approx(value, rel=1e-12), key
+
+
+@pytest.mark.parametrize("dp_shard, cp", [(8, 1), (64, 1), (4, 2)])
+def test_states_shard_over_the_group_and_bytes_add_the_all_reduce_between_groups(dp_shard, cp):
+    """States: ZeRO-3 over dp_shard × cp ranks. Bytes: costs.dp_bytes_per_step(shard=…), the
+    formula the engine's ledger equals: ZeRO-3 over the group plus, per micro-batch, each shard
+    all-reduced between the dp / dp_shard groups."""
+    dp = 512 // cp
+    est, plain = estimate(dp_shard, dp=dp, cp=cp), estimate(0, dp=dp, cp=cp)
+    states = lambda e: e["optimizer_bytes"]  # noqa: E731 (the gathered units add to params and grads alike)
+    assert states(est) == pytest.approx(states(plain) * dp / dp_shard)
+    numel = plain["dp_bytes"] / costs.dp_bytes_per_step(1, dp * cp, 3, est["microbatches"], 4, 2)
+    assert est["dp_bytes"] == pytest.approx(costs.dp_bytes_per_step(numel, dp * cp, 3, est["microbatches"], 4, 2,
+                                                                     shard=dp_shard * cp))
+    between = costs.hsdp_all_reduce_bytes(numel, dp_shard * cp, dp / dp_shard, est["microbatches"])
+    assert between == pytest.approx(2 * (dp / dp_shard - 1) / (dp / dp_shard) * numel / (dp_shard * cp) * 4
+                                    * est["microbatches"])
+
+
+def test_at_thousands_of_ranks_hybrid_sharding_saves_the_rings_latency():
+    """ZeRO-3 over 8,192 ranks pays a 8,191-step ring per gather and reduce-scatter; shard groups
+    of 8 (a node) ring over 7 NVLink steps and all-reduce between 1,024 groups by NCCL's tree:
+    less time in the collectives, for 1/8 of the states instead of 1/8,192."""
+    fsdp, hsdp = estimate(0, dp=8192, global_batch=16384), estimate(8, dp=8192, global_batch=16384)
+    assert hsdp["dp_s"] < fsdp["dp_s"] / 2 and hsdp["step_time_s"] < fsdp["step_time_s"]
+    assert hsdp["optimizer_bytes"] == pytest.approx(1024 * fsdp["optimizer_bytes"])
+    no_latency = H100.__class__(**{**H100.__dict__, "intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0})
+    fsdp_bare = estimate(0, dp=8192, global_batch=16384, gpu=no_latency)
+    assert fsdp["dp_s"] - fsdp_bare["dp_s"] > 1.0  # the rings' latency is what hybrid sharding saves
+
+
+def test_the_search_offers_every_shard_group_of_a_dense_model_and_only_at_zero3():
+    work = costs.Workload(LLAMA3_8B, 1024)
+    layouts = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1, "cp": 1})
+    shards = np.asarray(layouts.dp_shard)
+    assert set(shards[shards > 0]) == {2, 4, 8, 16, 32}  # every divisor of dp = 64 from 2 up, below 64
+    assert set(np.asarray(layouts.zero)[shards > 0]) == {3}
+    fixed = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 8})
+    assert set(np.asarray(fixed.dp_shard)) == {8} and set(np.asarray(fixed.zero)) == {3}
+    moe = costs.Workload(costs.ModelConfig(layers=4, hidden=512, heads=8, vocab_size=1000, seq_len=256, moe_experts=8,
+                                           moe_top_k=2), 64)
+    assert not np.asarray(search.candidate_layouts(moe, 64, {}).dp_shard).any()
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero", "1", "--dp-shard", "8"], "--dp-shard: hybrid sharding splits ZeRO-3's states over groups of 8 dp ranks; "
+                                         "it needs --zero 3, got 1"),
+    (["--zero", "3", "--dp-shard", "3"], "--dp-shard: must divide --dp 64 and be at least 2"),
+    (["--zero", "3", "--dp-shard", "1"], "--dp-shard: must divide --dp 64 and be at least 2"),
+    (["--zero", "3", "--dp-shard", "-8"], "--dp-shard: must not be negative"),
+    (["--zero", "3", "--dp-shard", "8", "--model", "mixtral-8x7b"], "--dp-shard: the planner prices hybrid sharding "
+                                                                   "for dense models only"),
+])
+def test_bad_hybrid_sharding_is_one_line(capsys, flags, message):
+    model = [] if "--model" in flags else ["--model", "llama3-8b"]
+    code, out, err = run(capsys, "estimate", *model, "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "64",
+                         *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and not out and len(lines) == 1 and message in lines[0], err
+
+
+def test_estimate_and_batch_and_plan_take_the_shard_group(capsys, tmp_path):
+    args = ["--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "64", "--zero", "3"]
+    code, out, _ = run(capsys, "estimate", *args, "--dp-shard", "8", "--json")
+    one = json.loads(out)
+    assert code == 0 and one["layout"]["dp_shard"] == 8
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"model": "llama3-8b", "global_batch": 64, "gpu": "h100-sxm", "num_gpus": 64,
+                                 "zero": 3, "dp_shard": 8}) + "\n")
+    code, out, _ = run(capsys, "estimate", "--batch", str(batch))
+    assert code == 0 and json.loads(out)["step_time_s"] == one["step_time_s"]
+    path = tmp_path / "run.toml"
+    code, out, err = run(capsys, "plan", *args, "--dp-shard", "8", "--top", "1", "--json", "--config-out", str(path))
+    assert code == 0, err
+    best = json.loads(out)["layouts"][0]
+    assert "hsdp=8" in best["describe"] and best["layout"]["dp_shard"] == 8
+    cfg = load_config(path)
+    assert (cfg.parallel.zero, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (3, 8, cfg.parallel.dp // 8)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dp-shard", "3"], "--dp-shard 3: no ZeRO-3 layout of this model on 64 GPUs has a dp that 3 divides"),
+    (["--dp-shard", "8", "--zero", "1"], "it needs --zero 3, got 1"),
+    (["--dp-shard", "1"], "--dp-shard: must be at least 2 (a group of one rank shards nothing), got 1"),
+    (["--dp-shard", "-2"], "--dp-shard: must not be negative"),
+    (["--dp-shard", "16", "--dp", "8"], "--dp-shard: must divide --dp 8 and be at least 2"),
+])
+def test_plan_refuses_a_shard_group_no_layout_takes_in_one_line(capsys, flags, message):
+    code, _, err = run(capsys, "plan", "--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm",
+                       "--num-gpus", "64", *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_plan_without_hybrid_sharding_when_fixed_at_zero():
+    work = costs.Workload(LLAMA3_8B, 1024)
+    assert not np.asarray(search.candidate_layouts(work, 64, {"dp_shard": 0}).dp_shard).any()
+    assert np.asarray(search.candidate_layouts(work, 64, {}).dp_shard).any()
