@@ -184,6 +184,7 @@ INT_KEYS = keys_of(int)
 # The integer keys where 0 means something (and the reason); -1 means nothing anywhere.
 ZERO_MEANS = {
     "parallel.zero": "no ZeRO sharding",
+    "parallel.dp_shard": "ZeRO-3 over all dp ranks (no hybrid sharding)",
     "train.warmup_steps": "no warm-up",
     "train.eval_every": "no validation",
     "train.checkpoint_every": "a checkpoint at the end only",

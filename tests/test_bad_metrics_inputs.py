@@ -13,6 +13,14 @@ RUNS = Path(__file__).resolve().parents[1] / "bench" / "results" / "planner_runs
 DEMO = RUNS / "demo.jsonl"  # the demo's pipeline run (demo.toml: dp=2 tp=2 pp=2, 1F1B), with timelines
 
 
+@pytest.fixture(autouse=True)
+def recorded_profile(request, monkeypatch):
+    """calibrate --from-runs reads the machine profile the runs were measured with (recorded beside
+    them), not whatever this machine's cache holds, or lacks: a clean machine has none."""
+    if request.node.name.startswith("test_calibrate_from_runs"):
+        monkeypatch.setenv("THREEFOLD_HOME", str(RUNS))
+
+
 def records(path: Path, count: int = 3) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()[:count]]
 

@@ -132,3 +132,15 @@ def test_plan_without_hybrid_sharding_when_fixed_at_zero():
     work = costs.Workload(LLAMA3_8B, 1024)
     assert not np.asarray(search.candidate_layouts(work, 64, {"dp_shard": 0}).dp_shard).any()
     assert np.asarray(search.candidate_layouts(work, 64, {}).dp_shard).any()
+
+
+def test_a_run_of_the_engine_is_priced_with_its_shard_groups():
+    """compare (the closed loop) and the preflight's memory read the config's dp_shard."""
+    from threefold.plan.compare import run_layout
+    from threefold.train.preflight import rank_memory
+
+    sets = ["model.preset=tiny", "model.vocab_size=4096", "parallel.dp=8", "parallel.zero=3", "train.global_batch=16",
+            "train.micro_batch=2"]
+    plain, hybrid = load_config(None, sets), load_config(None, sets + ["parallel.dp_shard=2"])
+    assert int(run_layout(hybrid)[1].dp_shard) == 2 and int(run_layout(plain)[1].dp_shard) == 0
+    assert rank_memory(hybrid)["optimizer"] == pytest.approx(4 * rank_memory(plain)["optimizer"])

@@ -136,7 +136,7 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
     p, t = cfg.parallel, cfg.train
     layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
-                                sequence_parallel=p.sequence_parallel)
+                                sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard)
     work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed",
                           tp_comm_overlap=p.tp_overlap, sequence_copies=True,
                           bucket_params=p.bucket_mb * 2**20 / 4)  # the engine's buckets hold fp32 gradients

@@ -99,7 +99,7 @@ def rank_memory(cfg: Config) -> dict[str, float]:
     p, t = cfg.parallel, cfg.train
     layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
-                                sequence_parallel=p.sequence_parallel)
+                                sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard)
     est = costs.estimate(costs.Workload(cfg.model, t.global_batch, grad_bytes=4), layout, CATALOG["a100-80gb"])
     scale = (4 if t.dtype == "float32" else 2) / costs.ACTIVATION_BYTES
     # The engine keeps fp32 weights, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes a
