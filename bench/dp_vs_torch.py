@@ -3,6 +3,8 @@
     DDP    (dp=2)  threefold zero 0  vs  torch.nn.parallel.DistributedDataParallel
     ZeRO-3 (dp=2)  threefold zero 3  vs  FSDP2 fully_shard per block (+ root)
     ZeRO-3 (dp=4)  threefold zero 3  vs  FSDP2
+    HSDP   (dp=4)  threefold zero 3, dp_shard 2  vs  FSDP2 on a 2-D mesh (replicate 2 × shard 2):
+                   both shard over dp ranks {0,1} and {2,3} and all-reduce between {0,2} and {1,3}
 
 Each world of processes (gloo on 127.0.0.1, the cores split between ranks) builds both engines
 from the same seed and alternates them step by step (the order flips every step), with a
@@ -44,13 +46,15 @@ from threefold.train.trainer import split_micro_batches
 from common import fresh_model, join_gloo, preset_config, spawn_ranks, step_at_lr, train_step
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
-LAYOUTS = [("ddp", 2), ("zero3", 2), ("zero3", 4)]
+LAYOUTS = [("ddp", 2), ("zero3", 2), ("zero3", 4), ("hsdp", 4)]
+HSDP_SHARD = 2  # the hsdp layout's shard groups: dp ranks {0, 1}, {2, 3}
 
 
 def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
     cfg = preset_config("tiny")
     cfg.parallel.dp = dp
-    cfg.parallel.zero = 3 if kind == "zero3" else 0
+    cfg.parallel.zero = 3 if kind in ("zero3", "hsdp") else 0
+    cfg.parallel.dp_shard = HSDP_SHARD if kind == "hsdp" else 0
     cfg.parallel.bucket_mb = bucket_mb
     cfg.parallel.timeout_s = 120
     cfg.train.global_batch = 16
@@ -61,10 +65,10 @@ def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
 
 # --- PyTorch's own, driven like an Engine --------------------------------------------------------
 class TorchPeer:
-    """PyTorch's DDP or FSDP2 around the plain model, with the same optimizer and step."""
+    """PyTorch's DDP or FSDP2 (HSDP for "hsdp") around the plain model, with the same optimizer and step."""
 
     def __init__(self, kind: str, model: Llama, cfg: Config):
-        self.cfg, self.kind = cfg, kind
+        self.cfg, self.kind, self.mesh = cfg, kind, None
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -73,7 +77,14 @@ class TorchPeer:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (cfg.parallel.dp,))
+            if kind == "hsdp":  # a 2-D mesh is FSDP2's HSDP: replicate over dim 0, shard over dim 1; row-major,
+                # so the shard groups are consecutive ranks, as threefold's "dps" groups are
+                shard = cfg.parallel.dp_shard
+                mesh = init_device_mesh("cpu", (cfg.parallel.dp // shard, shard),
+                                        mesh_dim_names=("replicate", "shard"))
+            else:
+                mesh = init_device_mesh("cpu", (cfg.parallel.dp,))
+            self.mesh = mesh
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             self.module = fully_shard(model, mesh=mesh)
@@ -112,6 +123,12 @@ def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
     contenders = {"threefold": build_engine(fresh_model(cfg), cfg), "torch": TorchPeer(kind, fresh_model(cfg), cfg),
                   "compute only": Engine(fresh_model(cfg), cfg)}
     ours = contenders["threefold"]
+    if kind == "hsdp":  # both sides must shard over the same ranks and all-reduce over the same ranks
+        mesh = contenders["torch"].mesh
+        groups = {"threefold": (ours.mesh.ranks("dps"), ours.mesh.ranks("dpr")),
+                  "torch": (mesh["shard"].mesh.tolist(), mesh["replicate"].mesh.tolist())}
+        if groups["threefold"] != groups["torch"]:
+            raise RuntimeError(f"rank {rank}: (shard, replicate) groups differ: {groups}")
     gen = torch.Generator().manual_seed(cfg.train.seed)
     times = {name: [] for name in contenders}
     losses = {name: [] for name in contenders}
@@ -141,7 +158,8 @@ def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
     mine, theirs = losses["threefold"], losses["torch"]
     median = {name: statistics.median(t) for name, t in times.items()}
     paired = statistics.median(a / b for a, b in zip(times["threefold"], times["torch"]))
-    return {"layout": f"{kind} dp={world}", "world": world, "threads_per_rank": torch.get_num_threads(),
+    layout = f"{kind} dp={world}" + (f" shard={cfg.parallel.dp_shard}" if cfg.parallel.dp_shard else "")
+    return {"layout": layout, "world": world, "threads_per_rank": torch.get_num_threads(),
             "steps": steps, "step_time_s": median, "step_times_s": times,
             "ratio_threefold_over_torch": paired, "ratio_of_medians": median["threefold"] / median["torch"],
             "load_average_after": os.getloadavg()[0],

@@ -68,3 +68,49 @@ def test_an_accepted_random_layout_dry_runs_to_the_planners_states_and_bytes(set
         assert got["memory"].get("weight_versions", 0) == want["memory"].get("weight_versions", 0), (rank, sets)
         for axis, sent in want["comm_bytes"].items():
             assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
+
+
+def hybrid_sharded(sets: list[str], rng: random.Random) -> list[str] | None:
+    """A random layout made ZeRO-3 with hybrid sharding over pairs of dp ranks (dp = 4 or 8),
+    without experts (the engine shards their replicas whole); None where it has no room for it."""
+    if any(s.startswith("model.moe_experts") for s in sets):
+        return None
+    dp = rng.choice([4, 8])
+    keep = [s for s in sets if not s.startswith(("parallel.dp=", "parallel.zero=", "train.global_batch="))]
+    return keep + [f"parallel.dp={dp}", "parallel.zero=3", "parallel.dp_shard=2", f"train.global_batch={dp * 8}"]
+
+
+def accepted_hybrid_layouts(seed: int, count: int) -> list[tuple[list[str], int]]:
+    rng, found = random.Random(seed), []
+    while len(found) < count:
+        sets, _ = random_layout(rng)
+        sets = hybrid_sharded(sets, rng)
+        if sets is None:
+            continue
+        sizes = {s.split("=")[0]: int(s.split("=")[1]) for s in sets
+                 if s.startswith(("parallel.tp=", "parallel.pp=", "parallel.cp=", "parallel.dp="))}
+        world = sizes["parallel.tp"] * sizes["parallel.pp"] * sizes["parallel.cp"] * sizes["parallel.dp"]
+        try:
+            dry_run_config(load_config("configs/single.toml", sets), world)
+        except ConfigError as err:
+            assert "\n" not in str(err)
+            continue
+        found.append((sets, world))
+    return found
+
+
+HYBRID = accepted_hybrid_layouts(seed=11, count=4)
+
+
+@pytest.mark.parametrize("sets, world", HYBRID, ids=[f"hybrid{i}" for i in range(len(HYBRID))])
+def test_a_random_hybrid_sharded_layout_dry_runs_to_the_planners_states_and_bytes(sets, world):
+    """Hybrid sharding beside tp, pp (the tied embedding's own unit on two stages), cp and each
+    schedule that takes ZeRO-3: the states and the bytes per axis are the planner's, exactly."""
+    cfg = dry_run_config(load_config("configs/single.toml", sets), world)
+    assert cfg.parallel.dp_replicate > 1
+    for rank in sorted({0, world - 1}):
+        got, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert got["memory"][key] == want["memory"][key], (key, rank, sets)
+        for axis, sent in want["comm_bytes"].items():
+            assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
