@@ -59,7 +59,12 @@ LAYOUTS = accepted_layouts(seed=5, count=10)
 
 @pytest.mark.parametrize("sets, world", LAYOUTS, ids=[f"layout{i}" for i in range(len(LAYOUTS))])
 def test_an_accepted_random_layout_dry_runs_to_the_planners_states_and_bytes(sets, world):
-    cfg = dry_run_config(load_config("configs/single.toml", sets), world)
+    assert_dry_run_is_the_planners(dry_run_config(load_config("configs/single.toml", sets), world), sets)
+
+
+def assert_dry_run_is_the_planners(cfg, sets: list[str]) -> None:
+    """The first and the last rank's states and bytes per axis, measured, equal the planner's."""
+    world = cfg.parallel.world_size
     for rank in sorted({0, world - 1}):
         got, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
         for key in ("params", "grads", "optimizer"):
@@ -108,9 +113,4 @@ def test_a_random_hybrid_sharded_layout_dry_runs_to_the_planners_states_and_byte
     schedule that takes ZeRO-3: the states and the bytes per axis are the planner's, exactly."""
     cfg = dry_run_config(load_config("configs/single.toml", sets), world)
     assert cfg.parallel.dp_replicate > 1
-    for rank in sorted({0, world - 1}):
-        got, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
-        for key in ("params", "grads", "optimizer"):
-            assert got["memory"][key] == want["memory"][key], (key, rank, sets)
-        for axis, sent in want["comm_bytes"].items():
-            assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
+    assert_dry_run_is_the_planners(cfg, sets)
