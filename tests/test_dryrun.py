@@ -298,3 +298,22 @@ def test_compare_predicts_the_weight_versions_the_engine_keeps(schedule):
         assert got.get("weight_versions", 0) == want.get("weight_versions", 0)
         if rank == 0:  # the first stage's batches use more than one version
             assert want["weight_versions"] >= 2 * got["params"]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("expert_lr", [1.0, 0.5])  # 0.5: the experts get a sync (and optimizer group) of their own
+def test_hybrid_sharding_of_an_moe_model_at_ep1_equals_the_planner(cp, expert_lr):
+    """At ep = 1 the experts are sharded like the rest (pairs of dp ranks × cp), by the dense
+    sync or by their own: the dry run's states and bytes are the planner's, the all-reduce
+    between the pairs under "dp" where cp > 1."""
+    cfg = dry_run_config(load(['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "model.layers=4",
+                               "model.moe_experts=4", "model.moe_top_k=2", f"model.moe_expert_lr_scale={expert_lr}",
+                               "parallel.dp=4", f"parallel.cp={cp}", "parallel.zero=3", "parallel.dp_shard=2",
+                               "train.global_batch=16", "train.micro_batch=2"]), 4 * cp)
+    rank = 4 * cp - 1
+    result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+    for key in ("params", "grads", "optimizer"):
+        assert result["memory"][key] == want["memory"][key], key
+    assert ("dp" in want["comm_bytes"]) and (("dp+cp" in want["comm_bytes"]) == (cp > 1))
+    for key, value in want["comm_bytes"].items():
+        assert result["comm_bytes"][key] == value, key

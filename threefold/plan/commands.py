@@ -466,7 +466,7 @@ def plan(as_json, top, out, config_out, **options):
     if len(best) < min(top, found.fitting):
         console.print(f"The {found.fitting:,} layouts that fit use {found.meshes()} mesh"
                       f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp × ep); the table shows the fastest of each "
-                      "(the others differ in ZeRO stage, recomputation, micro-batch or schedule).")
+                      "(the others differ in ZeRO stage, hybrid sharding, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
                                     _title(options, work, num_gpus, gpu)))
     for line in found.notes() + found.what_would_change():

@@ -112,8 +112,9 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
     expert_replicas = p.dp // p.ep * p.cp
+    expert_shard = shard if p.dp_shard else expert_replicas  # hybrid sharding runs at ep = 1: as the rest
     if experts:
-        for key, value in costs.model_state_bytes(experts, expert_replicas, p.zero).items():
+        for key, value in costs.model_state_bytes(experts, expert_shard, p.zero).items():
             memory[key] += value
     seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
     tokens = t.micro_batch * seq
@@ -147,7 +148,11 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
     if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
-        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m)
+        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m,
+                                                                         shard=expert_shard)
+        if p.dp_shard and p.cp > 1:
+            between = costs.hsdp_all_reduce_bytes(experts, shard, p.dp_replicate, m)
+            comm["dp"], comm[grad_key] = comm["dp"] + between, comm[grad_key] - between
     if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
         moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,
                                             model.moe_experts, model.moe_aux_loss_coef > 0,
