@@ -199,3 +199,18 @@ def test_a_run_whose_speed_moved_is_told_apart():
                      "slow_steps": (12, 21)}
     assert step_time_drift(steps([1.0, 1.05, 0.95] * 10)) is None
     assert step_time_drift(steps([1.0] * 10 + [2.0] * 9)) is None  # one whole stretch only
+
+
+def test_a_hybrid_sharded_run_is_compared_with_its_shard_groups(tmp_path, corpus, distributed):  # noqa: F811
+    """dp 4 in pairs (ZeRO-3, dp_shard 2): the model states are those of a pair, and the dp bytes
+    add the all-reduce between the pairs, exactly as the ledger counts them."""
+    from threefold.data import prepare_dataset
+
+    cfg = config(tmp_path, corpus, "parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2", "train.global_batch=8",
+                 "train.threads=1", "train.steps=2")
+    prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)
+    metrics = tmp_path / "m.jsonl"
+    distributed.run(4, train_rank, cfg, str(metrics), timeout=240)
+    rows = rows_by_name(cmp.compare_run(cfg, metrics))
+    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp")
+    assert "ZeRO-3 over dp_shard=2 of dp=4" in rows["memory: optimizer"].formula

@@ -69,7 +69,11 @@ def test_the_search_offers_every_shard_group_of_a_dense_model_and_only_at_zero3(
     assert set(np.asarray(fixed.dp_shard)) == {8} and set(np.asarray(fixed.zero)) == {3}
     moe = costs.Workload(costs.ModelConfig(layers=4, hidden=512, heads=8, vocab_size=1000, seq_len=256, moe_experts=8,
                                            moe_top_k=2), 64)
-    assert not np.asarray(search.candidate_layouts(moe, 64, {}).dp_shard).any()
+    found = search.candidate_layouts(moe, 64, {})
+    hybrid = np.asarray(found.dp_shard) > 0
+    assert hybrid.any() and set(np.asarray(found.ep)[hybrid]) == {1}  # as the engine runs it: at ep 1
+    fixed = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 64})
+    assert not np.asarray(fixed.dp_shard).any() and len(np.asarray(fixed.dp))  # one group of all 64: plain ZeRO-3
 
 
 def run(capsys, *argv):
@@ -84,8 +88,9 @@ def run(capsys, *argv):
     (["--zero", "3", "--dp-shard", "3"], "--dp-shard: must divide --dp 64 and be at least 2"),
     (["--zero", "3", "--dp-shard", "1"], "--dp-shard: must divide --dp 64 and be at least 2"),
     (["--zero", "3", "--dp-shard", "-8"], "--dp-shard: must not be negative"),
-    (["--zero", "3", "--dp-shard", "8", "--model", "mixtral-8x7b"], "--dp-shard: the planner prices hybrid sharding "
-                                                                   "for dense models only"),
+    (["--zero", "3", "--dp-shard", "8", "--ep", "8", "--model", "mixtral-8x7b"],
+     "--dp-shard: hybrid sharding with expert parallelism (--ep 8) is not supported; threefold's engine runs it at "
+     "--ep 1"),
 ])
 def test_bad_hybrid_sharding_is_one_line(capsys, flags, message):
     model = [] if "--model" in flags else ["--model", "llama3-8b"]
@@ -106,7 +111,8 @@ def test_estimate_and_batch_and_plan_take_the_shard_group(capsys, tmp_path):
     code, out, _ = run(capsys, "estimate", "--batch", str(batch))
     assert code == 0 and json.loads(out)["step_time_s"] == one["step_time_s"]
     path = tmp_path / "run.toml"
-    code, out, err = run(capsys, "plan", *args, "--dp-shard", "8", "--top", "1", "--json", "--config-out", str(path))
+    code, out, err = run(capsys, "plan", *args, "--dp-shard", "8", "--dp", "64", "--top", "1", "--json",
+                         "--config-out", str(path))
     assert code == 0, err
     best = json.loads(out)["layouts"][0]
     assert "hsdp=8" in best["describe"] and best["layout"]["dp_shard"] == 8
@@ -144,3 +150,14 @@ def test_a_run_of_the_engine_is_priced_with_its_shard_groups():
     plain, hybrid = load_config(None, sets), load_config(None, sets + ["parallel.dp_shard=2"])
     assert int(run_layout(hybrid)[1].dp_shard) == 2 and int(run_layout(plain)[1].dp_shard) == 0
     assert rank_memory(hybrid)["optimizer"] == pytest.approx(4 * rank_memory(plain)["optimizer"])
+
+
+def test_an_moe_model_at_ep1_is_priced_as_the_engine_runs_it():
+    """The experts shard over the same groups as the rest: their states 1/(dp_shard·cp), the
+    preflight's memory scaled as the dry run measures it (tests/test_dryrun.py)."""
+    from threefold.train.preflight import rank_memory
+
+    sets = ["model.preset=tiny", "model.vocab_size=256", "model.seq_len=32", "model.layers=4", "model.moe_experts=4",
+            "model.moe_top_k=2", "parallel.dp=4", "parallel.zero=3", "train.global_batch=16", "train.micro_batch=2"]
+    plain, hybrid = rank_memory(load_config(None, sets)), rank_memory(load_config(None, sets + ["parallel.dp_shard=2"]))
+    assert hybrid["optimizer"] == pytest.approx(2 * plain["optimizer"])

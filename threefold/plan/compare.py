@@ -116,7 +116,7 @@ def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path)
     carried traffic give the layout away."""
     p = cfg.parallel
     measured = steps[-1]["memory"].get("params")
-    predicted = costs.model_state_bytes(rank.numel, p.dp, p.zero)["params"]
+    predicted = costs.model_state_bytes(rank.numel, p.dp_shard or p.dp, p.zero)["params"]
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}, {cfg.model.layers} layers of {cfg.model.hidden}"
     if measured is not None and measured != predicted:
         raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
@@ -211,11 +211,12 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     check_same_run(cfg, rank, steps, metrics_path)
     rows = []
 
-    states = costs.model_state_bytes(rank.numel, p.dp, p.zero)
+    states = costs.model_state_bytes(rank.numel, p.dp_shard or p.dp, p.zero)  # hybrid sharding: over its groups
     share = f"rank 0's {rank.numel:,} elements (tp shard of its stage)"
+    over = f"dp_shard={p.dp_shard} of dp={p.dp}" if p.dp_shard else f"dp={p.dp}"
     for kind in ("params", "grads", "optimizer"):
         rows.append(Row(f"memory: {kind}", states[kind], measured(lambda s: s["memory"][kind]),
-                        f"model_state_bytes of {share}, ZeRO-{p.zero} over dp={p.dp}"))
+                        f"model_state_bytes of {share}, ZeRO-{p.zero} over {over}"))
 
     tokens = t.micro_batch * model.seq_len
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
@@ -239,7 +240,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         return measured(lambda s: s["comm_bytes"].get(key, 0))
 
     if p.dp > 1:
-        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp, p.zero, m), axis("dp"),
+        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp, p.zero, m, shard=p.dp_shard or None),
+                        axis("dp"),
                         f"dp_bytes_per_step of rank 0's {rank.numel:,} elements"))
     if p.tp > 1:
         tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
@@ -307,20 +309,23 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
     def rank_zero(keys) -> float:
         return statistics.median(sum(step["comm_exposed_s"].get(key, 0.0) for key in keys) for step in steps)
 
-    def least(key: str, field: str) -> float | None:
-        if not all(key in step.get(field, {}) for step in steps):
+    def least(keys, field: str) -> float | None:
+        """The median over steps of the least waits of the groups keyed ``keys``, summed."""
+        if not all(k in step.get(field, {}) for step in steps for k in keys):
             return None
-        return statistics.median(step[field][key] for step in steps)
+        return statistics.median(sum(step[field][k] for k in keys) for step in steps)
 
     p = cfg.parallel
     # The gradient reduction runs over dp × cp: counted under "dp+cp", or with dp = 1 under "cp"
     # together with the attention's traffic, where one row holds both.
     dp_key = "dp+cp" if p.cp > 1 else "dp"
+    # hybrid sharding beside cp: the all-reduce between its groups runs over dp ranks alone, under "dp"
+    dp_keys = (dp_key, "dp") if p.dp_shard and p.cp > 1 else (dp_key,)
     cp_alone = ("cp_exposed_s",) if p.dp > 1 else ("cp_exposed_s", "dp_exposed_s")
     why = f"{missing}; for a prediction run `threefold calibrate` (under two minutes)" if missing else None
     rows = []
     for axis, size, ledger_keys, predicted_keys, formula in (
-            ("dp", p.dp * (p.cp if p.dp > 1 else 1), (dp_key,), ("dp_exposed_s",),
+            ("dp", p.dp * (p.cp if p.dp > 1 else 1), dp_keys, ("dp_exposed_s",),
              "estimate()'s dp_exposed_s: buckets (ZeRO-3: units) behind the backward, the rest exposed"),
             ("tp", p.tp, ("tp", "tp.loss"), ("tp_exposed_s",),
              "estimate()'s tp_exposed_s: each tp collective between its products, the loss's included"),
@@ -332,9 +337,9 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
         if size == 1:
             continue
         on_rank_zero = rank_zero(ledger_keys)
+        groups = dp_keys if axis == "dp" else ledger_keys[:1]  # least_exposed's keys: a group each
         per_call, per_step = ((None, None) if axis == "pp" else
-                              (least(ledger_keys[0], "comm_exposed_call_least_s"),
-                               least(ledger_keys[0], "comm_exposed_least_s")))
+                              (least(groups, "comm_exposed_call_least_s"), least(groups, "comm_exposed_least_s")))
         measured = per_call if per_call is not None else per_step
         beside = est if measured is None else est_least  # rank 0's waits hold the skew; the least's do not
         predicted = None if beside is None else sum(beside[key] for key in predicted_keys)

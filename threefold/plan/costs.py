@@ -492,7 +492,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
             raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
                               f"rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
-    check_hybrid_sharding(model, int(layout.dp_shard), int(layout.zero), d)
+    check_hybrid_sharding(model, int(layout.dp_shard), int(layout.zero), d, e)
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
     if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
         raise ConfigError(f"--recompute: full with --schedule {schedule} is not priced: its weight gradients (W) run "
@@ -515,15 +515,17 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
 
 
-def check_hybrid_sharding(model: ModelConfig, dp_shard: int, zero: int | None = None, dp: int | None = None) -> None:
+def check_hybrid_sharding(model: ModelConfig, dp_shard: int, zero: int | None = None, dp: int | None = None,
+                          ep: int = 1) -> None:
     """--dp-shard: ZeRO-3 over groups of that many dp ranks, as threefold's engine runs it (the
     ZeRO stage and dp checked where they are known: plan searches them)."""
     if not dp_shard:
         return
     if dp_shard < 0:
         raise ConfigError(f"--dp-shard: must not be negative (0: shard over all dp ranks), got {dp_shard}")
-    if model.moe_experts:
-        raise ConfigError("--dp-shard: the planner prices hybrid sharding for dense models only")
+    if ep > 1:
+        raise ConfigError(f"--dp-shard: hybrid sharding with expert parallelism (--ep {ep}) is not supported; "
+                          "threefold's engine runs it at --ep 1")
     if zero is not None and zero != 3:
         raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {dp_shard} dp ranks; "
                           f"it needs --zero 3, got {zero}")
@@ -1094,10 +1096,15 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
         groups = between["groups"]
         between_bytes = np.where(zero == 3, hsdp_all_reduce_bytes(numel, replicas, groups, m, work.grad_bytes), 0)
         between_calls = np.where((zero == 3) & (groups > 1), m * buckets, 0)
-        between_s = np.where(between_calls > 0, _collective_time(
-            gpu, ("all_reduce",), between_bytes, between_calls, 1, between["bw"],
-            all_reduce_call_latency(gpu, groups, between["members_per_node"], between["latency"]), between["intra"],
-            between["wait"]), 0)
+        between_latency = all_reduce_call_latency(gpu, groups, between["members_per_node"], between["latency"])
+
+        def between_time(nbytes, calls):
+            return np.where(between_calls > 0, _collective_time(gpu, ("all_reduce",), nbytes, calls, 1, between["bw"],
+                                                                between_latency, between["intra"], between["wait"]), 0)
+        between_s = between_time(between_bytes, between_calls)
+        # the last unit reduced: the root where the stage holds the embedding, else the first block
+        last_unit = np.where(embedding & (np.asarray(root_numel) > 0), root_numel, unit_numel)
+        between_last_s = between_time(hsdp_all_reduce_bytes(last_unit, replicas, groups, 1, work.grad_bytes), 1)
         sent, seconds, grad_s = sent + between_bytes, seconds + between_s, grad_s + between_s
         reductions = reductions + between_calls
     calls = np.where(replicas > 1, reductions + gathers, 0) + (0 if also is None else also["calls"])
@@ -1114,7 +1121,7 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     first_s, last_reduce_s = zero3_unhidden(root_numel, unit_numel, head, embedding, replicas, work, bw, latency, gpu,
                                             intra, wait)
     if between is not None:  # the last unit's all-reduce between the groups follows its reduce-scatter
-        last_reduce_s = last_reduce_s + between_s / np.maximum(between_calls, 1)
+        last_reduce_s = last_reduce_s + between_last_s
     if also is not None:
         first_s, last_reduce_s = first_s + also["first_s"], np.maximum(last_reduce_s, also["last_reduce_s"])
     # ZeRO-3, per micro-batch: the unhidden units' collectives, and what of the rest (the step's
@@ -1315,7 +1322,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     e = np.asarray(layout.ep)
     moe_first = moe_layers_below(cfg, stage_layers)
     moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
-    expert_replicas = replicas / e
+    # the experts' states shard over their own replicas (dp·cp/ep); under hybrid sharding (ep = 1)
+    # over the same groups as the rest, all-reduced between them
+    expert_replicas = np.where(shard_dp < d, shards, replicas / e)
+    expert_dp = np.where(shard_dp < d, shard_dp, d / e)  # dp ranks of that group, t·c·ep apart
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
     coef = activation_coefficients(cfg, work.attention, work.activation_bytes)
@@ -1576,9 +1586,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                               head=single_stage | v_shape, embedding=True, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), behind the
         # same backward as the rest: the two groups' exposure together
-        expert_members = members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, d / e))
-        expert_bw, expert_lat = link(t * c * d, members_per_node=expert_members)
-        expert_kinds = dict(dp_kinds, members_per_node=expert_members, between=None,
+        expert_members = members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, expert_dp))
+        expert_bw, expert_lat = link(t * c * e * expert_dp, members_per_node=expert_members)
+        expert_kinds = dict(dp_kinds, members_per_node=expert_members,  # "between": hybrid sharding's, as the rest's
                             wait=group_wait(wait, expert_replicas, runnable, pair_wait))
         dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, expert_bw, expert_lat,
                                  backward_s, forward_s, mb_s, drain_s, also=dp_last,

@@ -172,7 +172,9 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
         if mesh is not None:
             mesh.shutdown()
         dist.destroy_process_group()
-    return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items() if mesh.sizes[a] > 1},
+    hybrid = mesh.sizes["dpr"] > 1  # dpr and dps are hybrid sharding's split of dp: shown only under it
+    return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items()
+                                     if mesh.sizes[a] > 1 and (hybrid or a not in ("dpr", "dps"))},
             "memory": memory, "comm_bytes": comm_bytes,
             "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
             "stage_split": stage_split,

@@ -83,7 +83,9 @@ class ActivationMeter:
 
 # The groups whose bulk traffic has a balanced counterpart in the planner: (axes, ledger keys of
 # that traffic on the group's key). Not pp: its stages wait for different things (the bubble).
-EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss")), (("cp",), ("",)))
+# Last, hybrid sharding's all-reduce between its groups ("dpr", keyed "dp"): a group of its own
+# only beside cp, where the gradients' key is "dp+cp" (without cp "dp" already holds it).
+EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss")), (("cp",), ("",)), (("dpr",), ("",)))
 
 
 def least_exposed(comm, calls: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:

@@ -161,7 +161,8 @@ def fitting_layout(cfg: Config, budget: float) -> str | None:
     fewest keys of the run's (then needs the least memory), as ``key=value`` overrides."""
     p, t = cfg.parallel, cfg.train
     world = p.world_size // p.cp  # the run's cp stays: the search spreads the other ranks
-    current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch}
+    current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch,
+               "dp_shard": p.dp_shard}
     best = None
     for dp, tp in itertools.product(_divisors(world), _divisors(world)):
         if world % (dp * tp):
@@ -173,6 +174,7 @@ def fitting_layout(cfg: Config, budget: float) -> str | None:
             candidate = _with(cfg, change)
             if candidate is None:
                 continue
+            change["dp_shard"] = candidate.parallel.dp_shard
             need = sum(rank_memory(candidate).values())
             if need > budget:
                 continue
@@ -188,8 +190,11 @@ def fitting_layout(cfg: Config, budget: float) -> str | None:
 
 def _with(cfg: Config, change: dict) -> Config | None:
     """``cfg`` with the layout keys changed, or None when that layout is not valid for the run."""
+    dp_shard = cfg.parallel.dp_shard  # kept only where the candidate can shard that way (ZeRO-3, a dp it divides)
+    dp_shard = dp_shard if change["zero"] == 3 and change["dp"] % max(dp_shard, 1) == 0 and change["dp"] > dp_shard else 0
     parallel = dataclasses.replace(cfg.parallel, dp=change["dp"], tp=change["tp"], pp=change["pp"], zero=change["zero"],
-                                   microbatches=None, sequence_parallel=cfg.parallel.sequence_parallel and change["tp"] > 1)
+                                   microbatches=None, sequence_parallel=cfg.parallel.sequence_parallel and change["tp"] > 1,
+                                   dp_shard=dp_shard)
     train = dataclasses.replace(cfg.train, recompute=change["recompute"], micro_batch=change["micro_batch"])
     candidate = dataclasses.replace(cfg, parallel=parallel, train=train)
     try:

@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from threefold.distributed.mesh import AXES
 from threefold.models.llama import Llama
 from threefold.models.sizes import block_param_count
 from threefold.parallel.pipeline.partition import StageSpan
@@ -83,7 +84,7 @@ def run_stage_costs(model: Llama, cfg, mesh, comm, loss_fn, activation_shape: tu
     costs = measure_layer_costs(model, cfg, mesh.device, activation_shape, loss_fn, compute)
     values = torch.tensor([costs.embed, *costs.blocks, costs.head, *costs.block_activation_bytes],
                           dtype=torch.float64, device=mesh.device)
-    for axis in (axis for axis, size in mesh.sizes.items() if size > 1):  # the median over each axis in turn
+    for axis in (axis for axis in AXES if mesh.sizes[axis] > 1):  # the median over each axis in turn
         group = values.new_empty(mesh.size(axis) * values.numel())
         comm.all_gather(group, values, axis, tag="stage_costs")
         values = group.view(-1, values.numel()).quantile(0.5, dim=0)  # of two ranks, their mean
