@@ -116,7 +116,7 @@ def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path)
     carried traffic give the layout away."""
     p = cfg.parallel
     measured = steps[-1]["memory"].get("params")
-    predicted = costs.model_state_bytes(rank.numel, p.dp_shard or p.dp, p.zero)["params"]
+    predicted = costs.model_state_bytes(rank.numel, (p.dp_shard or p.dp) * p.cp, p.zero)["params"]
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}, {cfg.model.layers} layers of {cfg.model.hidden}"
     if measured is not None and measured != predicted:
         raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
@@ -211,9 +211,10 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     check_same_run(cfg, rank, steps, metrics_path)
     rows = []
 
-    states = costs.model_state_bytes(rank.numel, p.dp_shard or p.dp, p.zero)  # hybrid sharding: over its groups
+    # ZeRO shards over dp × cp, or hybrid sharding's groups of dp_shard × cp
+    states = costs.model_state_bytes(rank.numel, (p.dp_shard or p.dp) * p.cp, p.zero)
     share = f"rank 0's {rank.numel:,} elements (tp shard of its stage)"
-    over = f"dp_shard={p.dp_shard} of dp={p.dp}" if p.dp_shard else f"dp={p.dp}"
+    over = (f"dp_shard={p.dp_shard} of dp={p.dp}" if p.dp_shard else f"dp={p.dp}") + (f" × cp={p.cp}" if p.cp > 1 else "")
     for kind in ("params", "grads", "optimizer"):
         rows.append(Row(f"memory: {kind}", states[kind], measured(lambda s: s["memory"][kind]),
                         f"model_state_bytes of {share}, ZeRO-{p.zero} over {over}"))
@@ -239,10 +240,12 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     def axis(key: str) -> float:
         return measured(lambda s: s["comm_bytes"].get(key, 0))
 
-    if p.dp > 1:
-        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp, p.zero, m, shard=p.dp_shard or None),
-                        axis("dp"),
-                        f"dp_bytes_per_step of rank 0's {rank.numel:,} elements"))
+    if p.dp > 1:  # the gradients reduce over dp × cp ("dp+cp"); hybrid sharding's all-reduce beside cp: "dp"
+        keys = ("dp+cp", "dp") if p.cp > 1 and p.dp_shard else ("dp+cp",) if p.cp > 1 else ("dp",)
+        shard = p.dp_shard * p.cp if p.dp_shard else None
+        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp * p.cp, p.zero, m, shard=shard),
+                        sum(axis(key) for key in keys),
+                        f"dp_bytes_per_step of rank 0's {rank.numel:,} elements over dp × cp"))
     if p.tp > 1:
         tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
                    model.arch)
@@ -264,7 +267,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                                                                   model.seq_len, model.hidden, p.tp,
                                                                   p.sequence_parallel, residual_bytes, p.schedule),
                         axis("pp"), "pp_bytes_per_step of pipeline rank 0"))
-    predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""}
+    predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""} | ({"dp+cp"} if p.dp > 1 else set())
     others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)
     others = [key for key in others if axis(key)]  # keys with traffic in the training steps
     if others:  # bookkeeping the planner leaves out: scalars, the tied embedding, timelines
