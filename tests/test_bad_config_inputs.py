@@ -165,8 +165,9 @@ BATCH = ["--set", "train.global_batch=48", "--set", "train.micro_batch=2"]  # wh
     (["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=1"], "parallel.dp_shard: must divide parallel.dp=4 and "
                                                                   "be at least 2"),
     (["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=-2"], "parallel.dp_shard: must not be negative"),
-    (["model.moe_experts=4", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"],
-     "parallel.dp_shard: hybrid sharding with expert parallelism (ep=2) is not supported"),
+    (["model.moe_experts=4", "parallel.dp=8", "parallel.ep=4", "parallel.zero=3", "parallel.dp_shard=2"],
+     "parallel.dp_shard: a shard group holds whole expert-parallel groups, so it must be a multiple of "
+     "parallel.ep=4, got 2"),
 ])
 def test_a_hybrid_sharding_the_engine_cannot_run_is_refused(capsys, sets, message):
     world = ["--world-size", str(4 if "parallel.dp=4" in sets else 6)]

@@ -301,16 +301,19 @@ def test_compare_predicts_the_weight_versions_the_engine_keeps(schedule):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("expert_lr", [1.0, 0.5])  # 0.5: the experts get a sync (and optimizer group) of their own
-def test_hybrid_sharding_of_an_moe_model_at_ep1_equals_the_planner(cp, expert_lr):
+@pytest.mark.parametrize("ep, expert_lr", [(1, 1.0), (1, 0.5), (2, 1.0)])  # 0.5: the experts' own sync and group
+def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr):
     """At ep = 1 the experts are sharded like the rest (pairs of dp ranks × cp), by the dense
-    sync or by their own: the dry run's states and bytes are the planner's, the all-reduce
-    between the pairs under "dp" where cp > 1."""
+    sync or by their own; at ep = 2 the dense weights over groups of 4 dp ranks (two ep pairs)
+    and the experts over the 2 of them that hold the same experts. The dry run's states and
+    bytes are the planner's, the all-reduce between the groups under "dp" where cp > 1."""
+    dp, dp_shard = (4, 2) if ep == 1 else (8, 4)
     cfg = dry_run_config(load(['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "model.layers=4",
                                "model.moe_experts=4", "model.moe_top_k=2", f"model.moe_expert_lr_scale={expert_lr}",
-                               "parallel.dp=4", f"parallel.cp={cp}", "parallel.zero=3", "parallel.dp_shard=2",
-                               "train.global_batch=16", "train.micro_batch=2"]), 4 * cp)
-    rank = 4 * cp - 1
+                               f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.cp={cp}", "parallel.zero=3",
+                               f"parallel.dp_shard={dp_shard}", f"train.global_batch={4 * dp}",
+                               "train.micro_batch=2"]), dp * cp)
+    rank = dp * cp - 1
     result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
     for key in ("params", "grads", "optimizer"):
         assert result["memory"][key] == want["memory"][key], key

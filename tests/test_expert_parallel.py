@@ -23,6 +23,9 @@ LAYOUTS = {
     "dp4-ep2-zero1-expert-lr": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "model.moe_expert_lr_scale=3"],
     "dp2-ep2-zero3": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
     "dp4-ep2-zero3": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],  # experts sharded over edp = 2
+    # hybrid sharding: the dense weights ZeRO-3 over each ep pair, the experts (one rank of each
+    # pair holds them) all-reduced between the pairs
+    "dp4-ep2-hsdp2": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"],
     # the recomputed forward keeps the experts gathered for the backward that follows it
     "dp4-ep2-zero3-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "train.recompute=full"],
     "dp4-ep2-zero2-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"] + BIAS,
@@ -316,6 +319,14 @@ def test_training_dp2_ep2_writes_global_moe_metrics_and_ep_bytes(tmp_path, corpu
         assert per_expert["min"] <= per_expert["mean"] <= per_expert["max"]
         assert 0 <= r["moe"]["dropped"] < routed and r["moe"]["aux_loss"] > 0
         assert r["comm_bytes"]["ep"] > 0 and r["comm_bytes"]["dp.moe"] > 0
+    # compare prices rank 0 as the dry run does (E/ep experts, their states over edp): exact states;
+    # the learned routing's ep bytes beside the round-robin formula
+    from threefold.plan.compare import compare_run
+
+    rows = {row.quantity: row for row in compare_run(cfg, metrics)}
+    for kind in ("params", "grads", "optimizer"):
+        assert rows[f"memory: {kind}"].ratio == 1.0, rows[f"memory: {kind}"]
+    assert rows["bytes/step: ep"].predicted > 0 and rows["bytes/step: ep"].measured > 0
 
 
 # --- the dry run: Mixtral-8x7B at ep8, one rank, against the planner ----------------------------

@@ -48,9 +48,20 @@ def test_hybrid_sharding_splits_dp_into_replicas_of_consecutive_shard_groups():
     assert mesh.ranks("dp") == [1, 3, 5, 7] and mesh.ranks("dps") == [5, 7] and mesh.ranks("dpr") == [1, 5]
     assert mesh.ranks("edp") == mesh.ranks("dp") and mesh.size("dps", "dpr") == 4
     assert mesh.label("dpr") == "dp" and mesh.label("dps") == "dp" and mesh.label("dps", "tp") == "dp+tp"
-    for sizes in ({"dp": 4, "dpr": 3}, {"dp": 4, "ep": 2, "dpr": 2}):
+    for sizes in ({"dp": 4, "dpr": 3}, {"dp": 8, "ep": 4, "dpr": 4}):  # a shard group must hold whole ep groups
         with pytest.raises(ValueError, match="hybrid sharding"):
             ParallelMesh(sizes)
+
+
+def test_hybrid_sharding_with_expert_parallelism_keeps_the_ep_groups_inside_a_shard_group():
+    """dp = 8 as dpr 2 × dps 2 × ep 2: the dense weights shard over a group's dps × ep (four
+    consecutive dp ranks), the experts over its dps ranks with the same ep coordinate; every group
+    counts as dp in the ledger, dps × ep too."""
+    mesh = ParallelMesh({"dp": 8, "ep": 2, "dpr": 2}, rank=5)
+    assert (mesh.coord("dpr"), mesh.coord("dps"), mesh.coord("ep")) == (1, 0, 1)
+    assert mesh.ranks("dps", "ep") == [4, 5, 6, 7] and mesh.ranks("dps") == [5, 7] and mesh.ranks("dpr") == [1, 5]
+    assert mesh.ranks("ep") == [4, 5] and mesh.ranks("edp") == [1, 3, 5, 7]
+    assert mesh.label("dps", "ep") == "dp" and mesh.label("dps", "ep", "cp") == "dp" and mesh.label("ep") == "ep"
 
 
 def test_world_of_one_needs_no_process_group():

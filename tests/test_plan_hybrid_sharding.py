@@ -59,7 +59,7 @@ def test_at_thousands_of_ranks_hybrid_sharding_saves_the_rings_latency():
     assert fsdp["dp_s"] - fsdp_bare["dp_s"] > 1.0  # the rings' latency is what hybrid sharding saves
 
 
-def test_the_search_offers_every_shard_group_of_a_dense_model_and_only_at_zero3():
+def test_the_search_offers_every_shard_group_and_only_at_zero3():
     work = costs.Workload(LLAMA3_8B, 1024)
     layouts = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1, "cp": 1})
     shards = np.asarray(layouts.dp_shard)
@@ -71,7 +71,8 @@ def test_the_search_offers_every_shard_group_of_a_dense_model_and_only_at_zero3(
                                            moe_top_k=2), 64)
     found = search.candidate_layouts(moe, 64, {})
     hybrid = np.asarray(found.dp_shard) > 0
-    assert hybrid.any() and set(np.asarray(found.ep)[hybrid]) == {1}  # as the engine runs it: at ep 1
+    shard, ep = np.asarray(found.dp_shard)[hybrid], np.asarray(found.ep)[hybrid]
+    assert (ep > 1).any() and not (shard % ep).any()  # a shard group holds whole ep groups
     fixed = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1, "cp": 1, "dp_shard": 64})
     assert not np.asarray(fixed.dp_shard).any() and len(np.asarray(fixed.dp))  # one group of all 64: plain ZeRO-3
 
@@ -88,9 +89,8 @@ def run(capsys, *argv):
     (["--zero", "3", "--dp-shard", "3"], "--dp-shard: must divide --dp 64 and be at least 2"),
     (["--zero", "3", "--dp-shard", "1"], "--dp-shard: must divide --dp 64 and be at least 2"),
     (["--zero", "3", "--dp-shard", "-8"], "--dp-shard: must not be negative"),
-    (["--zero", "3", "--dp-shard", "8", "--ep", "8", "--model", "mixtral-8x7b"],
-     "--dp-shard: hybrid sharding with expert parallelism (--ep 8) is not supported; threefold's engine runs it at "
-     "--ep 1"),
+    (["--zero", "3", "--dp-shard", "4", "--ep", "8", "--model", "mixtral-8x7b"],
+     "--dp-shard: a shard group holds whole expert-parallel groups, so it must be a multiple of --ep 8, got 4"),
 ])
 def test_bad_hybrid_sharding_is_one_line(capsys, flags, message):
     model = [] if "--model" in flags else ["--model", "llama3-8b"]
@@ -161,3 +161,19 @@ def test_an_moe_model_at_ep1_is_priced_as_the_engine_runs_it():
             "model.moe_top_k=2", "parallel.dp=4", "parallel.zero=3", "train.global_batch=16", "train.micro_batch=2"]
     plain, hybrid = rank_memory(load_config(None, sets)), rank_memory(load_config(None, sets + ["parallel.dp_shard=2"]))
     assert hybrid["optimizer"] == pytest.approx(2 * plain["optimizer"])
+
+
+@pytest.mark.parametrize("dp_shard", [2, 4])
+def test_an_moe_model_at_ep2_shards_its_experts_over_the_group_ranks_that_hold_them(dp_shard):
+    """dp 8, ep 2: plain ZeRO-3 keeps the dense optimizer states over 8 ranks and the experts'
+    over their 4; groups of dp_shard ranks keep the dense over dp_shard and the experts over
+    dp_shard / 2, so both are 8 / dp_shard times larger (the dry run holds the engine to the
+    same counts, tests/test_dryrun.py)."""
+    from threefold.train.preflight import rank_memory
+
+    sets = ["model.preset=tiny", "model.vocab_size=256", "model.seq_len=32", "model.layers=4", "model.moe_experts=4",
+            "model.moe_top_k=2", "parallel.dp=8", "parallel.ep=2", "parallel.zero=3", "train.global_batch=32",
+            "train.micro_batch=2"]
+    plain = rank_memory(load_config(None, sets))
+    hybrid = rank_memory(load_config(None, sets + [f"parallel.dp_shard={dp_shard}"]))
+    assert hybrid["optimizer"] == pytest.approx(8 / dp_shard * plain["optimizer"])

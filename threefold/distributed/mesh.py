@@ -13,9 +13,10 @@ is the group that splits the experts (each holds E/ep of them and the tokens are
 there); ``"edp"`` the expert-data-parallel group, the ranks holding the same experts, over which
 expert gradients are reduced. With ep=1, edp is dp. The world is dp·tp·pp·cp.
 
-Hybrid sharding (HSDP) splits the dp ranks once more, ``dp = dpr × dps`` (dps the inner one, at
-ep = 1): ZeRO-3 shards over a "dps" group of consecutive dp ranks, and the "dpr" group holds the
-same shard on each of its ranks. Without it dpr = 1, and dps is edp. So the grid is
+Hybrid sharding (HSDP) splits the dp ranks once more, ``dp = dpr × dps × ep`` (dps inside dpr):
+ZeRO-3 shards the dense weights over a group of dps·ep consecutive dp ranks (the config's
+dp_shard) and the experts over its dps ranks that hold the same experts, and the "dpr" group
+holds the same shards on each of its ranks. Without it dpr = 1, and dps is edp. So the grid is
 ``(pp, dpr, dps, ep, cp, tp)``, "edp" spans dpr and dps, and "dp" spans dpr, dps and ep.
 
 Example, world 8 with dp=2, tp=2, pp=2: rank 5 sits at (pp=1, dp=0, tp=1); its tp group is
@@ -44,8 +45,9 @@ GRID = ("pp", "dpr", "dps", "ep", "cp", "tp")  # the grid's dimensions in this o
 SPANS = {"dp": ("dpr", "dps", "ep"), "edp": ("dpr", "dps")}  # axes that span several grid dimensions
 DP_PARTS = ("edp", "dpr", "dps")  # groups of data-parallel ranks: their traffic counts as dp's
 # Groups over several axes created by default: weight gradients of a context-parallel model
-# are reduced over dp × cp (its experts' over edp × cp; hybrid sharding's shards over dps × cp); and dp × tp.
-COMBINED = (("dp", "cp"), ("edp", "cp"), ("dps", "cp"), ("dp", "tp"))
+# are reduced over dp × cp (its experts' over edp × cp); hybrid sharding's shards over dps (× ep)
+# (× cp); and dp × tp. A set whose axes of size > 1 name an existing group adds none.
+COMBINED = (("dp", "cp"), ("edp", "cp"), ("dps", "cp"), ("dps", "ep"), ("dps", "ep", "cp"), ("dp", "tp"))
 
 
 def mesh_sizes(parallel: ParallelConfig) -> dict[str, int]:
@@ -74,9 +76,9 @@ class ParallelMesh:
             raise ValueError(f"ep={self.sizes['ep']} must divide dp={self.sizes['dp']}: the experts are split "
                              "over data-parallel ranks")
         self.sizes["edp"] = self.sizes["dp"] // self.sizes["ep"]
-        if self.sizes["edp"] % self.sizes["dpr"] or (self.sizes["dpr"] > 1 and self.sizes["ep"] > 1):
-            raise ValueError(f"dpr={self.sizes['dpr']} must divide dp={self.sizes['dp']}, at ep=1: hybrid sharding "
-                             "splits the data-parallel ranks")
+        if self.sizes["edp"] % self.sizes["dpr"]:
+            raise ValueError(f"dpr={self.sizes['dpr']} must divide dp/ep={self.sizes['edp']}: hybrid sharding "
+                             "splits the data-parallel ranks into groups of whole ep groups")
         self.sizes["dps"] = self.sizes["edp"] // self.sizes["dpr"]
         # numpy, not torch: the grid is bookkeeping, and stays plain integers under a FakeTensorMode
         self.grid = np.arange(self.world_size).reshape(*(self.sizes[a] for a in GRID))
@@ -159,13 +161,14 @@ class ParallelMesh:
         1. The expert-data-parallel group counts as "dp", even of one rank: its traffic is
         data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp group),
         so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp; so do
-        hybrid sharding's dps and dpr groups."""
+        hybrid sharding's dps and dpr groups, and its dense shard group dps × ep (ep ranks are
+        dp ranks to the dense weights)."""
         sizes: dict[str, int] = {}
+        part = any(a in DP_PARTS for a in axes)
         for a in axes:
-            named_as = "dp" if a in DP_PARTS else a
+            named_as = "dp" if a in DP_PARTS or (part and a == "ep") else a
             sizes[named_as] = sizes.get(named_as, 1) * self.size(a)
         named = [a for a in AXES if a in sizes]
-        part = any(a in DP_PARTS for a in axes)
         return "+".join([a for a in named if sizes[a] > 1 or (a == "dp" and part)] or named)
 
     def shutdown(self) -> None:

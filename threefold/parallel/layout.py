@@ -24,8 +24,9 @@ def check_layout(cfg: Config) -> None:
 
 
 def check_hybrid_sharding(p: ParallelConfig) -> None:
-    """fsdp.py shards ZeRO-3's units over groups of dp_shard consecutive dp ranks and all-reduces
-    each reduced shard over the dp / dp_shard groups that hold it."""
+    """fsdp.py shards ZeRO-3's units over groups of dp_shard consecutive dp ranks (the experts
+    over the dp_shard / ep of them that hold the same experts) and all-reduces each reduced shard
+    over the dp / dp_shard groups that hold it."""
     if not p.dp_shard:
         return
     if p.zero != 3:
@@ -34,9 +35,9 @@ def check_hybrid_sharding(p: ParallelConfig) -> None:
     if p.dp_shard < 2 or p.dp % p.dp_shard:
         raise ConfigError(f"parallel.dp_shard: must divide parallel.dp={p.dp} and be at least 2 (a group of one "
                           f"rank shards nothing), got {p.dp_shard}")
-    if p.ep > 1:
-        raise ConfigError(f"parallel.dp_shard: hybrid sharding with expert parallelism (ep={p.ep}) is not supported; "
-                          "leave parallel.dp_shard out, or set parallel.ep = 1")
+    if p.dp_shard % p.ep:
+        raise ConfigError(f"parallel.dp_shard: a shard group holds whole expert-parallel groups, so it must be a "
+                          f"multiple of parallel.ep={p.ep}, got {p.dp_shard}")
 
 
 def check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

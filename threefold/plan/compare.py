@@ -1,19 +1,12 @@
 """``threefold compare``: the planner's prediction beside what a training run measured.
 
 The run's metrics file holds global rank 0's figures: the first pipeline stage, tp rank 0,
-dp rank 0. Each row predicts exactly that rank's figure with the planner's formulas
-(threefold/plan/costs.py) and says which formula it used:
-
-  model states   costs.model_state_bytes of the parameters rank 0 holds: its stages' blocks
-                 (the engine's partition), its tp shard (models/sizes.stage_param_count, the
-                 engine's TP plan in numbers), ZeRO over dp;
-  activations    costs.block_activation_bytes × the blocks whose activations rank 0 holds at
-                 once: its schedule's micro-batches in flight (simulate.peak_in_flight), each
-                 with its stage's blocks (a bf16 run: + costs.autocast_activation_bytes);
-  bytes per axis costs.dp_bytes_per_step, costs.tp_bytes_per_step (and tp_loss_bytes_per_step
-                 where rank 0 computes the loss), costs.pp_bytes_per_step; a bf16 run's widths
-                 are the engine's (costs.ENGINE_BYTES: bf16 products, the fp32 residual stream);
-  step time      costs.estimate with the profile ``threefold calibrate`` measured.
+dp rank 0. Its memory and bytes per ledger key are predicted by ``dryrun_predict.predict_rank``,
+the same figures ``threefold dryrun --compare`` puts beside a dry run (model states, activations
+of the rank's seq_len / cp tokens with the head's where it holds it, and every axis the planner
+prices: dp, dp+cp, cp, cp.routing, ep, tp, tp.loss, tp.scatter_gather, pp); each row says which
+formula it used. Exposed communication per axis and the step time come from costs.estimate with
+the profile ``threefold calibrate`` measured.
 
 Measured figures are the median over the steps after the first (which pays for warm-up).
 Where no exact formula exists for rank 0, the formula column says so.
@@ -30,11 +23,9 @@ import click
 
 from threefold.config import Config, ConfigError
 from threefold.configure import load_config
-from threefold.models.sizes import stage_param_count
-from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
 from threefold.plan import costs
+from threefold.plan.dryrun_predict import RankShare, predict_rank, rank_share
 from threefold.plan.records import read_records
-from threefold.plan.simulate import peak_in_flight
 
 BULK_AXES = ("dp", "tp", "pp")
 
@@ -56,36 +47,6 @@ class Row:
 
     def to_json(self) -> dict:
         return dict(dataclasses.asdict(self), ratio=self.ratio)
-
-
-@dataclass(frozen=True)
-class RankZero:
-    """What global rank 0 runs: its parameter elements, its blocks in all, whether it holds
-    the head, and the most blocks whose activations it holds at once with the micro-batches
-    its schedule keeps in flight (``in_flight`` of them at that moment)."""
-    numel: int
-    blocks: int
-    last_stage: bool
-    blocks_in_flight: int
-    in_flight: int
-
-
-def rank_zero(cfg: Config) -> RankZero:
-    """Rank 0's share of the model, torch-free: the engine's pipeline partition (the registry's
-    stage placement) and its tp shards (models/sizes.py's counts, the vocabulary padded to a
-    multiple of tp, a tied table counted once where one rank holds both ends)."""
-    p, model = cfg.parallel, cfg.model
-    if p.pp == 1:  # micro-batches one after another: one forward's activations at a time
-        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp)
-        return RankZero(numel, model.layers, True, model.layers, 1)
-    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers)
-    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
-    held = [spans[s] for s in schedule.stages_of(0)]
-    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp) for span in held)
-    blocks_in_flight = peak_in_flight(schedule.actions[0], schedule.split_backward,
-                                      lambda a: len(spans[a.stage].blocks))
-    return RankZero(numel, sum(len(span.blocks) for span in held), any(span.last for span in held),
-                    blocks_in_flight, peak_in_flight(schedule.actions[0], schedule.split_backward))
 
 
 def resolved(cfg: Config) -> Config:
@@ -110,20 +71,22 @@ def read_steps(metrics_path: str | Path, flag: str = "--metrics-file") -> list[d
     return records[1:] if len(records) > 1 else records
 
 
-def check_same_run(cfg: Config, rank: RankZero, steps: list[dict], metrics_path) -> None:
+def check_same_run(cfg: Config, want: dict, steps: list[dict], metrics_path) -> None:
     """Refuse, in one line, a config that is not the one the metrics file's run trained with:
     the file does not record its config, but its rank 0's parameter bytes and the axes that
     carried traffic give the layout away."""
     p = cfg.parallel
     measured = steps[-1]["memory"].get("params")
-    predicted = costs.model_state_bytes(rank.numel, (p.dp_shard or p.dp) * p.cp, p.zero)["params"]
-    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} zero={p.zero}, {cfg.model.layers} layers of {cfg.model.hidden}"
+    predicted = want["memory"]["params"]  # predict_rank's, for rank 0
+    layout = (f"dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''} zero={p.zero}, "
+              f"{cfg.model.layers} layers of {cfg.model.hidden}")
     if measured is not None and measured != predicted:
         raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
                           f"{measured:,.0f} bytes of parameters, this config ({layout}) gives {predicted:,.0f}")
-    sizes = {"dp": p.dp, "tp": p.tp, "pp": p.pp}
-    for axis, size in sizes.items():
-        traffic = any(step["comm_bytes"].get(axis, 0) for step in steps)
+    sizes = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp}
+    for axis, size in sizes.items():  # an axis's traffic, alone or with others ("dp+cp") or a kind of it ("tp.loss")
+        traffic = any(sent for step in steps for key, sent in step["comm_bytes"].items()
+                      if axis in key.split(".")[0].split("+"))
         if traffic != (size > 1):
             raise ConfigError(f"--config: {metrics_path} was written by another layout: its run "
                               f"{'sent' if traffic else 'sent nothing'} on the {axis} axis, this config has "
@@ -134,7 +97,8 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
     """The planner's workload and layout of a training config, as the engine runs it: fp32 or
     bf16 compute, the attention of PyTorch's scaled_dot_product_attention (no stored scores)."""
     p, t = cfg.parallel, cfg.train
-    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, cp_method=p.cp_method, tp=p.tp,
+                                pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard)
     work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed",
@@ -191,6 +155,25 @@ def step_time_drift(steps: list[dict], window: int = DRIFT_WINDOW) -> dict | Non
     return {"fast_s": means[fast], "fast_steps": span[fast], "slow_s": means[slow], "slow_steps": span[slow]}
 
 
+def bytes_formulas(cfg: Config, share: RankShare) -> dict[str, str]:
+    """The formula behind each ledger key predict_rank prices for rank 0, in the rows' order."""
+    p = cfg.parallel
+    grads = f"dp_bytes_per_step of rank 0's {share.numel:,} elements" + (" and its experts'" if share.moe_blocks else "")
+    hsdp = p.dp_shard and p.cp > 1
+    return {"dp": ("hsdp_all_reduce_bytes: the all-reduce between the shard groups" if hsdp
+                   else grads + " over dp"),
+            "dp+cp": grads + " over dp × cp" + (", less the all-reduce between the shard groups" if hsdp else ""),
+            "cp": (grads + " over cp + " if p.dp == 1 else "") + f"context.cp_bytes_per_step ({p.cp_method}) "
+                  f"of its {share.blocks} blocks",
+            "cp.routing": "context.moe_bytes_per_step: the routing statistics over the micro-batch",
+            "ep": "ep_bytes_per_step: the experts' dispatch and combine",
+            "tp": f"tp_bytes_per_step, {share.blocks} blocks" + (", the embedding" if share.first_stage else "")
+                  + (", the head" if share.last_stage else ""),
+            "tp.loss": "tp_loss_bytes_per_step",
+            "tp.scatter_gather": "scatter_gather_bytes_per_step: the stage boundary's tp scatter and gather",
+            "pp": "pp_bytes_per_step of pipeline rank 0"}
+
+
 def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     """Rows of (quantity, predicted, measured, ratio, formula) for global rank 0 of the run."""
     from threefold.plan.hardware import CATALOG, local_gpu
@@ -204,32 +187,23 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         return statistics.median(get(step) for step in steps)
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
-    m = cfg.microbatches
-    # a product's output and the residual stream (costs.ENGINE_BYTES); fp32 weights, grads and Adam moments
-    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
-    rank = rank_zero(cfg)
-    check_same_run(cfg, rank, steps, metrics_path)
+    share, want = rank_share(cfg, 0), predict_rank(cfg, 0)  # the planner's figures for rank 0
+    check_same_run(cfg, want, steps, metrics_path)
     rows = []
 
-    # ZeRO shards over dp × cp, or hybrid sharding's groups of dp_shard × cp
-    states = costs.model_state_bytes(rank.numel, (p.dp_shard or p.dp) * p.cp, p.zero)
-    share = f"rank 0's {rank.numel:,} elements (tp shard of its stage)"
     over = (f"dp_shard={p.dp_shard} of dp={p.dp}" if p.dp_shard else f"dp={p.dp}") + (f" × cp={p.cp}" if p.cp > 1 else "")
-    for kind in ("params", "grads", "optimizer"):
-        rows.append(Row(f"memory: {kind}", states[kind], measured(lambda s: s["memory"][kind]),
-                        f"model_state_bytes of {share}, ZeRO-{p.zero} over {over}"))
-
-    tokens = t.micro_batch * model.seq_len
-    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
-                                         dtype_bytes=act_bytes)
-    if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
-        block += costs.autocast_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute, p.tp_overlap,
-                                                 dtype_bytes=act_bytes, residual_bytes=residual_bytes)
-    flight = f", up to {rank.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
-    rows.append(Row("memory: activations, peak", rank.blocks_in_flight * block,
+    for kind in ("params", "grads", "optimizer", "weight_versions"):
+        if kind in want["memory"]:
+            rows.append(Row(f"memory: {kind}", want["memory"][kind], measured(lambda s: s["memory"].get(kind, 0)),
+                            f"model_state_bytes of rank 0's {share.numel:,} elements (tp shard of its stage"
+                            + (", routed experts apart" if share.moe_blocks else "") + f"), ZeRO-{p.zero} over {over}"
+                            if kind != "weight_versions" else "weight_versions: fp32 copies of the stage's weights"))
+    flight = f", up to {share.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
+    tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (" (seq_len / cp)" if p.cp > 1 else "")
+    rows.append(Row("memory: activations, peak", want["memory"]["activations"],
                     measured(lambda s: s["memory"]["activations"]),
-                    f"{rank.blocks_in_flight} × block_activation_bytes{flight}; not predicted (no exact formula): "
-                    + ("the embedding, final norm, logits and loss" if rank.last_stage else "the embedding")))
+                    f"{share.blocks_in_flight} × block_activation_bytes of {tokens}{flight}"
+                    + (" + the final norm and logits (head_activation_bytes)" if share.last_stage else "")))
 
     try:
         gpu, missing = local_gpu(t.dtype, workers=p.world_size), None  # the run's dtype, its ranks on these cores
@@ -240,35 +214,10 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     def axis(key: str) -> float:
         return measured(lambda s: s["comm_bytes"].get(key, 0))
 
-    if p.dp > 1:  # the gradients reduce over dp × cp ("dp+cp"); hybrid sharding's all-reduce beside cp: "dp"
-        keys = ("dp+cp", "dp") if p.cp > 1 and p.dp_shard else ("dp+cp",) if p.cp > 1 else ("dp",)
-        shard = p.dp_shard * p.cp if p.dp_shard else None
-        rows.append(Row("bytes/step: dp", costs.dp_bytes_per_step(rank.numel, p.dp * p.cp, p.zero, m, shard=shard),
-                        sum(axis(key) for key in keys),
-                        f"dp_bytes_per_step of rank 0's {rank.numel:,} elements over dp × cp"))
-    if p.tp > 1:
-        tp_args = (m, t.micro_batch, model.seq_len, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
-                   model.arch)
-        widths = dict(residual_bytes=residual_bytes, tp_overlap=p.tp_overlap)
-        predicted = costs.tp_bytes_per_step(rank.blocks, *tp_args, **widths)
-        formula = f"tp_bytes_per_step, {rank.blocks} blocks, embedding and head"
-        if not rank.last_stage:
-            # The formula always counts the head's collectives; a first stage has none. They are
-            # its zero-block, no-embedding value, so they are taken off exactly.
-            predicted -= costs.tp_bytes_per_step(0, *tp_args, embedding=False, **widths)
-            formula = (f"tp_bytes_per_step, {rank.blocks} blocks and embedding, minus its head term "
-                       "(no formula for a stage without the head)")
-        rows.append(Row("bytes/step: tp", predicted, axis("tp"), formula))
-        if rank.last_stage:
-            rows.append(Row("bytes/step: tp.loss", costs.tp_loss_bytes_per_step(m, t.micro_batch, model.seq_len, p.tp),
-                            axis("tp.loss"), "tp_loss_bytes_per_step"))
-    if p.pp > 1:
-        rows.append(Row("bytes/step: pp", costs.pp_bytes_per_step(0, p.pp, m, p.virtual_stages, t.micro_batch,
-                                                                  model.seq_len, model.hidden, p.tp,
-                                                                  p.sequence_parallel, residual_bytes, p.schedule),
-                        axis("pp"), "pp_bytes_per_step of pipeline rank 0"))
-    predicted_keys = {"dp", "tp", "pp", "tp.loss" if rank.last_stage else ""} | ({"dp+cp"} if p.dp > 1 else set())
-    others = sorted({key for s in steps for key in s["comm_bytes"]} - predicted_keys)
+    formulas = bytes_formulas(cfg, share)
+    for key in sorted(want["comm_bytes"], key=lambda k: list(formulas).index(k)):
+        rows.append(Row(f"bytes/step: {key}", want["comm_bytes"][key], axis(key), formulas[key]))
+    others = sorted({key for s in steps for key in s["comm_bytes"]} - set(want["comm_bytes"]))
     others = [key for key in others if axis(key)]  # keys with traffic in the training steps
     if others:  # bookkeeping the planner leaves out: scalars, the tied embedding, timelines
         rows.append(Row("bytes/step: other", None, sum(axis(key) for key in others),
@@ -412,8 +361,9 @@ def compare(config_path, overrides, metrics_file, as_json):
     from rich.console import Console
 
     p = cfg.parallel
-    Console().print(rows_table(rows, f"rank 0 of dp={p.dp} × tp={p.tp} × pp={p.pp}: predicted vs measured "
-                                     f"(median of steps after the first)"))
+    axes = " × ".join(f"{a}={getattr(p, a)}" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp", "pp")
+                      or getattr(p, a) > 1)
+    Console().print(rows_table(rows, f"rank 0 of {axes}: predicted vs measured (median of steps after the first)"))
     drift = step_time_drift(read_steps(metrics_file))
     if drift:
         (a, b), (c, d) = drift["fast_steps"], drift["slow_steps"]

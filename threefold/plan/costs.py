@@ -523,15 +523,15 @@ def check_hybrid_sharding(model: ModelConfig, dp_shard: int, zero: int | None = 
         return
     if dp_shard < 0:
         raise ConfigError(f"--dp-shard: must not be negative (0: shard over all dp ranks), got {dp_shard}")
-    if ep > 1:
-        raise ConfigError(f"--dp-shard: hybrid sharding with expert parallelism (--ep {ep}) is not supported; "
-                          "threefold's engine runs it at --ep 1")
     if zero is not None and zero != 3:
         raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {dp_shard} dp ranks; "
                           f"it needs --zero 3, got {zero}")
     if dp_shard < 2 or (dp is not None and dp % dp_shard):
         raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
                           f"group of one rank shards nothing), got {dp_shard}")
+    if dp_shard % ep:
+        raise ConfigError(f"--dp-shard: a shard group holds whole expert-parallel groups, so it must be a multiple "
+                          f"of --ep {ep}, got {dp_shard}")
 
 
 def model_chunks(schedule: str, pp: int, virtual_stages: int) -> int:
@@ -1322,10 +1322,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     e = np.asarray(layout.ep)
     moe_first = moe_layers_below(cfg, stage_layers)
     moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
-    # the experts' states shard over their own replicas (dp·cp/ep); under hybrid sharding (ep = 1)
-    # over the same groups as the rest, all-reduced between them
-    expert_replicas = np.where(shard_dp < d, shards, replicas / e)
-    expert_dp = np.where(shard_dp < d, shard_dp, d / e)  # dp ranks of that group, t·c·ep apart
+    # the experts' states shard over their own replicas (dp·cp/ep); under hybrid sharding over
+    # the dp_shard/ep ranks of a shard group that hold the same experts, all-reduced between groups
+    expert_replicas = np.where(shard_dp < d, shards, replicas) / e
+    expert_dp = np.where(shard_dp < d, shard_dp, d) / e  # dp ranks of that group, t·c·ep apart
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
     coef = activation_coefficients(cfg, work.attention, work.activation_bytes)

@@ -1,18 +1,19 @@
 """The planner's figures for any one rank of a layout: what ``threefold dryrun --compare`` puts
 beside each measured figure.
 
-``threefold compare`` predicts global rank 0 (``compare.rank_zero``); a dry run may be asked for
-any rank, so this generalises it to the rank's pipeline coordinate, with the same formulas
-(threefold/plan/costs.py). The tp and dp coordinates change nothing the planner counts: tp
-shards are equal (the vocabulary padded to a multiple of tp) and every dp replica is the same.
+``threefold compare`` puts global rank 0's figures beside a real run's, and a dry run any
+rank's beside its own, with the same formulas (threefold/plan/costs.py). The tp and dp
+coordinates change nothing the planner counts: tp shards are equal (the vocabulary padded to a
+multiple of tp) and every dp replica is the same.
 
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
-               dp × cp (the ranks that hold the same parameters; hybrid sharding: dp_shard × cp); activations, of its seq_len / cp
-               tokens: costs.block_activation_bytes × the most blocks whose activations
-               the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
+               dp × cp (the ranks that hold the same parameters; hybrid sharding: dp_shard × cp);
+               activations, of its seq_len / cp tokens: costs.block_activation_bytes × the most
+               blocks whose activations the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
                where it holds the head, the final norm and the logits as costs.estimate counts them;
   experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
-               ranks of the expert-data-parallel group (× cp); their reduction under "dp" ("dp+cp"), the
+               ranks of the expert-data-parallel group (× cp; hybrid sharding: the dp_shard/ep
+               of them in a shard group); their reduction under "dp" ("dp+cp"), the
                dispatch and combine under "ep" (costs.ep_bytes_per_step, round-robin routing as
                the dry run routes fake tokens); the activations an MoE block adds are estimated;
   comm_bytes   dp: costs.dp_bytes_per_step; tp: costs.tp_bytes_per_step of its blocks, with the
@@ -46,18 +47,21 @@ from threefold.plan.stage_costs import modelled_layer_costs
 class RankShare:
     """What one pipeline coordinate runs: its parameter elements (one tp shard; routed experts
     apart), its blocks, whether it holds the first and the last stage, the most blocks whose
-    activations it holds at once, and how many of its blocks hold experts."""
+    activations it holds at once, how many of its blocks hold experts, and how many
+    (micro-batch, stage) pairs are in flight at that peak."""
     numel: int
     blocks: int
     first_stage: bool
     last_stage: bool
     blocks_in_flight: int
     moe_blocks: int = 0
+    in_flight: int = 1
 
 
 def rank_share(cfg: Config, pp_rank: int) -> RankShare:
-    """``compare.rank_zero`` for pipeline rank ``pp_rank``: the engine's partition, the
-    registry's stage placement, models/sizes.py's counts."""
+    """What pipeline rank ``pp_rank`` runs, torch-free: the engine's partition (the registry's
+    stage placement), its tp shards (models/sizes.py's counts: the vocabulary padded to a
+    multiple of tp, a tied table counted once where one rank holds both ends)."""
     p, model = cfg.parallel, cfg.model
     if p.pp == 1:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
@@ -70,10 +74,11 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)
                 for span, n in zip(held, moe))
-    in_flight = peak_in_flight(schedule.actions[pp_rank], schedule.split_backward,
-                               lambda a: len(spans[a.stage].blocks))
+    actions = schedule.actions[pp_rank]
+    blocks_in_flight = peak_in_flight(actions, schedule.split_backward, lambda a: len(spans[a.stage].blocks))
     return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
-                     any(span.last for span in held), in_flight, sum(moe))
+                     any(span.last for span in held), blocks_in_flight, sum(moe),
+                     peak_in_flight(actions, schedule.split_backward))
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:
@@ -112,7 +117,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
     expert_replicas = p.dp // p.ep * p.cp
-    expert_shard = shard if p.dp_shard else expert_replicas  # hybrid sharding runs at ep = 1: as the rest
+    # hybrid sharding: the dp_shard / ep ranks of a shard group that hold the same experts (× cp)
+    expert_shard = p.dp_shard // p.ep * p.cp if p.dp_shard else expert_replicas
     if experts:
         for key, value in costs.model_state_bytes(experts, expert_shard, p.zero).items():
             memory[key] += value
@@ -151,7 +157,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m,
                                                                          shard=expert_shard)
         if p.dp_shard and p.cp > 1:
-            between = costs.hsdp_all_reduce_bytes(experts, shard, p.dp_replicate, m)
+            between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, m)
             comm["dp"], comm[grad_key] = comm["dp"] + between, comm[grad_key] - between
     if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
         moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,

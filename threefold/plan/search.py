@@ -83,8 +83,8 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-16 dividing half the sequence (the zigzag split), with each method that
     runs (``_context_methods``); DP fills the rest; EP: each divisor of dp that divides the
-    experts (MoE models only). Then every ZeRO stage (ZeRO-3 at ep 1 also with hybrid sharding
-    over each divisor of dp from 2 up: ``_with_hybrid_sharding``),
+    experts (MoE models only). Then every ZeRO stage (ZeRO-3 also with hybrid sharding over each
+    divisor of dp from 2 up that is a multiple of ep: ``_with_hybrid_sharding``),
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
     (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
     rank; pipelines only when PP > 1). A fixed knob replaces its range by its one value.
@@ -136,17 +136,17 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
 
 
 def _with_hybrid_sharding(layouts: Layout, cfg, num_gpus: int, dp_shard: int | None) -> Layout:
-    """The ZeRO-3 layouts without expert parallelism again with hybrid sharding over shard groups
-    of s dp ranks, for every divisor s of dp with 2 ≤ s < dp (s = dp is ZeRO-3 itself); with
+    """The ZeRO-3 layouts again with hybrid sharding over shard groups of s dp ranks, for every
+    divisor s of dp with 2 ≤ s < dp that holds whole ep groups (s = dp is ZeRO-3 itself); with
     --dp-shard fixed, only those with that s, and where dp = s plain ZeRO-3; --dp-shard 0, none."""
     if dp_shard == 0:
         return layouts
-    zero3 = np.flatnonzero((np.asarray(layouts.zero) == 3) & (np.asarray(layouts.ep) == 1))  # the engine's: ep 1
-    dp = np.asarray(layouts.dp)[zero3]
+    zero3 = np.flatnonzero(np.asarray(layouts.zero) == 3)
+    dp, ep = np.asarray(layouts.dp)[zero3], np.asarray(layouts.ep)[zero3]
     shards = [dp_shard] if dp_shard else [s for s in _divisors(num_gpus) if s >= 2]
     parts = [] if dp_shard else [layouts]
     for s in shards:
-        rows = layouts.take(zero3[(dp % s == 0) & ((dp > s) | (dp_shard == s))])
+        rows = layouts.take(zero3[(dp % s == 0) & (s % ep == 0) & ((dp > s) | (dp_shard == s))])
         rows.dp_shard = np.where(np.asarray(rows.dp) > s, s, 0)
         parts.append(rows)
     return Layout(**{f.name: np.concatenate([np.asarray(getattr(part, f.name)) for part in parts])

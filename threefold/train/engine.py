@@ -361,10 +361,12 @@ class Engine:
 
     def _shard_axes(self, axes: tuple[str, ...]) -> dict:
         """ZeRO-3's groups for gradients reduced over ``axes``: shards over all of them, or under
-        hybrid sharding over dps (× cp) within them, the dpr groups holding the same shards."""
+        hybrid sharding over the group of dp_shard ranks within them (the dense weights' dps × ep;
+        the experts', reduced over edp, dps), × cp, the dpr groups holding the same shards."""
         if self.mesh.size("dpr") == 1:
             return {"axes": axes}
-        return {"axes": ("dps",) + axes[1:], "replicate_axes": ("dpr",), "mean_over": self.mesh.size(*axes)}
+        group = ("dps", "ep") if axes[0] == "dp" else ("dps",)
+        return {"axes": group + axes[1:], "replicate_axes": ("dpr",), "mean_over": self.mesh.size(*axes)}
 
     def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
         """The experts' gradient synchronisation: over edp = dp/ep (× cp), the ranks that hold the same

@@ -97,7 +97,8 @@ def rank_memory(cfg: Config) -> dict[str, float]:
     from threefold.plan.hardware import CATALOG
 
     p, t = cfg.parallel, cfg.train
-    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp,
+    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, cp_method=p.cp_method, tp=p.tp,
+                                pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard)
     est = costs.estimate(costs.Workload(cfg.model, t.global_batch, grad_bytes=4), layout, CATALOG["a100-80gb"])
