@@ -273,17 +273,26 @@ def checkpoint_segment(layout: tuple[str, ...], folder: str, start: int, steps: 
     return out
 
 
-def test_a_checkpoint_of_dp2_ep2_resumes_on_dp4_ep4(distributed, tmp_path):
+@pytest.mark.parametrize("saved_on, resumed_on", [
+    (("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"), ("parallel.dp=4", "parallel.ep=4")),
+    # hybrid sharding: the dense chunks of each ep pair and the experts' whole, replicated over the pairs
+    (("parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"),
+     ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1")),
+], ids=["dp2-ep2-to-dp4-ep4", "dp4-ep2-hsdp2-to-dp2-ep2"])
+def test_a_checkpoint_resumes_on_another_expert_layout(distributed, tmp_path, saved_on, resumed_on):
     from threefold.configure import load_config
     from threefold.train import checkpoint
 
     from equivalence import train_reference
 
+    def world(overrides):  # dp ranks: ep splits them
+        return next(int(o.split("=")[1]) for o in overrides if o.startswith("parallel.dp="))
+
     _, uninterrupted = train_reference(load_config(None, CHECKPOINT), 4)
-    distributed.run(2, checkpoint_segment, ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"), str(tmp_path), 0, 2)
+    distributed.run(world(saved_on), checkpoint_segment, saved_on, str(tmp_path), 0, 2)
     saved = checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 2))
     assert saved["model/blocks.0.mlp.experts.w_up"].shape == (4, 32, 64)  # full tensors, whatever the ep
-    resumed = distributed.run(4, checkpoint_segment, ("parallel.dp=4", "parallel.ep=4"), str(tmp_path), 2, 2)
+    resumed = distributed.run(world(resumed_on), checkpoint_segment, resumed_on, str(tmp_path), 2, 2)
     for r in resumed:
         assert r["losses"] == pytest.approx(uninterrupted["losses"][2:], rel=1e-6)
     for key, want in uninterrupted["state"].items():
