@@ -177,3 +177,19 @@ def test_an_moe_model_at_ep2_shards_its_experts_over_the_group_ranks_that_hold_t
     plain = rank_memory(load_config(None, sets))
     hybrid = rank_memory(load_config(None, sets + [f"parallel.dp_shard={dp_shard}"]))
     assert hybrid["optimizer"] == pytest.approx(8 / dp_shard * plain["optimizer"])
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.dp_shard=4"], ["parallel.dp_shard=2"],
+                                   ["parallel.cp=2", "parallel.dp_shard=4"]])
+def test_the_estimates_dp_bytes_of_an_moe_model_at_ep2_are_the_dry_run_predictions(extra):
+    """estimate()'s dp bytes (the search's) equal predict_rank's, which the dry run holds the engine
+    to (tests/test_dryrun.py): dense and expert gradients, their gathers and the all-reduce between
+    the groups, over dp 8 at ep 2, with and without hybrid sharding and context parallelism."""
+    from threefold.plan.compare import run_layout
+    from threefold.plan.dryrun_predict import predict_rank
+
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.vocab_size=4096", "parallel.dp=8", "parallel.ep=2",
+                             "parallel.zero=3", "train.global_batch=16", "train.micro_batch=2"] + extra)
+    want = predict_rank(cfg, 0)["comm_bytes"]
+    est = costs.estimate(*run_layout(cfg), H100)
+    assert est["dp_bytes"] == pytest.approx(sum(v for k, v in want.items() if k in ("dp", "dp+cp")), rel=1e-12)
