@@ -289,7 +289,9 @@ def test_command_refuses_bad_input_in_one_line(capsys, args):
 
 # ---------------------------------------------------------------- the registry
 
-from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, schedule_names  # noqa: E402
+from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, check_schedule, schedule_names,  # noqa: E402
+                                                 stages_per_rank)
+from threefold.plan.simulate import peak_in_flight  # noqa: E402
 
 
 def registry_grid():
@@ -322,6 +324,12 @@ def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
     assert float(spec.bubble(pp, m, v)) == pytest.approx(sim.bubble_fraction, abs=1e-12)
     assert float(spec.in_flight_first(pp, m, v)) == pytest.approx(sim.peak_activations[0], abs=1e-12)
     assert float(spec.in_flight_last(pp, m, v)) == pytest.approx(sim.peak_activations[-1], abs=1e-12)
+    # the micro-batches whose head tensors the rank with the last stage holds (released at W)
+    schedule = build_schedule(name, pp, m, v)
+    last = pp * stages_per_rank(name, v) - 1
+    rank = next(r for r in range(pp) if last in schedule.stages_of(r))
+    held = peak_in_flight(schedule.actions[rank], schedule.split_backward, lambda a: int(a.stage == last))
+    assert float(spec.head_in_flight(pp, m, v)) == held
 
 
 def test_closed_forms_take_arrays_of_layouts():
@@ -331,7 +339,7 @@ def test_closed_forms_take_arrays_of_layouts():
     for name, spec in SCHEDULE_REGISTRY.items():
         cases = [(p, m, v) for n, p, m, v in registry_grid() if n == name]
         p, m, v = (np.array(x, dtype=float) for x in zip(*cases))
-        for form in (spec.bubble, spec.in_flight_first, spec.in_flight_last):
+        for form in (spec.bubble, spec.in_flight_first, spec.in_flight_last, spec.head_in_flight):
             together = np.broadcast_to(form(p, m, v), p.shape)
             assert together == pytest.approx([float(form(*case)) for case in cases], abs=1e-12)
 

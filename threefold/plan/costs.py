@@ -1348,7 +1348,11 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
-    logits_act = tokens * (coef["norm"] / seq_split + 4 * V / t)  # the final norm, fp32 log-probs
+    # the final norm's tensors and the fp32 log-probs of each micro-batch the head's stage holds
+    # (GPipe: all m; ZB-H1: the norms until W, of min(p, m), the log-probs until B, of one)
+    head_norms = _per_schedule("head_in_flight", schedule, p, m, v, single=1.0)
+    split = np.array([spec.split_backward for spec in SCHEDULE_REGISTRY.values()])[schedule]
+    logits_act = tokens * (head_norms * coef["norm"] / seq_split + np.where(split, 1, head_norms) * 4 * V / t)
     # The loss's backward, while every block's activations are still held: beside the saved fp32
     # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
     # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still

@@ -48,7 +48,9 @@ class RankShare:
     """What one pipeline coordinate runs: its parameter elements (one tp shard; routed experts
     apart), its blocks, whether it holds the first and the last stage, the most blocks whose
     activations it holds at once, how many of its blocks hold experts, and how many
-    (micro-batch, stage) pairs are in flight at that peak."""
+    (micro-batch, stage) pairs are in flight at that peak. On the stage with the head: the most
+    micro-batches whose final-norm tensors it holds at once (until their weight gradients, W
+    under a split backward) and whose log-probabilities it holds (until their backward)."""
     numel: int
     blocks: int
     first_stage: bool
@@ -56,6 +58,8 @@ class RankShare:
     blocks_in_flight: int
     moe_blocks: int = 0
     in_flight: int = 1
+    head_norms_in_flight: int = 1
+    head_logits_in_flight: int = 1
 
 
 def rank_share(cfg: Config, pp_rank: int) -> RankShare:
@@ -76,28 +80,36 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
                 for span, n in zip(held, moe))
     actions = schedule.actions[pp_rank]
     blocks_in_flight = peak_in_flight(actions, schedule.split_backward, lambda a: len(spans[a.stage].blocks))
+    head = lambda a: int(spans[a.stage].last)  # noqa: E731  (the head's stage's actions alone)
     return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
                      any(span.last for span in held), blocks_in_flight, sum(moe),
-                     peak_in_flight(actions, schedule.split_backward))
+                     peak_in_flight(actions, schedule.split_backward),
+                     peak_in_flight(actions, schedule.split_backward, head), peak_in_flight(actions, False, head))
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:
-    """What the stage with the head keeps for the micro-batch in backward, as costs.estimate
-    counts it (its ``logits_act``): the final norm's tensors and the fp32 log-probabilities,
-    tokens · (norm / seq_split + 4·V/tp); the embedding's output (llama: ``coef["embedding"]``
-    = 0) on the first stage. The estimate's expression, for this rank's dtype and tokens.
-    Under bf16 autocast (``residual_bytes`` > ``act_bytes``) the head is a product as a block's
-    are (costs.autocast_activation_bytes): under SP it saves the norm's fp32 shard, (r − d)·h/tp
-    more; without SP its bf16 copy of the norm's output (as counted) and of its weight, V/tp·h·d."""
+    """What the stage with the head keeps for backward, as costs.estimate counts it (its
+    ``logits_act``): per micro-batch the final norm's tensors, tokens · norm / seq_split, held
+    until the norm's weight gradient, and the fp32 log-probabilities, tokens · 4·V/tp, until the
+    backward; as many micro-batches as the schedule keeps of each (``RankShare``: GPipe all m,
+    ZB-H1 the norms of min(pp, m) and one micro-batch's logits, 1F1B one of each); the
+    embedding's output (llama: ``coef["embedding"]`` = 0) on the first stage. The estimate's
+    expression, for this rank's dtype and tokens. Under bf16 autocast (``residual_bytes`` >
+    ``act_bytes``) the head is a product as a block's are (costs.autocast_activation_bytes):
+    under SP it saves the norm's fp32 shard, (r − d)·h/tp more; without SP its bf16 copy of the
+    norm's output (as counted) and of its weight, V/tp·h·d (autocast casts it again in each
+    micro-batch's forward): either for each micro-batch whose norm tensors it holds."""
     p, model = cfg.parallel, cfg.model
     tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
     seq_split = p.tp if p.sequence_parallel else 1
     embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
-    logits = tokens * (coef["norm"] / seq_split + 4 * model.vocab_size / p.tp) if share.last_stage else 0
+    norms, log_probs = share.head_norms_in_flight, share.head_logits_in_flight
+    logits = (tokens * (norms * coef["norm"] / seq_split + log_probs * 4 * model.vocab_size / p.tp)
+              if share.last_stage else 0)
     if share.last_stage and residual_bytes != act_bytes:
-        logits += (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if p.sequence_parallel
-                   else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
+        logits += norms * (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if p.sequence_parallel
+                           else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
     return embedding + logits
 
 

@@ -766,6 +766,7 @@ class SteadyForms:
     bubble: Callable
     in_flight_first: Callable
     in_flight_last: Callable
+    head_in_flight: Callable = lambda p, m, v: 1 + 0 * p
 
 
 @dataclass(frozen=True)
@@ -777,7 +778,10 @@ class ScheduleSpec:
 
     ``bubble``: idle over total rank-time of a step. ``in_flight_first`` / ``in_flight_last``:
     the most micro-batches whose activations the first / last pipeline rank holds at once, in
-    units of one micro-batch through all of that rank's layers (a chunk counts 1/v)."""
+    units of one micro-batch through all of that rank's layers (a chunk counts 1/v).
+    ``head_in_flight``: the most micro-batches whose final-norm tensors the stage with the head
+    holds at once (until their weight gradients); it holds their log-probabilities until their
+    backward: as many, or one where the backward is split."""
     name: str
     compute_order: Callable[[int, int, int, int], list[Action]]  # (rank, pp, m, v) → F/B/W in order
     constraints: Callable[[dict, int, int, int, int | None, str], None]
@@ -800,6 +804,7 @@ class ScheduleSpec:
     # gradient alone) and has a form exact at any shares: ``bubble_at_shares(p, m, v, shares)``.
     # DualPipeV has none (its closed form holds at F = B = W; the planner plays it there).
     bubble_at_shares: Callable | None = None
+    head_in_flight: Callable = lambda p, m, v: 1 + 0 * p  # the head's stage runs each backward after its forward
 
     @cached_property
     def split_backward(self) -> bool:
@@ -839,6 +844,7 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  bubble=lambda p, m, v: (p - 1) / (m + p - 1),
                  in_flight_first=lambda p, m, v: m,
                  in_flight_last=lambda p, m, v: m,
+                 head_in_flight=lambda p, m, v: m + 0 * p,
                  summary="all forwards, then all backwards (Huang et al. 2019)"),
     ScheduleSpec("1f1b", _one_f_one_b_order, _one_chunk,
                  bubble=lambda p, m, v: (p - 1) / (m + p - 1),
@@ -856,6 +862,7 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  # activations stay until W, deferred by r on rank r: every rank holds min(p, m)
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
+                 head_in_flight=lambda p, m, v: np.minimum(p, m),
                  summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
     ScheduleSpec("dualpipev", _dualpipev_order, _dualpipev_constraints, placement=V_SHAPE, stages_per_rank=2,
                  # per rank, idle (p − 1)·(F + B − W) (B: the input gradient alone) beside 2m·(F + B + W)
