@@ -131,9 +131,10 @@ def test_a_context_parallel_step_equals_the_planner(method):
     assert set(want["comm_bytes"]) == {"dp+cp", "cp", "tp", "tp.loss"}
     for key, value in want["comm_bytes"].items():
         assert result["comm_bytes"][key] == value, key
-    # The planner's block coefficients do not model the methods' own buffers (Ulysses keeps its
-    # head-split q, k, v: 1.05 measured on dp2·cp2 without tp; the ring 0.96), so 10%, not 2%.
-    assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.1)
+    # Each method's own saves: the ring and the all-gather keep k and v without the grouped-query
+    # repeats, Ulysses its output twice (predict_rank; before it counted them, 0.96 and 1.05 of
+    # the measured). Left out: Ulysses' two position indices, 16 bytes per token a layer.
+    assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.01)
 
 
 # Ledger keys of bookkeeping the planner leaves out (scalars, the tied embedding's gradient, the

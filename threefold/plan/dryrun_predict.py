@@ -138,6 +138,15 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     tokens = t.micro_batch * seq
     block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
                                          dtype_bytes=act_bytes)
+    q, kv = costs.attention_width(model)
+    if p.cp > 1 and p.cp_method in ("ring", "allgather") and t.recompute == "none":
+        # their attention function saves k and v as they come (parallel/context_parallel.py), not
+        # the grouped-query repeats that scaled_dot_product_attention saves (the core's 2(q − kv))
+        block -= tokens * act_bytes * 2 * (q - kv) / p.tp
+    if p.cp > 1 and p.cp_method == "ulysses" and t.recompute == "none":
+        # the attention's output twice: head-split where the core saves it, and back in sequence
+        # order where the output projection saves its input (the all-to-all's result is a new tensor)
+        block += tokens * act_bytes * q / p.tp
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
         block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
