@@ -235,5 +235,5 @@ def test_a_context_parallel_run_is_compared_on_its_share_of_the_sequence(tmp_pat
     assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "bytes/step: dp+cp", "bytes/step: cp")
     assert "ring" in rows["bytes/step: cp"].formula and "× cp=2" in rows["memory: optimizer"].formula
     act = rows["memory: activations, peak"]
-    assert "1 × 16 tokens (seq_len / cp)" in act.formula
+    assert "1 × 16 tokens (seq_len / cp, ring's own saves)" in act.formula
     assert act.ratio == pytest.approx(1.0, abs=0.02), act

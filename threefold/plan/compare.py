@@ -199,7 +199,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                             + (", routed experts apart" if share.moe_blocks else "") + f"), ZeRO-{p.zero} over {over}"
                             if kind != "weight_versions" else "weight_versions: fp32 copies of the stage's weights"))
     flight = f", up to {share.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
-    tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (" (seq_len / cp)" if p.cp > 1 else "")
+    tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (f" (seq_len / cp, {p.cp_method}'s own saves)"
+                                                                   if p.cp > 1 else "")
     rows.append(Row("memory: activations, peak", want["memory"]["activations"],
                     measured(lambda s: s["memory"]["activations"]),
                     f"{share.blocks_in_flight} × block_activation_bytes of {tokens}{flight}"
