@@ -84,17 +84,14 @@ def assert_dry_run_is_the_planners(cfg, sets: list[str]) -> None:
 
 
 def hybrid_sharded(sets: list[str], rng: random.Random) -> list[str] | None:
-    """A random layout made ZeRO-3 with hybrid sharding over pairs of dp ranks (dp = 4 or 8),
-    without experts (their random ep may be 2, which hybrid sharding refuses; tests/test_dryrun.py
-    covers experts at ep 1); None for such a layout."""
-    if any(s.startswith("model.moe_experts") for s in sets):
-        return None
+    """A random layout made ZeRO-3 with hybrid sharding over pairs of dp ranks (dp = 4 or 8); an
+    MoE layout's ep (1 or 2) lies inside a pair."""
     dp = rng.choice([4, 8])
     keep = [s for s in sets if not s.startswith(("parallel.dp=", "parallel.zero=", "train.global_batch="))]
     return keep + [f"parallel.dp={dp}", "parallel.zero=3", "parallel.dp_shard=2", f"train.global_batch={dp * 8}"]
 
 
-HYBRID = accepted_layouts(seed=11, count=4, reshape=hybrid_sharded)
+HYBRID = accepted_layouts(seed=20, count=4, reshape=hybrid_sharded)  # two with ep 2, one MoE at ep 1
 
 
 @pytest.mark.parametrize("sets, world", HYBRID, ids=[f"hybrid{i}" for i in range(len(HYBRID))])

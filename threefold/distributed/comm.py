@@ -363,7 +363,11 @@ def _axes(axis: Axes) -> tuple[str, ...]:
 
 
 def _copy(output: torch.Tensor, input: torch.Tensor) -> None:
-    if output.data_ptr() != input.data_ptr():
+    """What a gather or scatter over one rank does: copy, unless ``output`` is ``input`` itself
+    (in place). A dry run's fake tensors have no memory to compare: they copy (nothing moves)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(output, FakeTensor) or output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.reshape(-1))
 
 
