@@ -164,7 +164,10 @@ MOE_BF16 = ["model.preset=tiny-moe", "model.vocab_size=512", "parallel.dp=2", "p
     (MOE_BF16 + ["parallel.tp=2", "parallel.sequence_parallel=true"], 4, (3,)),  # ep2 with tp2 SP
     (["model.preset=mixtral-8x7b", "parallel.dp=8", "parallel.ep=8", "parallel.zero=1", "train.global_batch=8",
       "train.micro_batch=1"], 8, (7,)),  # a published MoE at ep8 (about 10 s)
-], ids=["pp-tp-sp", "tp", "tp-overlap", "full-recompute", "cp-ring", "ep", "ep-tp-sp", "mixtral-ep8"])
+    # dp 1: the experts' own sync (their learning-rate scale) reduces over cp, under "cp" as the dense one's
+    (["model.preset=tiny-moe", "model.vocab_size=512", "parallel.cp=2", "model.moe_expert_lr_scale=0.5",
+      "train.global_batch=4", "train.micro_batch=2"], 2, (1,)),
+], ids=["pp-tp-sp", "tp", "tp-overlap", "full-recompute", "cp-ring", "ep", "ep-tp-sp", "mixtral-ep8", "cp-expert-sync"])
 def test_a_bf16_step_equals_the_planner(overrides, world, ranks):
     """The engine's bf16 is autocast over fp32 weights: bf16 products, an fp32 residual stream
     (costs.ENGINE_BYTES). Every key of the ledger's bulk traffic is predicted to the byte with

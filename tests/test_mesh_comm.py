@@ -61,7 +61,17 @@ def test_hybrid_sharding_with_expert_parallelism_keeps_the_ep_groups_inside_a_sh
     assert (mesh.coord("dpr"), mesh.coord("dps"), mesh.coord("ep")) == (1, 0, 1)
     assert mesh.ranks("dps", "ep") == [4, 5, 6, 7] and mesh.ranks("dps") == [5, 7] and mesh.ranks("dpr") == [1, 5]
     assert mesh.ranks("ep") == [4, 5] and mesh.ranks("edp") == [1, 3, 5, 7]
-    assert mesh.label("dps", "ep") == "dp" and mesh.label("dps", "ep", "cp") == "dp" and mesh.label("ep") == "ep"
+    assert mesh.label("dps", "ep") == "dp" and mesh.label("ep") == "ep"
+    with_cp = ParallelMesh({"dp": 8, "ep": 2, "cp": 2, "dpr": 2}, rank=5)
+    assert with_cp.label("dps", "ep", "cp") == "dp+cp" and with_cp.label("dps", "cp") == "dp+cp"
+    assert with_cp.ranks("dps", "ep", "cp") == list(range(8))  # rank 5 is in the first replica group (dpr 0)
+
+
+def test_without_data_parallelism_the_experts_group_is_the_cp_group_in_the_ledger():
+    """dp = 1, cp = 2: the experts' own sync over edp × cp counts under "cp", as the dense
+    gradients' does (the planner's key); with dp > 1 and ep = dp (edp of one rank), "dp+cp"."""
+    assert ParallelMesh({"cp": 2}).label("edp", "cp") == "cp" and ParallelMesh({"cp": 2}).label("edp") == "dp"
+    assert ParallelMesh({"dp": 2, "ep": 2, "cp": 2}).label("edp", "cp") == "dp+cp"
 
 
 def test_world_of_one_needs_no_process_group():

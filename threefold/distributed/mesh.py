@@ -158,13 +158,14 @@ class ParallelMesh:
     def label(self, *axes: str) -> str:
         """The key the ledger counts a group's traffic under: the axes as named, those of size 1
         left out, joined in the grid's order ("dp+cp"), or the axes as given when all have size
-        1. The expert-data-parallel group counts as "dp", even of one rank: its traffic is
-        data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp group),
-        so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp; so do
-        hybrid sharding's dps and dpr groups, and its dense shard group dps × ep (ep ranks are
-        dp ranks to the dense weights)."""
+        1. The expert-data-parallel group counts as "dp", even of one rank (ep = dp): its traffic
+        is data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp
+        group), so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp;
+        so do hybrid sharding's dps and dpr groups, and its dense shard group dps × ep (ep ranks
+        are dp ranks to the dense weights). Without data parallelism (dp = 1) there is no "dp":
+        the experts' edp × cp is the cp group, as the dense gradients' is."""
         sizes: dict[str, int] = {}
-        part = any(a in DP_PARTS for a in axes)
+        part = any(a in DP_PARTS for a in axes) and self.size("dp") > 1
         for a in axes:
             named_as = "dp" if a in DP_PARTS or (part and a == "ep") else a
             sizes[named_as] = sizes.get(named_as, 1) * self.size(a)

@@ -27,8 +27,6 @@ from threefold.plan import costs
 from threefold.plan.dryrun_predict import RankShare, predict_rank, rank_share
 from threefold.plan.records import read_records
 
-BULK_AXES = ("dp", "tp", "pp")
-
 
 @dataclass(frozen=True)
 class Row:
@@ -199,8 +197,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                             + (", routed experts apart" if share.moe_blocks else "") + f"), ZeRO-{p.zero} over {over}"
                             if kind != "weight_versions" else "weight_versions: fp32 copies of the stage's weights"))
     flight = f", up to {share.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
-    tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (f" (seq_len / cp, {p.cp_method}'s own saves)"
-                                                                   if p.cp > 1 else "")
+    own = f", {p.cp_method}'s own saves" if t.recompute == "none" else ""  # as predict_rank counts them
+    tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (f" (seq_len / cp{own})" if p.cp > 1 else "")
     rows.append(Row("memory: activations, peak", want["memory"]["activations"],
                     measured(lambda s: s["memory"]["activations"]),
                     f"{share.blocks_in_flight} × block_activation_bytes of {tokens}{flight}"

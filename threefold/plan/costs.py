@@ -1368,8 +1368,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # ---- model states ------------------------------------------------------------------------
     block_params = block_param_count(cfg)
     # What ZeRO-3 gathers of the largest block: one tp rank's share of it, and of an MoE block the
-    # experts only where they have replicas to shard over (the engine runs ZeRO over one rank as
-    # plain data parallelism: it shards and gathers nothing).
+    # experts where the engine runs ZeRO-3 on them: an expert-data-parallel group (dp·cp/ep) of
+    # more than one rank, even where hybrid sharding leaves one of them in each shard group (it
+    # still gathers them, by copy); over one rank it runs them as plain data parallelism.
     sharded = (zero == 3) & (shards > 1)
     largest_block = block_params / t
     final_norm = h if cfg.arch == "llama" else 2 * h
@@ -1380,7 +1381,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
         block_numel = block_numel + moe_first * (moe_block - block_params / t)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
-        largest_block = np.maximum(largest_block, moe_block + np.where(expert_replicas > 1, expert_block, 0))
+        largest_block = np.maximum(largest_block, moe_block + np.where(replicas / e > 1, expert_block, 0))
     else:
         block_numel_last = block_numel
     embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
