@@ -595,6 +595,11 @@ PRECISIONS = {"mixed": dict(param_bytes=PARAM_BYTES, activation_bytes=ACTIVATION
 # Its memory is counted as mixed's: the fp8 copies of weights and saved inputs that TE keeps are
 # left out (docs/planner.md, "What the planner does not know").
 PRECISIONS["fp8"] = dict(PRECISIONS["mixed"])
+# autocast: threefold's engine in bfloat16 (train.dtype), what `compare` prices its runs with:
+# fp32 weights, gradients and moments, no master copy (torch AdamW on the fp32 weights, as in
+# fp32), the products in bf16; ZeRO gathers the fp32 weights. Not a --dtype: GPU runs are mixed.
+PRECISIONS["autocast"] = dict(PRECISIONS["fp32"], activation_bytes=ACTIVATION_BYTES,
+                              loss_pass_bytes=PRECISIONS["mixed"]["loss_pass_bytes"])
 # Bytes a float8 cast moves per element: Transformer Engine's fused cast-transpose reads the
 # 16-bit tensor once and writes its fp8 copy and the copy's transpose (2 + 1 + 1), the scale's
 # amax taken in the same pass. Each block product casts its input in the forward and the
