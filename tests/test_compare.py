@@ -222,8 +222,8 @@ def test_a_hybrid_sharded_run_is_compared_with_its_shard_groups(tmp_path, corpus
 def test_a_context_parallel_run_is_compared_on_its_share_of_the_sequence(tmp_path, corpus, distributed):  # noqa: F811
     """dp 2 × cp 2, ring attention, ZeRO-1: states over dp × cp, the gradients' bytes under
     "dp+cp" and the ring's under "cp", each exact; the activations are those of seq_len / cp
-    tokens (they were priced at whole sequences, 0.71 of the measured, before compare read
-    predict_rank, and with the grouped-query repeats the ring does not save, 0.97), within 2%."""
+    tokens (priced at whole sequences before compare read predict_rank, the measured was 0.71 of
+    the prediction, and 0.97 with the grouped-query repeats the ring does not save), within 2%."""
     from threefold.data import prepare_dataset
 
     cfg = config(tmp_path, corpus, "parallel.dp=2", "parallel.cp=2", "parallel.zero=1", "train.global_batch=4",
