@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor  # a dry run's tensors
 
 from threefold.distributed.mesh import ParallelMesh
 
@@ -365,8 +366,6 @@ def _axes(axis: Axes) -> tuple[str, ...]:
 def _copy(output: torch.Tensor, input: torch.Tensor) -> None:
     """What a gather or scatter over one rank does: copy, unless ``output`` is ``input`` itself
     (in place). A dry run's fake tensors have no memory to compare: they copy (nothing moves)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(output, FakeTensor) or output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.reshape(-1))
 

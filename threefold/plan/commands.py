@@ -440,7 +440,7 @@ def plan(as_json, top, out, config_out, **options):
 
         check_model(work)
     fixed = {knob: options.get(knob) for knob in search.KNOBS}
-    costs.check_hybrid_sharding(work.model, fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
+    costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)

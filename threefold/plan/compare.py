@@ -190,12 +190,15 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     rows = []
 
     over = (f"dp_shard={p.dp_shard} of dp={p.dp}" if p.dp_shard else f"dp={p.dp}") + (f" × cp={p.cp}" if p.cp > 1 else "")
-    for kind in ("params", "grads", "optimizer", "weight_versions"):
-        if kind in want["memory"]:
-            rows.append(Row(f"memory: {kind}", want["memory"][kind], measured(lambda s: s["memory"].get(kind, 0)),
-                            f"model_state_bytes of rank 0's {share.numel:,} elements (tp shard of its stage"
-                            + (", routed experts apart" if share.moe_blocks else "") + f"), ZeRO-{p.zero} over {over}"
-                            if kind != "weight_versions" else "weight_versions: fp32 copies of the stage's weights"))
+    experts = ", routed experts apart" if share.moe_blocks else ""
+    for kind in ("params", "grads", "optimizer"):
+        rows.append(Row(f"memory: {kind}", want["memory"][kind], measured(lambda s: s["memory"][kind]),
+                        f"model_state_bytes of rank 0's {share.numel:,} elements (tp shard of its stage{experts}), "
+                        f"ZeRO-{p.zero} over {over}"))
+    if "weight_versions" in want["memory"]:  # 2bw, pipedream
+        rows.append(Row("memory: weight_versions", want["memory"]["weight_versions"],
+                        measured(lambda s: s["memory"].get("weight_versions", 0)),
+                        "weight_versions: fp32 copies of the stage's weights"))
     flight = f", up to {share.in_flight} (micro-batch, stage) in flight" if p.pp > 1 else ""
     own = f", {p.cp_method}'s own saves" if t.recompute == "none" else ""  # as predict_rank counts them
     tokens = f"{t.micro_batch} × {model.seq_len // p.cp} tokens" + (f" (seq_len / cp{own})" if p.cp > 1 else "")

@@ -492,7 +492,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
             raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
                               f"rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
-    check_hybrid_sharding(model, int(layout.dp_shard), int(layout.zero), d, e)
+    check_hybrid_sharding(int(layout.dp_shard), int(layout.zero), d, e)
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
     if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
         raise ConfigError(f"--recompute: full with --schedule {schedule} is not priced: its weight gradients (W) run "
@@ -515,8 +515,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
 
 
-def check_hybrid_sharding(model: ModelConfig, dp_shard: int, zero: int | None = None, dp: int | None = None,
-                          ep: int = 1) -> None:
+def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None = None, ep: int = 1) -> None:
     """--dp-shard: ZeRO-3 over groups of that many dp ranks, as threefold's engine runs it (the
     ZeRO stage and dp checked where they are known: plan searches them)."""
     if not dp_shard:

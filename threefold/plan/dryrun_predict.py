@@ -9,8 +9,9 @@ multiple of tp) and every dp replica is the same.
   memory       costs.model_state_bytes of the rank's stages' parameters (its tp shard), ZeRO over
                dp × cp (the ranks that hold the same parameters; hybrid sharding: dp_shard × cp);
                activations, of its seq_len / cp tokens: costs.block_activation_bytes × the most
-               blocks whose activations the rank holds at once (simulate.peak_in_flight over its schedule's actions), plus
-               where it holds the head, the final norm and the logits as costs.estimate counts them;
+               blocks whose activations the rank holds at once (simulate.peak_in_flight over its
+               schedule's actions), each context-parallel method's own saves, plus where it holds
+               the head, the final norm and the logits as costs.estimate counts them;
   experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
                ranks of the expert-data-parallel group (× cp; hybrid sharding: the dp_shard/ep
                of them in a shard group); their reduction under "dp" ("dp+cp"), the

@@ -132,10 +132,10 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
     layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
-    return _with_hybrid_sharding(layouts, cfg, num_gpus, fixed.get("dp_shard"))
+    return _with_hybrid_sharding(layouts, num_gpus, fixed.get("dp_shard"))
 
 
-def _with_hybrid_sharding(layouts: Layout, cfg, num_gpus: int, dp_shard: int | None) -> Layout:
+def _with_hybrid_sharding(layouts: Layout, num_gpus: int, dp_shard: int | None) -> Layout:
     """The ZeRO-3 layouts again with hybrid sharding over shard groups of s dp ranks, for every
     divisor s of dp with 2 ≤ s < dp that holds whole ep groups (s = dp is ZeRO-3 itself); with
     --dp-shard fixed, only those with that s, and where dp = s plain ZeRO-3; --dp-shard 0, none."""
