@@ -34,12 +34,20 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def tp_block_param_count(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one Llama block on one tp rank: the attention's and the MLP's matrices are
-    split over tp (column-parallel wq, wk, wv, w_gate, w_up; row-parallel wo, w_down); the two
-    RMSNorm weights stay whole on every rank."""
-    h = cfg.hidden
-    return (block_param_count(cfg) - 2 * h) // tp + 2 * h
+def tp_replicated_block_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one block that every tp rank holds whole: a Llama block's two RMSNorm
+    weights; a GPT block's two LayerNorms (weight and bias) and its row-parallel products'
+    biases (wo's and the second MLP matrix's, added after the all-reduce, as Megatron-LM does)."""
+    return 2 * cfg.hidden if cfg.arch == "llama" else 6 * cfg.hidden
+
+
+def tp_block_param_count(cfg: ModelConfig, tp):
+    """Parameters of one block on one tp rank (``tp`` an int, or an array for the planner): the
+    attention's and the MLP's matrices are split over tp (column-parallel wq, wk, wv, w_gate,
+    w_up, and a GPT block's biases of them; row-parallel wo, w_down); the rest whole on every rank
+    (``tp_replicated_block_param_count``)."""
+    whole = tp_replicated_block_param_count(cfg)
+    return (block_param_count(cfg) - whole) // tp + whole
 
 
 def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1, moe_blocks: int = 0) -> int:

@@ -14,7 +14,8 @@ import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
 from threefold.models.sizes import (attention_width, block_param_count, count_parameters, moe_layer_count,
-                                    moe_parameter_counts, rank_expert_param_count, tp_moe_block_param_count)
+                                    moe_parameter_counts, padded_vocab, rank_expert_param_count,
+                                    tp_block_param_count, tp_moe_block_param_count)
 from threefold.parallel.pipeline.schedule import EQUAL_SHARES, SCHEDULE_REGISTRY, check_schedule, schedule_names
 from threefold.plan import context
 from threefold.plan.context import METHODS as CP_METHODS
@@ -1370,27 +1371,28 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                         + np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace)))
 
     # ---- model states ------------------------------------------------------------------------
-    block_params = block_param_count(cfg)
+    block_params = tp_block_param_count(cfg, t)  # one tp rank's: its norms whole (models/sizes.py)
     # What ZeRO-3 gathers of the largest block: one tp rank's share of it, and of an MoE block the
     # experts where the engine runs ZeRO-3 on them: an expert-data-parallel group (dp·cp/ep) of
     # more than one rank, even where hybrid sharding leaves one of them in each shard group (it
     # still gathers them, by copy); over one rank it runs them as plain data parallelism.
     sharded = (zero == 3) & (shards > 1)
-    largest_block = block_params / t
+    largest_block = block_params
     final_norm = h if cfg.arch == "llama" else 2 * h
-    block_numel = stage_layers * block_params / t
+    block_numel = stage_layers * block_params
     expert_first = expert_last = 0
     if moe:  # per MoE block on one rank: the attention over tp; norms, router, shared and E/ep experts whole
         moe_block, expert_block = tp_moe_block_param_count(cfg, t), rank_expert_param_count(cfg, e)
-        block_numel_last = block_numel + moe_last * (moe_block - block_params / t)
-        block_numel = block_numel + moe_first * (moe_block - block_params / t)
+        block_numel_last = block_numel + moe_last * (moe_block - block_params)
+        block_numel = block_numel + moe_first * (moe_block - block_params)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
         largest_block = np.maximum(largest_block, moe_block + np.where(replicas / e > 1, expert_block, 0))
     else:
         block_numel_last = block_numel
-    embedding_numel = V * h / t + (s * h if cfg.arch == "gpt" else 0)  # vocab-parallel table; positions whole
-    head_numel = V * h / t + final_norm  # a tied head keeps its own copy on the last stage
-    whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else V * h / t)
+    table = padded_vocab(V, t) / t * h  # vocab-parallel: the vocabulary padded to a multiple of tp
+    embedding_numel = table + (s * h if cfg.arch == "gpt" else 0)  # positions whole
+    head_numel = table + final_norm  # a tied head keeps its own copy on the last stage
+    whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else table)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
     last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
     gathered_grads = np.where(sharded, largest_block * work.grad_bytes, 0)
@@ -1588,10 +1590,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                                    wait=group_wait(wait, groups, runnable, pair_wait))
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, shards, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
-                             mb_s, drain_s, root_numel=last_root, unit_numel=block_params / t, head=~v_shape,
+                             mb_s, drain_s, root_numel=last_root, unit_numel=block_params, head=~v_shape,
                              embedding=single_stage, **dp_kinds)
     dp_first = _data_parallel(first_numel, shards, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s,
-                              forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params / t,
+                              forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params,
                               head=single_stage | v_shape, embedding=True, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), behind the
         # same backward as the rest: the two groups' exposure together
