@@ -312,13 +312,14 @@ def test_compare_predicts_the_weight_versions_the_engine_keeps(schedule):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("ep, expert_lr", [(1, 1.0), (1, 0.5), (2, 1.0)])  # 0.5: the experts' own sync and group
-def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr):
+@pytest.mark.parametrize("ep, expert_lr, dp, dp_shard", [(1, 1.0, 4, 2), (1, 0.5, 4, 2), (2, 1.0, 8, 4), (2, 1.0, 4, 2)])
+def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr, dp, dp_shard):
     """At ep = 1 the experts are sharded like the rest (pairs of dp ranks × cp), by the dense
-    sync or by their own; at ep = 2 the dense weights over groups of 4 dp ranks (two ep pairs)
-    and the experts over the 2 of them that hold the same experts. The dry run's states and
-    bytes are the planner's, the all-reduce between the groups under "dp" where cp > 1."""
-    dp, dp_shard = (4, 2) if ep == 1 else (8, 4)
+    sync or by their own (expert_lr 0.5: their own group); at ep = 2 the dense weights over
+    groups of dp_shard dp ranks (ep pairs) and the experts over the dp_shard / ep of them that
+    hold the same experts (× cp): 2 at dp_shard 4; at dp_shard 2 one rank at cp 1, which the
+    engine runs as plain data parallelism between the groups. The dry run's states and bytes
+    are the planner's, the all-reduce between the groups under "dp" where cp > 1."""
     cfg = dry_run_config(load(['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "model.layers=4",
                                "model.moe_experts=4", "model.moe_top_k=2", f"model.moe_expert_lr_scale={expert_lr}",
                                f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.cp={cp}", "parallel.zero=3",
@@ -331,6 +332,15 @@ def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr):
     assert ("dp" in want["comm_bytes"]) and (("dp+cp" in want["comm_bytes"]) == (cp > 1))
     for key, value in want["comm_bytes"].items():
         assert result["comm_bytes"][key] == value, key
+    if dp_shard == ep and cp == 1:  # the experts: one all-reduce a step between the dp / ep groups, not one a micro-batch
+        from threefold.models.sizes import rank_expert_param_count
+        from threefold.plan import costs
+        from threefold.plan.dryrun_predict import rank_share
+
+        share, groups = rank_share(cfg, 0), dp // ep
+        dense = costs.dp_bytes_per_step(share.numel, dp, 3, cfg.microbatches, shard=dp_shard)
+        experts = share.moe_blocks * rank_expert_param_count(cfg.model, ep)
+        assert cfg.microbatches > 1 and result["comm_bytes"]["dp"] == dense + 2 * (groups - 1) / groups * experts * 4
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "1f1b"])

@@ -36,8 +36,9 @@ The optimizer is torch's AdamW on this rank's chunks, exactly as in ZeRO-1/2
 
 Hybrid sharding (HSDP, FSDP's HYBRID_SHARD; ``parallel.dp_shard``): the units are sharded over
 groups of dp_shard consecutive dp ranks (the mesh's dps × ep; the routed experts over the dps of
-them that hold the same experts), each group holding a whole copy of the states, so the gathers
-stay inside the group (a node, typically) and only gradients cross between groups: each
+them that hold the same experts, or, where that is one rank, dp_shard = ep, not by this module:
+the engine runs them as plain data parallelism), each group holding a whole copy of the states,
+so the gathers stay inside the group (a node, typically) and only gradients cross between groups: each
 reduce-scattered shard is then all-reduced over the dp / dp_shard ranks that hold the same shard
 ("dpr"), behind the backward as the reduce-scatters are. Per micro-batch that
 adds ``2 (r−1)/r · numel/s · 4`` bytes a rank (r groups of s) to the gathers' and reduce-scatters'

@@ -1373,9 +1373,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # ---- model states ------------------------------------------------------------------------
     block_params = tp_block_param_count(cfg, t)  # one tp rank's: its norms whole (models/sizes.py)
     # What ZeRO-3 gathers of the largest block: one tp rank's share of it, and of an MoE block the
-    # experts where the engine runs ZeRO-3 on them: an expert-data-parallel group (dp·cp/ep) of
-    # more than one rank, even where hybrid sharding leaves one of them in each shard group (it
-    # still gathers them, by copy); over one rank it runs them as plain data parallelism.
+    # experts where the engine shards them: over more than one rank of their replicas (dp·cp/ep;
+    # under hybrid sharding, of a shard group's). Over one rank it runs them as plain data
+    # parallelism (engine._expert_sync), and gathers nothing.
     sharded = (zero == 3) & (shards > 1)
     largest_block = block_params
     final_norm = h if cfg.arch == "llama" else 2 * h
@@ -1386,7 +1386,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         block_numel_last = block_numel + moe_last * (moe_block - block_params)
         block_numel = block_numel + moe_first * (moe_block - block_params)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
-        largest_block = np.maximum(largest_block, moe_block + np.where(replicas / e > 1, expert_block, 0))
+        largest_block = np.maximum(largest_block, moe_block + np.where(expert_replicas > 1, expert_block, 0))
     else:
         block_numel_last = block_numel
     table = padded_vocab(V, t) / t * h  # vocab-parallel: the vocabulary padded to a multiple of tp
@@ -1601,11 +1601,24 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         expert_bw, expert_lat = link(t * c * e * expert_dp, members_per_node=expert_members)
         expert_kinds = dict(dp_kinds, members_per_node=expert_members,  # "between": hybrid sharding's, as the rest's
                             wait=group_wait(wait, expert_replicas, runnable, pair_wait))
-        dp_last = _data_parallel(expert_last, expert_replicas, zero, m, moe_last, work, expert_bw, expert_lat,
+        expert_group, expert_zero = expert_replicas, zero
+        # Hybrid sharding at dp_shard = ep (cp 1) leaves one rank of each expert in a shard group:
+        # the engine runs them as plain data parallelism over the groups (one all-reduce a step,
+        # on the link between the groups), not as ZeRO-3 over one rank
+        replicated = (expert_replicas == 1) & (groups > 1)
+        if np.any(replicated):
+            between = dp_kinds["between"]
+            expert_group, expert_zero = np.where(replicated, groups, expert_replicas), np.where(replicated, 0, zero)
+            expert_bw = np.where(replicated, between["bw"], expert_bw)
+            expert_lat = np.where(replicated, between["latency"], expert_lat)
+            expert_kinds.update({key: np.where(replicated, between[key], expert_kinds[key])
+                                 for key in ("members_per_node", "intra", "wait")},
+                                between=dict(between, groups=np.where(replicated, 1, groups)))
+        dp_last = _data_parallel(expert_last, expert_group, expert_zero, m, moe_last, work, expert_bw, expert_lat,
                                  backward_s, forward_s, mb_s, drain_s, also=dp_last,
                                  unit_numel=np.where(moe_last > 0, expert_block, 0), head=False, embedding=False,
                                  **expert_kinds)
-        dp_first = _data_parallel(expert_first, expert_replicas, zero, m, moe_first, work, expert_bw, expert_lat,
+        dp_first = _data_parallel(expert_first, expert_group, expert_zero, m, moe_first, work, expert_bw, expert_lat,
                                   backward_s, forward_s, mb_s, 0, also=dp_first,
                                   unit_numel=np.where(moe_first > 0, expert_block, 0), head=False, embedding=False,
                                   **expert_kinds)

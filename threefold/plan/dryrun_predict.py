@@ -130,8 +130,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
     expert_replicas = p.dp // p.ep * p.cp
-    # hybrid sharding: the dp_shard / ep ranks of a shard group that hold the same experts (× cp)
+    # hybrid sharding: the dp_shard / ep ranks of a shard group that hold the same experts (× cp);
+    # where that is one rank, the engine runs them as plain data parallelism (engine._expert_sync)
     expert_shard = p.dp_shard // p.ep * p.cp if p.dp_shard else expert_replicas
+    expert_zero = 0 if expert_shard == 1 else p.zero
     if experts:
         for key, value in costs.model_state_bytes(experts, expert_shard, p.zero).items():
             memory[key] += value
@@ -176,7 +178,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
     if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
-        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, p.zero, m,
+        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, expert_zero, m,
                                                                          shard=expert_shard)
         if p.dp_shard and p.cp > 1:
             between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, m)

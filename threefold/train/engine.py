@@ -370,13 +370,18 @@ class Engine:
 
     def _expert_sync(self, part: nn.Module, named: list[tuple[str, nn.Parameter]]):
         """The experts' gradient synchronisation: over edp = dp/ep (× cp), the ranks that hold the same
-        experts, as ZeRO 0–3 shards them there; the sums divided by dp (× cp), not edp (an expert's
-        gradient on its rank already sums the tokens of every rank of its ep group; see
-        expert_parallel.py). Over an edp of one rank it only divides."""
+        experts, as ZeRO 0–3 shards them there (under hybrid sharding ZeRO-3 over the dps × cp of
+        them in a shard group, or where that is one rank, plain data parallelism); the sums divided
+        by dp (× cp), not edp (an expert's gradient on its rank already sums the tokens of every rank
+        of its ep group; see expert_parallel.py). Over an edp of one rank it only divides."""
         p, mesh, comm = self.cfg.parallel, self.mesh, self.comm
         dp = mesh.size(*self.grad_axes)
         axes = ("edp", "cp") if self.cp > 1 else ("edp",)  # the cp ranks hold the same experts too
         zero = p.zero if mesh.size(*axes) > 1 else 0
+        if zero == 3 and mesh.size("dps", *axes[1:]) == 1:
+            # hybrid sharding at dp_shard = ep (cp 1): a shard group holds one rank of these experts,
+            # so nothing shards them; plain data parallelism over the groups, one all-reduce a step
+            zero = 0
         if zero == 3:
             from threefold.models.moe import GroupedExperts
             from threefold.parallel.fsdp import ShardedGradSync
