@@ -307,7 +307,8 @@ TINY_MOE = ["model.layers=4", "model.hidden=64", "model.heads=8", "model.kv_head
       "train.micro_batch=1", "train.dtype=bfloat16"], 7),
 ])
 def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
-    """States and bytes exact (dp, ep, tp, pp), activations within 3% in fp32; Mixtral 8x7B at
+    """States and bytes exact (dp, ep, tp, pp), activations within 0.5% in fp32 (0.3% at most: the
+    routing's int64 bookkeeping is estimated, the rest counted to the byte); Mixtral 8x7B at
     ep8 in bf16 (its activations under autocast are above the planner's 16-bit count: not checked)."""
     from threefold.configure import load_config
     from threefold.plan.dryrun_predict import predict_rank
@@ -329,7 +330,7 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
     for key, value in want["comm_bytes"].items():
         assert result["comm_bytes"][key] == value, key
     if cfg.train.dtype == "float32":
-        assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.03)
+        assert result["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=0.005)
 
 
 def test_a_replicated_moe_block_has_only_the_attentions_tp_collectives():

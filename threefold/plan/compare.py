@@ -205,7 +205,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     rows.append(Row("memory: activations, peak", want["memory"]["activations"],
                     measured(lambda s: s["memory"]["activations"]),
                     f"{share.blocks_in_flight} × block_activation_bytes of {tokens}{flight}"
-                    + (" + the final norm and logits (head_activation_bytes)" if share.last_stage else "")))
+                    + (" + the final norm and logits (head_activation_bytes)" if share.last_stage else "")
+                    + " + token ids and masks (bookkeeping_activation_bytes)"))
 
     try:
         gpu, missing = local_gpu(t.dtype, workers=p.world_size), None  # the run's dtype, its ranks on these cores

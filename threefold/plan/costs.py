@@ -765,7 +765,8 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     all of it is whole. Per token: the SwiGLU internals (gate, up, silu(gate), product) of its k
     routed and the shared experts, 4·(k + S)·f_e, in place of the dense SwiGLU's 4·f/tp; three
     tensors of k rows of h (the permuted input, the experts' output and its weighted copy);
-    under SP the gathered input (h); in fp32 and int64 whatever the dtype, the router's logits
+    under SP the gathered input (h), in place of the norm's output shard (h/tp, which nothing
+    keeps: the router and the experts read the gathered sequence); in fp32 and int64 whatever the dtype, the router's logits
     and scores (8·E bytes), the choices' indices and sort orders (32·k), their weights (8·k)
     and the renormalising sum (4). Expert parallelism's regrouping adds a few bytes (not
     counted). Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
@@ -775,7 +776,7 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     recompute = _recompute_index(recompute)
-    gathered = np.where(sp, h * d, 0)
+    gathered = np.where(sp, h * d - h * d / t, 0)  # the gathered sequence, where nothing keeps the norm's shard
     whole = 4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 8 * model.moe_experts + 40 * k + 4
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
@@ -794,7 +795,7 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
         input shard, fp32: (r − d)·h/t per norm. Without SP (and at tp 1) each product casts
         it to bf16 and saves its own copy: q, k and v three, gate and up two, (2 + 1)·d·h beyond
         one shared output. An MoE block's router reads it in fp32 (under SP the gathered
-        sequence, and nothing keeps the shard): (r − d)·h, under SP less d·h/t.
+        sequence; moe_activation_bytes already leaves the shard out): (r − d)·h.
       Autocast casts a product's weight to bf16 once per forward, and the product keeps that copy
         until its backward: d · the block's matrices / t per micro-batch in flight without SP;
         under SP the two row-parallel ones (wo, w_down), since a column-parallel product saves
@@ -815,7 +816,7 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
     attention_copies = np.where(rows, 0, q * h + np.where(sp, 0, h * q + 2 * h * kv)) * d / t
     if moe:
         k, f_e, shared = model.moe_top_k_experts, model.moe_ffn_hidden, model.moe_shared_experts
-        ffn_outputs = (r - d) * h - np.where(sp, d * h / t, 0) + k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)
+        ffn_outputs = (r - d) * h + k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)
         ffn_copies = (model.moe_experts / np.asarray(ep) + shared) * 3 * h * f_e * d
     else:
         ffn_outputs = np.where(sp, (r - d) * h / t, d * h)

@@ -61,6 +61,7 @@ class RankShare:
     in_flight: int = 1
     head_norms_in_flight: int = 1
     head_logits_in_flight: int = 1
+    embedding_in_flight: int = 1
 
 
 def rank_share(cfg: Config, pp_rank: int) -> RankShare:
@@ -82,10 +83,12 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     actions = schedule.actions[pp_rank]
     blocks_in_flight = peak_in_flight(actions, schedule.split_backward, lambda a: len(spans[a.stage].blocks))
     head = lambda a: int(spans[a.stage].last)  # noqa: E731  (the head's stage's actions alone)
+    embedding = lambda a: int(spans[a.stage].first)  # noqa: E731
     return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
                      any(span.last for span in held), blocks_in_flight, sum(moe),
                      peak_in_flight(actions, schedule.split_backward),
-                     peak_in_flight(actions, schedule.split_backward, head), peak_in_flight(actions, False, head))
+                     peak_in_flight(actions, schedule.split_backward, head), peak_in_flight(actions, False, head),
+                     peak_in_flight(actions, False, embedding))
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:
@@ -112,6 +115,35 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residua
         logits += norms * (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if p.sequence_parallel
                            else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
     return embedding + logits
+
+
+def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
+    """The engine's own saved tensors that costs.activation_coefficients leaves out (bytes a
+    token; on real models under 0.5% of the activations), int64 but for the masks, the loss's
+    scalar and the rotary tables. The embedding saves its token ids and the loss its targets:
+    views of the rank's whole batch of inputs and of targets (m·b sequences each, as
+    data/sampler.py makes them; each counted once while any micro-batch is in flight), with
+    PyTorch's nll_loss an fp32 scalar per micro-batch. Under tp the vocabulary-parallel
+    embedding and loss save their own masked ids and a bool mask per micro-batch instead; under
+    context parallelism the ids and targets are new tensors of the rank's b·seq/cp tokens per
+    micro-batch, and each (micro-batch, stage) in flight holds the rotary tables gathered at its
+    zigzag positions (fp32 cos and sin, seq/cp × head_dim each) and, under full recomputation,
+    those positions (a block's saved input); Ulysses saves two orderings of the whole sequence
+    in each block it does not recompute whole (models/llama.py, parallel/tensor_parallel.py,
+    parallel/context_parallel.py)."""
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    seq = model.seq_len // p.cp
+    ends = share.embedding_in_flight * share.first_stage, share.head_logits_in_flight * share.last_stage
+    scalars = 4 * ends[1] if p.tp == 1 else 0  # PyTorch's nll_loss: its fp32 total weight
+    if p.cp == 1 and p.tp == 1:
+        return scalars + (share.first_stage + share.last_stage) * cfg.microbatches * t.micro_batch * seq * 8
+    per_token = 8 + (1 if p.tp > 1 else 0)  # an int64 id, and under tp its bool mask
+    ids_and_targets = sum(ends) * t.micro_batch * seq * per_token
+    if p.cp == 1:
+        return scalars + ids_and_targets
+    per_stage = seq * (2 * model.head_dim * 4 + (8 if t.recompute == "full" else 0))
+    ulysses = 2 * model.seq_len * 8 if p.cp_method == "ulysses" and t.recompute != "full" else 0
+    return scalars + ids_and_targets + share.in_flight * per_stage + share.blocks_in_flight * ulysses
 
 
 def predict_rank(cfg: Config, rank: int) -> dict:
@@ -159,8 +191,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
                                                     p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
                     for moe in (False, True)]
         block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
-    memory["activations"] = (share.blocks_in_flight * block
-                             + head_activation_bytes(cfg, share, act_bytes, residual_bytes))
+    memory["activations"] = (share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes, residual_bytes)
+                             + bookkeeping_activation_bytes(cfg, share))
     # 2bw, pipedream: whole fp32 copies of this stage's weights, one per version its batches use
     versions, _ = costs.weight_versions(costs.SCHEDULES.index(p.schedule), p.pp, pp_rank)
     if versions:

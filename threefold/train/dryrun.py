@@ -159,9 +159,11 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             engine = Engine(model, cfg, mesh, Comm(mesh))
             engine.comm_bytes()  # construction's traffic (none today) is not the step's
             meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
-            tokens = torch.zeros((t.global_batch // engine.dp_size, cfg.model.seq_len + 1), dtype=torch.long,
-                                 device=engine.device)  # values never read: any tokens do
-            engine.forward_backward(split_micro_batches(tokens[:, :-1], tokens[:, 1:], t.micro_batch))
+            # the rank's inputs and targets, two tensors as the sampler makes them (data/sampler.py:
+            # their storages are what the embedding and the loss save); values never read
+            inputs, targets = (torch.zeros((t.global_batch // engine.dp_size, cfg.model.seq_len), dtype=torch.long,
+                                           device=engine.device) for _ in range(2))
+            engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
             engine.clip_grad_norm(t.grad_clip)
             engine.optimizer_step(lr_at(0, cfg))
             memory = dict(engine.memory_bytes(), activations=meter.peak)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import warnings
 
@@ -440,9 +441,9 @@ class Engine:
         return self.rank == 0
 
     def parameter_storages(self) -> set[int]:
-        """Storages holding parameters now (ZeRO-3: the gathered units); the activation meter
-        leaves them out."""
-        found = {storage_key(q) for q in self.model.parameters()}
+        """Storages holding model state now: parameters (ZeRO-3: the gathered units) and buffers
+        (the rotary tables, whose slices the blocks save); the activation meter leaves them out."""
+        found = {storage_key(q) for q in itertools.chain(self.model.parameters(), self.model.buffers())}
         for sync in self.syncs.values():
             found |= {storage_key(t) for t in getattr(sync, "gathered_storages", list)()}
         return found

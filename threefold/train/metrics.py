@@ -1,6 +1,7 @@
 """What a training step measures: activation bytes saved for backward, and the metrics file."""
 from __future__ import annotations
 
+import itertools
 import json
 import weakref
 from pathlib import Path
@@ -34,7 +35,7 @@ class ActivationMeter:
     last of them, after the backward that used it. So the peak is what the schedule keeps in
     flight: one micro-batch's forward for plain gradient accumulation, up to the pipeline
     depth on the first stage of 1F1B, and under zero-bubble until the weight-gradient pass.
-    Parameters are left out: they are model state. With recomputation, checkpointed regions
+    Parameters and buffers are left out: they are model state. With recomputation, checkpointed regions
     save only their inputs, which is exactly what this sees.
     """
 
@@ -47,7 +48,7 @@ class ActivationMeter:
 
     @classmethod
     def for_module(cls, module: torch.nn.Module) -> "ActivationMeter":
-        return cls(lambda: {storage_key(p) for p in module.parameters()})
+        return cls(lambda: {storage_key(p) for p in itertools.chain(module.parameters(), module.buffers())})
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()

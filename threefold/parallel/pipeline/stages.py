@@ -35,7 +35,9 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in span.blocks})
         self.norm = model.norm if span.last else None
         self.head = model.head if span.last else None
-        self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
+        # the plain model's rotary tables, as buffers here too: model state, not activations
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
         """The next stage's input, or on the last stage the logits. ``positions``: the tokens'
