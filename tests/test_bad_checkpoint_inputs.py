@@ -243,6 +243,41 @@ def test_a_metrics_file_below_a_file_is_refused_before_the_run_is_built(workspac
     assert line == f"error: --metrics-file: {workspace / 'a-file'} is a file, so no file {metrics} can be made below it"
 
 
+@pytest.mark.parametrize("option, path, message", [
+    (["--metrics-file", "{w}/new/m/"], "{w}/new/m/", "--metrics-file: {w}/new/m/ names a folder; name a file"),
+    (["--metrics-file", "/proc/new/m.jsonl"], None,
+     "--metrics-file: cannot write in /proc (No such file or directory), so no file /proc/new/m.jsonl can be made there"),
+    (["--set", "train.checkpoint_dir=/proc/new/ck"], None,
+     "train.checkpoint_dir: cannot write in /proc (No such file or directory), so no folder /proc/new/ck can be made "
+     "there"),
+])
+def test_an_output_that_cannot_be_made_is_refused_before_the_first_step(workspace, capsys, option, path, message):
+    """Each was a traceback: the metrics file's at the first step's write (IsADirectoryError, or
+    FileNotFoundError from mkdir), the checkpoint folder's at the first save, steps later."""
+    args = ["train", "--no-progress", *sum((["--set", s] for s in sets(workspace)), []),
+            *(part.format(w=workspace) for part in option)]
+    assert refused(capsys, args) == "error: " + message.format(w=workspace)
+    assert not (workspace / "new").exists()
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(capsys, monkeypatch):
+    """It measured for two minutes, then lost the profile to a traceback."""
+    import threefold.plan.calibrate
+
+    def never(*args, **kwargs):
+        raise AssertionError("measured before checking --out")
+
+    monkeypatch.setattr(threefold.plan.calibrate, "measure_profile", never)
+    line = refused(capsys, ["calibrate", "--quick", "--out", "/proc/new/local.json"])
+    assert line.startswith("error: --out: cannot write in /proc (") and "/proc/new/local.json" in line
+
+
+def test_calibrate_from_runs_names_a_missing_run_before_a_missing_profile(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("THREEFOLD_HOME", str(tmp_path / "home"))  # no profile there
+    line = refused(capsys, ["calibrate", "--from-runs", str(tmp_path / "missing.json")])
+    assert line.startswith(f"error: --from-runs: cannot read the manifest {tmp_path / 'missing.json'}"), line
+
+
 def test_an_empty_metrics_file_is_refused(workspace, capsys, monkeypatch):
     import threefold.train.trainer
 

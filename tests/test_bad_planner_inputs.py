@@ -131,5 +131,27 @@ def test_an_output_below_a_file_or_unwritable_is_one_line(capsys, tmp_path, flag
     code, out, err = run(capsys, "plan", *small, flag, str(below))
     one_line_error(code, err, f"{flag}: {tmp_path / 'a-file'} is a file, so no file {below} can be made below it")
     assert not out  # refused before the search
-    code, _, err = run(capsys, "plan", *small, flag, f"/proc/{name}")
-    one_line_error(code, err, f"{flag}: cannot write /proc/{name}")
+    code, out, err = run(capsys, "plan", *small, flag, f"/proc/{name}")
+    one_line_error(code, err, f"{flag}: cannot write in /proc (", f"so no file /proc/{name} can be made there")
+    assert not out  # refused before the search, as the file below a file is
+
+
+def test_plan_exits_2_when_nothing_fits_in_json_too(capsys):
+    """With --json it printed {"fitting": 0, "layouts": []} and exited 0; without, 2."""
+    args = ["--model", "llama3-405b", "--gpu", "a100-40gb", "--num-gpus", "1", "--global-batch", "1"]
+    code, out, err = run(capsys, "plan", *args)
+    one_line_error(code, err, "no layout of this model fits on 1 × a100-40gb")
+    code, out, err = run(capsys, "plan", *args, "--json")
+    one_line_error(code, err, "no layout of this model fits on 1 × a100-40gb")
+    assert json.loads(out)["fitting"] == 0 and json.loads(out)["layouts"] == []
+
+
+def test_moe_experts_0_makes_an_moe_preset_dense(capsys):
+    """It was refused for --moe-top-k, a flag the user had not given (the preset's)."""
+    args = ["--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "512", "--tp", "8", "--json"]
+    code, out, err = run(capsys, "estimate", "--model", "mixtral-8x7b", "--moe-experts", "0", *args)
+    assert code == 0, err
+    dense = json.loads(out)
+    code, out, _ = run(capsys, "estimate", "--model", "mixtral-8x7b", *args)
+    moe = json.loads(out)["parameters"]
+    assert code == 0 and dense["parameters"]["total"] == dense["parameters"]["active"] < moe["active"] < moe["total"]

@@ -36,7 +36,7 @@ def test_single_process_model_states_are_exact(tmp_path, corpus, monkeypatch):  
     act = rows["memory: activations, peak"]
     assert "+ the final norm and logits" in act.formula and act.measured == act.predicted, act
     step = rows["step time"]
-    assert step.predicted is None and "threefold calibrate` (under two minutes)" in step.formula
+    assert step.predicted is None and "run `threefold calibrate` first (under two minutes)" in step.formula
 
     # With a profile, the step time is predicted; the bytes do not change.
     save_profile({key: 1.0 for key in PROFILE_KEYS} | dict(name="test", peak_flops_fp32=1e10, peak_flops_bf16=1e10,

@@ -76,3 +76,18 @@ def test_console_script_exit_code(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("given, dtype", [("bf16", "bfloat16"), ("BF16", "bfloat16"), ("fp32", "float32"),
+                                          ("bfloat16", "bfloat16")])
+def test_train_dtype_takes_the_planners_names(given, dtype):
+    """`--set train.dtype=bf16` was refused while estimate and plan take bf16."""
+    assert load_config(None, [f"train.dtype={given}"]).train.dtype == dtype
+
+
+def test_a_list_key_takes_comma_separated_numbers_on_the_command_line():
+    """`--set parallel.stage_layers=3,1` was refused ("expected a list"); estimate takes --stage-layers 3,1."""
+    cfg = load_config(None, ["model.preset=tiny", "parallel.pp=2", "parallel.stage_layers=3,1"])
+    assert cfg.parallel.stage_layers == [3, 1]
+    with pytest.raises(ConfigError, match=r"^parallel.stage_layers: expected a list, got '3,x'$"):
+        load_config(None, ["model.preset=tiny", "parallel.pp=2", "parallel.stage_layers=3,x"])

@@ -405,6 +405,22 @@ def test_plan_writes_its_winner_as_a_config_the_engine_dry_runs(capsys, tmp_path
     assert json.loads(capsys.readouterr().out.splitlines()[0])["rank"] == 0
 
 
+def test_plan_says_which_row_of_its_table_the_config_holds(capsys, tmp_path, monkeypatch):
+    """The table shows one row a mesh, the search counts every variant: Llama 3 70B at 128k
+    tokens on 256 H100s writes the table's third row, where plan had said "the search's #6"."""
+    monkeypatch.setenv("COLUMNS", "400")  # the table's rows on one line each
+    path = tmp_path / "run.toml"
+    code, out, err = run(capsys, "plan", "--model", "llama3-70b", "--seq-len", "131072", "--global-batch", "32",
+                         "--gpu", "h100-sxm", "--num-gpus", "256", "--config-out", str(path))
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("│ ") and line[2].isdigit()]
+    written = next(line for line in out.splitlines() if line.startswith("config of "))
+    layout = written.removeprefix("config of ").split(" (#")[0]
+    number = int(written.split(" (#")[1].split(" in the table")[0])
+    assert layout in rows[number - 1] and all(layout not in row for row in rows[:number - 1])
+    assert "counting every variant, do not run on the engine" in written
+
+
 @pytest.mark.parametrize("dp, cp, zero, bucket_mb", [(8, 1, 1, 152.6), (16, 4, 0, 244.1), (4, 1, 2, 152.6),
                                                       (8, 1, 3, 25.0), (1, 1, 0, 25.0)])
 def test_config_out_runs_the_gradient_buckets_the_layout_was_priced_with(capsys, tmp_path, dp, cp, zero, bucket_mb):

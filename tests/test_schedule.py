@@ -266,11 +266,11 @@ def test_command_json(capsys, tmp_path):
     assert _png_size(tmp_path / "t.png")[0] > 0
 
 
-def test_command_table(capsys):
-    code, out, _ = _run(capsys, "--schedule", "interleaved", "--pp", "4", "--microbatches", "8",
-                        "--virtual-stages", "2")
+@pytest.mark.parametrize("chunks", [["--virtual-stages", "2"], []])  # 2 chunks a rank: interleaved's default too
+def test_command_table(capsys, chunks):
+    code, out, _ = _run(capsys, "--schedule", "interleaved", "--pp", "4", "--microbatches", "8", *chunks)
     assert code == 0
-    assert f"bubble {3 / 19:.1%}" in out and "5.5" in out
+    assert f"bubble {3 / 19:.1%}" in out and "5.5" in out and "v=2" in out
 
 
 @pytest.mark.parametrize("args", [

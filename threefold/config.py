@@ -16,7 +16,9 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import sys
+import tempfile
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -431,14 +433,30 @@ def notes_after_checks():
             print(line, file=sys.stderr)
 
 
-def check_below_folder(flag: str, path: str | Path, made: str = "file") -> None:
-    """ConfigError, one line, for an output ``path`` below a file: nothing can be made there (the
-    nearest part of the path that exists must be a folder)."""
-    above = Path(path).absolute().parent
+def check_output_path(flag: str, path: str | Path, made: str = "file") -> None:
+    """ConfigError, one line, for an output ``path`` that cannot be made, checked before any work
+    (a run, a measurement) is spent on it: a file named like a folder (ending in a separator), or
+    a path whose nearest existing part is a file or a folder this process cannot write in (the
+    test: a temporary file made there and removed)."""
+    if made == "file" and str(path).endswith(("/", os.sep)):
+        raise ConfigError(f"{flag}: {path} names a folder; name a file")
+    above = Path(path).absolute()
+    if made == "file" or not above.is_dir():
+        above = above.parent
     while not above.exists():
         above = above.parent
     if not above.is_dir():
         raise ConfigError(f"{flag}: {above} is a file, so no {made} {path} can be made below it")
+    try:
+        with tempfile.TemporaryFile(dir=above):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag}: cannot write in {above} ({err.strerror or err}), so no {made} {path} "
+                          f"can be made there") from None
+
+
+# train.dtype as the planner's --dtype and trainers also name them
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "bf16-mixed": "bfloat16", "amp_bf16": "bfloat16"}
 
 
 def _at_most(section: str, key: str, value: int) -> int:
@@ -490,10 +508,12 @@ def _coerce(section: str, key: str, value):
             return number
     elif base is str:
         if isinstance(value, str):
-            return value
+            return DTYPE_NAMES.get(value.strip().lower(), value) if (section, key) == ("train", "dtype") else value
     elif base is list:
         if isinstance(value, list):
             return value  # its meaning is checked where it is used (parallel.stage_layers: the partition)
+        if isinstance(value, str) and re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*,?\s*", value):
+            return [int(item) for item in value.split(",") if item.strip()]  # --set parallel.stage_layers=3,2
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}.get(base, str(base))
     if (section, key) == ("parallel", "dp"):
         expected = 'an integer or "auto"'

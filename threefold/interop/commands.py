@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from threefold.config import Config, ConfigError, ModelConfig, check_below_folder
+from threefold.config import Config, ConfigError, ModelConfig, check_output_path
 
 
 def check_out(out: str | Path) -> None:
@@ -24,7 +24,7 @@ def check_out(out: str | Path) -> None:
         raise ConfigError(f"--out: {str(out)!r} is not a new folder; name one")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out: {out} already exists and is not empty; choose a new folder")
-    check_below_folder("--out", out, made="folder")
+    check_output_path("--out", out, made="folder")
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from threefold.config import ConfigError
+from threefold.config import ConfigError, check_output_path
 from threefold.distributed.launch import keep_large_blocks_in_the_heap
 from threefold.plan.profile import FITTED_KEYS, PROFILE_KEYS, load_profile, profile_path, save_profile  # noqa: F401
 
@@ -782,7 +782,7 @@ def profile_table(profile: dict, path: Path) -> Table:
           for w, t in profile.get("oversubscribed_wait_s", {}).items()),
         *((f"a small collective in pairs, {w} processes computing", f"{t * 1e3:,.2f} ms")
           for w, t in profile.get("oversubscribed_pair_wait_s", {}).items() if int(w) > 2),
-        *((f"a training step's compute, {w} processes", f"{x:.2f}× the CPU of one a core")
+        *((f"a training step's compute, {w} processes", f"{x:.2f}× its time at one process a core")
           for w, x in profile.get("oversubscribed_compute_slowdown", {}).items()),
         ("workers × threads", f"{profile['gpus_per_node']} × {profile['threads']}"),
         *((("other processes meanwhile", f"{profile['other_processes_cores']:.2f} cores"),)
@@ -815,6 +815,7 @@ def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, run
 
         calibrate_from_runs(runs, out, as_json)
         return
+    check_output_path("--out", out or profile_path())  # before two minutes of measuring, not after
     settings = QUICK if quick else FULL
     progress = Progress(SpinnerColumn(), TextColumn("measuring {task.description}"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)

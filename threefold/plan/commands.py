@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import click
 import numpy as np
 from rich.console import Console
 
-from threefold.config import INT_MAX, ConfigError, ModelConfig, check_below_folder, note_once, notes_after_checks
+from threefold.config import INT_MAX, ConfigError, ModelConfig, check_output_path, note_once, notes_after_checks
 from threefold.models.presets import PRESETS, get_preset
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
@@ -68,10 +69,13 @@ def _model_options(command):
         click.option("--model", type=_choice(PRESETS), help="A named model; the shape flags below override it."),
         click.option("--arch", type=_choice(["llama", "gpt"]),
                      help="llama: RMSNorm, SwiGLU, rotary (default). gpt: LayerNorm, GELU MLP, learned positions."),
-        click.option("--layers", type=int), click.option("--hidden", type=int), click.option("--heads", type=int),
+        click.option("--layers", type=int, help="Transformer blocks (required without --model)."),
+        click.option("--hidden", type=int, help="Model width (required without --model)."),
+        click.option("--heads", type=int, help="Attention heads (required without --model)."),
         click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention); default: --heads."),
         click.option("--ffn", type=int, help="FFN width; default 4·hidden (gpt) or Llama's ~8/3·hidden."),
-        click.option("--vocab", type=int), click.option("--seq-len", type=int),
+        click.option("--vocab", type=int, help="Vocabulary size (required without --model)."),
+        click.option("--seq-len", type=int, help="Tokens per sequence (required without --model)."),
         click.option("--tie-embeddings/--no-tie-embeddings", default=None),
         click.option("--moe-experts", type=int, help="Routed experts per MoE layer (0: dense); makes any shape MoE."),
         click.option("--moe-top-k", type=int, help="Experts per token (default 2)."),
@@ -79,11 +83,12 @@ def _model_options(command):
         click.option("--moe-shared-experts", type=int, help="Experts every token passes through (DeepSeek)."),
         click.option("--moe-first-dense", type=int, help="Leading layers that stay dense (DeepSeek-V3: 3)."),
         click.option("--moe-every", type=int, help="After them, every n-th layer is MoE (default 1)."),
-        click.option("--global-batch", type=int, help="Sequences per optimizer step."),
-        click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`)."),
+        click.option("--global-batch", type=int, help="Sequences per optimizer step (required)."),
+        click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`); "
+                                   "required unless --cluster describes one."),
         click.option("--cluster", type=click.Path(dir_okay=False),
                      help="A TOML file describing a GPU that is not in the catalog and its nodes (docs/planner.md)."),
-        click.option("--num-gpus", type=int),
+        click.option("--num-gpus", type=int, help="GPUs in the job (required)."),
         click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
         click.option("--inter-node-gbps", type=float,
                      help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 "
@@ -115,6 +120,10 @@ def _model_options(command):
 def build_model(o: dict) -> ModelConfig:
     if o.get("model"):
         cfg = get_preset(o["model"])
+        if o.get("moe_experts") == 0:  # an MoE preset made dense: its other expert settings go too
+            dense = ModelConfig()
+            cfg = dataclasses.replace(cfg, **{f.name: getattr(dense, f.name) for f in dataclasses.fields(cfg)
+                                              if f.name.startswith("moe_")})
     else:
         missing = [flag for flag in REQUIRED_WITHOUT_PRESET if o.get(flag) is None]
         if missing:
@@ -130,7 +139,13 @@ def build_model(o: dict) -> ModelConfig:
     if cfg.moe_experts and not 1 <= cfg.moe_top_k_experts <= cfg.moe_experts:
         raise ConfigError(f"--moe-top-k: must be between 1 and --moe-experts {cfg.moe_experts}, "
                           f"got {cfg.moe_top_k_experts}{'' if cfg.moe_top_k else ' (the default)'}")
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as err:  # the config's words, in the flags the user typed ("model.hidden" → "--hidden")
+        message = str(err)
+        for flag, field in sorted(MODEL_FIELDS.items(), key=lambda item: -len(item[1])):  # moe_ffn before ffn
+            message = re.sub(rf"\bmodel\.{field}\b", f"--{flag.replace('_', '-')}", message)
+        raise ConfigError(message) from None
     if cfg.vocab_size is None:
         raise ConfigError("--vocab: required: the preset leaves the vocabulary to the tokenizer")
     return cfg
@@ -299,8 +314,9 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
     else:  # names and choices (a boolean recompute, as Megatron's switch, is a choice too)
         ok = isinstance(value, str) or (isinstance(value, bool) and isinstance(kind, _Choice))
     if not ok:
-        raise ConfigError(f"{key}: {json.dumps(value)} is not a valid value "
-                          f"({'a whole number' if isinstance(kind, click.types.IntParamType) else kind.name})")
+        wanted = ("a whole number" if isinstance(kind, click.types.IntParamType) else
+                  'a list of whole numbers, or "N,N,…"' if key == "stage_layers" else kind.name)
+        raise ConfigError(f"{key}: {json.dumps(value)} is not a valid value ({wanted})")
 
 
 @click.command()
@@ -316,7 +332,9 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False)
-@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="ZeRO stage over the dp ranks: 1 shards the optimizer's moments, 2 also the gradients, 3 also "
+                   "the weights (FSDP's FULL_SHARD).")
 @click.option("--dp-shard", type=int, default=0, show_default=True,
               help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of this many "
                    "dp ranks, which dp / N groups hold alike, all-reducing gradients between them; needs --zero 3. "
@@ -333,7 +351,7 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="Evaluate every JSON line of this file; print one JSON line each, in order.")
 @click.option("--list-gpus", is_flag=True, help="List the GPUs of the catalog and exit.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Draw the step-time and memory breakdown to this PNG.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the step-time and memory breakdown to this picture (.png, .svg or .pdf).")
 @click.pass_context
 def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     """Predict memory, communication and step time of one layout."""
@@ -420,7 +438,7 @@ LARGER = (2, 4, 8, 16, 32, 64, 128)
 @_model_options
 @_fixed_knobs
 @click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many layouts to show.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Draw the top layouts' breakdowns side by side to this PNG.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Draw the top layouts' breakdowns side by side to this picture (.png, .svg or .pdf).")
 @click.option("--config-out", type=click.Path(dir_okay=False),
               help="Write the fastest layout that threefold's engine runs as a config (TOML) for "
                    "`threefold dryrun` and `threefold train`.")
@@ -430,7 +448,7 @@ def plan(as_json, top, out, config_out, **options):
     if config_out is not None and not config_out.endswith(".toml"):
         raise ConfigError(f"--config-out: {config_out} is not a config; the file name must end in .toml")
     if config_out is not None:
-        check_below_folder("--config-out", config_out)
+        check_output_path("--config-out", config_out)
     if options.get("num_gpus") is None:
         raise ConfigError("--num-gpus: required")
     check_positive(options, LAYOUT_SIZES)
@@ -452,7 +470,9 @@ def plan(as_json, top, out, config_out, **options):
                                "fitting": found.fitting, "meshes": found.meshes(),
                                "fixed": {k: v for k, v in fixed.items() if v is not None},
                                "layouts": [dict(r, why=why) for r, why in best],
-                               **({"config_out": written} if written else {})}))
+                               **({"config_out": {k: v for k, v in written.items() if k != "index"}} if written else {})}))
+        if not best:  # the JSON says so too ("fitting": 0); the exit status as without --json
+            raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}")
         return
     console = Console()
     given = _flags(fixed)
@@ -476,12 +496,14 @@ def plan(as_json, top, out, config_out, **options):
                        _title(options, work, num_gpus, gpu))
         console.print(f"drawn to {out}", highlight=False)
     if written:
-        skipped = (f" (the {written['rank'] - 1:,} faster do not run on the engine; the fastest: {written['why']})"
-                   if written["rank"] > 1 else "")
-        console.print(f"config of the search's #{written['rank']:,} layout, {written['layout']} "
-                      f"({written['step_time_s']:.3g} s){skipped}, written to {config_out}; one step of it on the "
-                      f"engine: threefold dryrun --config {config_out} --world-size {num_gpus} --compare",
-                      highlight=False, markup=False)
+        # the table shows one row a mesh; the search counts every variant (ZeRO stage, schedule, …)
+        row = next((k for k, i in enumerate(found.shown(top), 1) if i == written["index"]), None)
+        where = f"#{row} in the table" if row else "not in the table"
+        skipped = (f"; the {written['rank'] - 1:,} faster layouts, counting every variant, do not run on the engine "
+                   f"(the fastest: {written['why']})" if written["rank"] > 1 else "")
+        console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
+                      f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
+                      f"--world-size {num_gpus} --compare", highlight=False, markup=False)
 
 
 def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) -> dict:
@@ -494,12 +516,14 @@ def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) ->
     memory /= 2**30
     engine_config.write(path, keys, [
         f"threefold plan {_command_line(options)}",
-        f"layout {rank + 1:,} of the search, fastest first: the fastest that threefold's engine runs",
+        f"layout {rank + 1:,} of the search, fastest first, counting every variant (ZeRO stage, recomputation, "
+        "micro-batch, schedule): the fastest that threefold's engine runs",
         f"the planner's estimate on {options['num_gpus']} × {gpu.name}: {step:.3g} s a step, {memory:.1f} GiB per GPU "
         "(a GPU framework's bf16 run; dryrun --compare puts the engine's own figures beside its model of them)",
         *(f"not carried over: {line}" for line in engine_config.not_carried(work)),
         f"one step on the engine: threefold dryrun --config {path} --world-size {options['num_gpus']} --compare"])
-    return {"path": path, "rank": rank + 1, "layout": found.layouts.describe(i), "step_time_s": step, "why": why}
+    return {"path": path, "rank": rank + 1, "index": i, "layout": found.layouts.describe(i), "step_time_s": step,
+            "why": why}
 
 
 def _command_line(options: dict) -> str:

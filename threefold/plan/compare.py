@@ -238,7 +238,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                         neck["stage_seconds"][neck["slowest_stage"]],
                         f"predicted: the mean stage (a balanced split); {neck['line']}", unit="s"))
     rows.append(Row("step time", None if missing else est["step_time_s"], measured_step_time(steps),
-                    f"{missing}; for a prediction run `threefold calibrate` (under two minutes)" if missing else
+                    f"{missing} (under two minutes)" if missing else
                     f"estimate() with the local profile, {t.dtype}, flash-style attention (PyTorch's SDPA)",
                     unit="s"))
     return rows
@@ -277,7 +277,7 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
     # hybrid sharding beside cp: the all-reduce between its groups runs over dp ranks alone, under "dp"
     dp_keys = (dp_key, "dp") if p.dp_shard and p.cp > 1 else (dp_key,)
     cp_alone = ("cp_exposed_s",) if p.dp > 1 else ("cp_exposed_s", "dp_exposed_s")
-    why = f"{missing}; for a prediction run `threefold calibrate` (under two minutes)" if missing else None
+    why = f"{missing} (under two minutes)" if missing else None
     rows = []
     for axis, size, ledger_keys, predicted_keys, formula in (
             ("dp", p.dp * (p.cp if p.dp > 1 else 1), dp_keys, ("dp_exposed_s",),

@@ -481,7 +481,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
     if t * p * d * c != num_gpus:
         raise ConfigError(f"--tp × --pp × --dp × --cp = {t}×{p}×{d}×{c} = {t * p * d * c}, not --num-gpus {num_gpus}")
     if model.heads % t or model.n_kv_heads % t:
-        raise ConfigError(f"--tp: {t} does not divide the {model.heads} heads and {model.n_kv_heads} kv heads")
+        apart = [f"the {n} {kind}" for n, kind in ((model.heads, "heads"), (model.n_kv_heads, "kv heads")) if n % t]
+        raise ConfigError(f"--tp: {t} does not divide {' or '.join(apart)} (tp splits whole heads)")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
     if c > 1 and model.seq_len % (2 * c):

@@ -34,7 +34,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from threefold.config import Config, ConfigError
+from threefold.config import Config, ConfigError, check_output_path
 from threefold.plan import costs
 from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout, run_split, with_run_split
 from threefold.plan.hardware import local_gpu
@@ -196,8 +196,9 @@ def calibrate_from_runs(specs, out, as_json: bool) -> None:
     from threefold.plan.profile import load_profile, profile_path, save_profile
 
     path = Path(out or profile_path())
+    check_output_path("--out", path)
+    runs = read_runs(specs)  # a missing or wrong run is named before a missing profile
     profile = load_profile(path if path.exists() else None)
-    runs = read_runs(specs)
     report = cross_validate(runs, profile)
     saved = save_profile({**{k: v for k, v in profile.items() if k not in FRACTIONS}, **report["fractions"],
                           "fitted_from": [r.name for r in runs]}, path)

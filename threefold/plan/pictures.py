@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from threefold.config import ConfigError, check_below_folder
+from threefold.config import ConfigError, check_output_path
 from threefold.plan.report import TIME_PARTS
 from threefold.plan.report import capacity_gib as capacity_text
 
@@ -27,7 +27,7 @@ def check_picture_path(flag: str, path: str | None) -> None:
     if path is not None and Path(path).suffix.lower() not in FORMATS:
         raise ConfigError(f"{flag}: {path} is not a picture; the file name must end in {', '.join(FORMATS)}")
     if path is not None:
-        check_below_folder(flag, path)
+        check_output_path(flag, path)
 
 
 def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib: float, path: str | Path,

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from threefold.config import ConfigError
-from threefold.parallel.pipeline.schedule import build_schedule, check_schedule, schedule_names, stages_per_rank
+from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_schedule, check_schedule, schedule_names,
+                                                 stages_per_rank)
 from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
@@ -31,15 +32,16 @@ MAX_PAIRS = 50_000  # (stage, micro-batch) pairs played: about 10 s of building 
               help="Pipeline schedule.")
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline ranks.")
 @click.option("--microbatches", type=int, default=8, show_default=True, help="Micro-batches per step.")
-@click.option("--virtual-stages", type=int, default=1, show_default=True,
-              help="Model chunks per rank (interleaved only).")
+@click.option("--virtual-stages", type=int, default=None,
+              help="Model chunks per rank (a chunked schedule's: interleaved's; default 2 there, else 1).")
 @click.option("--backward-ratio", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Full backward time over forward time.")
 @click.option("--weight-grad-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="Share of the backward that computes weight gradients (W, deferred by zb-h1).")
 @click.option("--p2p-ratio", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Time to send one activation to the next stage, over forward time.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Draw the timeline to this PNG.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Draw the timeline to this picture (.png, .svg or .pdf).")
 @click.option("--actions", "show_actions", is_flag=True, help="Also print each rank's ordered actions.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--from-metrics", "metrics_file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -73,6 +75,8 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
         if not math.isfinite(value):
             raise ConfigError(f"{flag}: must be a finite number, got {value}")
     check_picture_path("--out", out)
+    if virtual_stages is None:  # as estimate and plan take it
+        virtual_stages = 2 if SCHEDULE_REGISTRY[name].chunked else 1
     spec = check_schedule(name, pp, microbatches, virtual_stages,
                           flags={"schedule": "--schedule", "pp": "--pp", "microbatches": "--microbatches",
                                  "virtual_stages": "--virtual-stages"})

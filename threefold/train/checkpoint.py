@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig
+from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelConfig, check_output_path
 from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
 from threefold.models.sizes import count_parameters
 from threefold.parallel.placements import Placement, Shard, whole_shards
@@ -85,6 +85,7 @@ def check_root(root: str | Path) -> None:
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is a file, not a folder")
+    check_output_path("train.checkpoint_dir", root, made="folder")  # not at the first save, steps later
     if (root / "trainer.json").is_file():
         raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is one checkpoint, not a folder of them; set it to "
                           f"{str(root.parent)!r} (train.resume continues from the latest there)")

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from threefold.config import AUTO, ConfigError, check_below_folder, notes_after_checks
+from threefold.config import AUTO, ConfigError, check_output_path, notes_after_checks
 from threefold.configure import load_config, resolve_world
 
 
@@ -86,7 +86,7 @@ def _check_metrics_file(metrics_file: str) -> None:
     one below a file (a folder path is refused by click)."""
     if not metrics_file.strip():
         raise ConfigError("--metrics-file: the path is empty; name a file (or leave the option out)")
-    check_below_folder("--metrics-file", metrics_file)
+    check_output_path("--metrics-file", metrics_file)
 
 
 def _default_run(cfg) -> str:
@@ -174,7 +174,7 @@ def inspect(checkpoint_path, key, as_json):
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
                   + (" (weights only)" if summary["weights_only"] else
                      f", Adam step {summary['adam_step']:.0f}" if summary["adam_step"] is not None else "")
-                  + f"; saved by {summary['world_size']} ranks, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
+                  + f"; saved by {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''}, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
                   f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}"
                   + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""))
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
