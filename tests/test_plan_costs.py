@@ -311,8 +311,9 @@ def test_zero_stages_shard_model_states_over_data_parallel_ranks():
     # LayerNorms and row-parallel biases whole.
     cfg = GPT3.model
     block = costs.tp_block_param_count(cfg, 8) * costs.PARAM_BYTES
-    assert block == pytest.approx((costs.block_param_count(cfg) - 6 * cfg.hidden) / 8 * costs.PARAM_BYTES
-                                  + 6 * cfg.hidden * costs.PARAM_BYTES)
+    h, f, q = cfg.hidden, cfg.ffn_hidden, cfg.heads * cfg.head_dim  # GPT-3: no grouped-query attention
+    split = 4 * h * q + 2 * h * f + 3 * q + f  # wq wk wv wo, the MLP's two; the column-parallel biases
+    assert block == (split / 8 + 2 * h + 4 * h) * costs.PARAM_BYTES  # wo's and fc2's biases, two LayerNorms
     root = (cfg.vocab_size * cfg.hidden / 8 + cfg.seq_len * cfg.hidden) * costs.PARAM_BYTES
     assert states[3]["params_bytes"] == pytest.approx(states[0]["params_bytes"] / 8 + 2 * block + root)
     # 2 + 4 + 12 = 18 bytes per parameter unsharded (fp32 gradients), 16 with 16-bit gradients.

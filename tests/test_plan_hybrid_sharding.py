@@ -197,3 +197,18 @@ def test_the_estimates_dp_bytes_of_an_moe_model_at_ep2_are_the_dry_run_predictio
     want = predict_rank(cfg, 0)["comm_bytes"]
     est = costs.estimate(*run_layout(cfg), H100)
     assert est["dp_bytes"] == pytest.approx(sum(v for k, v in want.items() if k in ("dp", "dp+cp")), rel=1e-12)
+
+
+def test_experts_replicated_between_groups_do_not_change_how_the_dense_units_are_exposed(capsys):
+    """At dp_shard = ep the experts are plain data parallelism between the groups and the dense
+    weights ZeRO-3 inside them, on other links behind the same backward. One last MoE layer of
+    tiny experts (16 wide) in place of a dense FFN may not expose more dp time than the dense
+    model: priced with the experts' ZeRO stage, the dense units' exposure had gone 3.35 → 4.40 s."""
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "128",
+            "--zero", "3", "--dp-shard", "8", "--inter-node-gbps", "25", "--json"]
+    assert main(args) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert main(args + ["--moe-experts", "8", "--moe-first-dense", "31", "--moe-ffn", "16", "--ep", "8"]) == 0
+    moe = json.loads(capsys.readouterr().out)
+    assert moe["comm"]["dp_bytes"] < dense["comm"]["dp_bytes"]
+    assert moe["time_s"]["dp_exposed"] <= dense["time_s"]["dp_exposed"]

@@ -435,11 +435,15 @@ def notes_after_checks():
 
 def check_output_path(flag: str, path: str | Path, made: str = "file") -> None:
     """ConfigError, one line, for an output ``path`` that cannot be made, checked before any work
-    (a run, a measurement) is spent on it: a file named like a folder (ending in a separator), or
-    a path whose nearest existing part is a file or a folder this process cannot write in (the
-    test: a temporary file made there and removed)."""
+    (a run, a measurement) is spent on it: a file named like a folder (ending in a separator), an
+    existing file this process may not write, or a new path whose nearest existing part is a file
+    or a folder this process cannot write in (the test: a temporary file made there and removed)."""
     if made == "file" and str(path).endswith(("/", os.sep)):
         raise ConfigError(f"{flag}: {path} names a folder; name a file")
+    if made == "file" and Path(path).exists() and not Path(path).is_dir():  # /dev/null, a file to append to
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{flag}: cannot write {path} (permission denied)")
+        return
     above = Path(path).absolute()
     if made == "file" or not above.is_dir():
         above = above.parent

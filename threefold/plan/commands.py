@@ -471,18 +471,15 @@ def plan(as_json, top, out, config_out, **options):
                                "fixed": {k: v for k, v in fixed.items() if v is not None},
                                "layouts": [dict(r, why=why) for r, why in best],
                                **({"config_out": {k: v for k, v in written.items() if k != "index"}} if written else {})}))
-        if not best:  # the JSON says so too ("fitting": 0); the exit status as without --json
-            raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}")
+        if not best:  # the JSON says so too ("fitting": 0); the exit status and the line as without --json
+            raise ConfigError(_nothing_fits(found, work, gpu, num_gpus, fixed))
         return
     console = Console()
     given = _flags(fixed)
     console.print(f"Evaluated {found.count:,} layouts{f' with {given}' if given else ''} in {found.seconds:.3f} s "
                   f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {report.capacity_gib(gpu.hbm_bytes)} GiB.")
-    if not found.count and any(v is not None for v in fixed.values()):
-        raise ConfigError(_impossible_knobs(work, num_gpus, fixed))
     if not best:
-        raise ConfigError(f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}"
-                          f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")
+        raise ConfigError(_nothing_fits(found, work, gpu, num_gpus, fixed))
     if len(best) < min(top, found.fitting):
         console.print(f"The {found.fitting:,} layouts that fit use {found.meshes()} mesh"
                       f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp × ep); the table shows the fastest of each "
@@ -497,13 +494,26 @@ def plan(as_json, top, out, config_out, **options):
         console.print(f"drawn to {out}", highlight=False)
     if written:
         # the table shows one row a mesh; the search counts every variant (ZeRO stage, schedule, …)
-        row = next((k for k, i in enumerate(found.shown(top), 1) if i == written["index"]), None)
-        where = f"#{row} in the table" if row else "not in the table"
+        shown = found.shown(top)
+        row = next((k for k, i in enumerate(shown, 1) if i == written["index"]), None)
+        mesh = [found.mesh_of(i) for i in shown]  # or a variant of a row's mesh (another ZeRO stage, …)
+        variant = next((k for k, other in enumerate(mesh, 1) if other == found.mesh_of(written["index"])), None)
+        where = (f"#{row} in the table" if row else f"a variant of #{variant} in the table" if variant
+                 else "not in the table")
         skipped = (f"; the {written['rank'] - 1:,} faster layouts, counting every variant, do not run on the engine "
                    f"(the fastest: {written['why']})" if written["rank"] > 1 else "")
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
                       f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
+
+
+def _nothing_fits(found, work: costs.Workload, gpu, num_gpus: int, fixed: dict) -> str:
+    """Why a search shows no layout: the knobs given leave none, or none fits (the closest miss,
+    and the smallest GPU count that fits)."""
+    if not found.count and any(v is not None for v in fixed.values()):
+        return _impossible_knobs(work, num_gpus, fixed)
+    return (f"--num-gpus: no layout of this model fits on {num_gpus} × {gpu.name}"
+            f"{found.closest_miss()}{_smallest_that_fits(work, gpu, num_gpus, fixed)}")
 
 
 def _write_config(path: str, options: dict, work: costs.Workload, gpu, found) -> dict:

@@ -1616,14 +1616,28 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
             expert_kinds.update({key: np.where(replicated, between[key], expert_kinds[key])
                                  for key in ("members_per_node", "intra", "wait")},
                                 between=dict(between, groups=np.where(replicated, 1, groups)))
-        dp_last = _data_parallel(expert_last, expert_group, expert_zero, m, moe_last, work, expert_bw, expert_lat,
-                                 backward_s, forward_s, mb_s, drain_s, also=dp_last,
-                                 unit_numel=np.where(moe_last > 0, expert_block, 0), head=False, embedding=False,
-                                 **expert_kinds)
-        dp_first = _data_parallel(expert_first, expert_group, expert_zero, m, moe_first, work, expert_bw, expert_lat,
-                                  backward_s, forward_s, mb_s, 0, also=dp_first,
-                                  unit_numel=np.where(moe_first > 0, expert_block, 0), head=False, embedding=False,
-                                  **expert_kinds)
+
+        def experts(last: bool, also: dict | None) -> dict:
+            blocks = moe_last if last else moe_first
+            return _data_parallel(expert_last if last else expert_first, expert_group, expert_zero, m, blocks, work,
+                                  expert_bw, expert_lat, backward_s, forward_s, mb_s, drain_s if last else 0,
+                                  also=also, unit_numel=np.where(blocks > 0, expert_block, 0), head=False,
+                                  embedding=False, **expert_kinds)
+
+        with_dense = experts(True, dp_last), experts(False, dp_first)
+        if np.any(replicated):
+            # The two groups' exposure apart (_data_parallel prices one group's by its own ZeRO
+            # stage): the dense ZeRO-3 units' inside a shard group, the experts' all-reduce on the
+            # link between the groups, each behind the same backward; the longer is exposed
+            def beside(dense_dp: dict, experts_dp: dict) -> dict:
+                added = {key: dense_dp[key] + experts_dp[key] for key in ("bytes", "seconds", "calls")}
+                return dict(dense_dp, **added, exposed=np.maximum(dense_dp["exposed"], experts_dp["exposed"]))
+
+            apart = beside(dp_last, experts(True, None)), beside(dp_first, experts(False, None))
+            with_dense = tuple({key: np.where(replicated, b[key], a[key]) for key in ("bytes", "seconds", "calls",
+                                                                                      "exposed")}
+                               for a, b in zip(with_dense, apart))
+        dp_last, dp_first = with_dense
     dp_bytes, dp_s = dp_last["bytes"], dp_last["seconds"]
     dp_exposed_s = np.where(single_stage, dp_last["exposed"], np.maximum(dp_last["exposed"], dp_first["exposed"]))
     if not work.overlap_dp:  # --no-overlap-dp: every reduction and gather after (before) the compute

@@ -104,15 +104,16 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residua
     norm's output (as counted) and of its weight, V/tp·h·d (autocast casts it again in each
     micro-batch's forward): either for each micro-batch whose norm tensors it holds."""
     p, model = cfg.parallel, cfg.model
+    sp = p.sequence_parallel and p.tp > 1  # the engine runs without it at tp 1 (configure.unused_settings)
     tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
-    seq_split = p.tp if p.sequence_parallel else 1
+    seq_split = p.tp if sp else 1
     embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
     norms, log_probs = share.head_norms_in_flight, share.head_logits_in_flight
     logits = (tokens * (norms * coef["norm"] / seq_split + log_probs * 4 * model.vocab_size / p.tp)
               if share.last_stage else 0)
     if share.last_stage and residual_bytes != act_bytes:
-        logits += norms * (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if p.sequence_parallel
+        logits += norms * (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if sp
                            else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
     return embedding + logits
 
@@ -122,13 +123,15 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     token; on real models under 0.5% of the activations), int64 but for the masks, the loss's
     scalar and the rotary tables. The embedding saves its token ids and the loss its targets:
     views of the rank's whole batch of inputs and of targets (m·b sequences each, as
-    data/sampler.py makes them; each counted once while any micro-batch is in flight), with
+    data/sampler.py makes them; each counted once while any micro-batch is in flight; not
+    counted: an asynchronous schedule's look-ahead batches of the next step), with
     PyTorch's nll_loss an fp32 scalar per micro-batch. Under tp the vocabulary-parallel
     embedding and loss save their own masked ids and a bool mask per micro-batch instead; under
     context parallelism the ids and targets are new tensors of the rank's b·seq/cp tokens per
     micro-batch, and each (micro-batch, stage) in flight holds the rotary tables gathered at its
-    zigzag positions (fp32 cos and sin, seq/cp × head_dim each) and, under full recomputation,
-    those positions (a block's saved input); Ulysses saves two orderings of the whole sequence
+    zigzag positions (fp32 cos and sin, seq/cp × head_dim each); under full recomputation the
+    blocks save the step's positions as an input (one tensor for every micro-batch and stage);
+    Ulysses saves two orderings of the whole sequence
     in each block it does not recompute whole (models/llama.py, parallel/tensor_parallel.py,
     parallel/context_parallel.py)."""
     p, t, model = cfg.parallel, cfg.train, cfg.model
@@ -141,15 +144,17 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     ids_and_targets = sum(ends) * t.micro_batch * seq * per_token
     if p.cp == 1:
         return scalars + ids_and_targets
-    per_stage = seq * (2 * model.head_dim * 4 + (8 if t.recompute == "full" else 0))
+    tables = share.in_flight * seq * 2 * model.head_dim * 4
+    positions = seq * 8 if t.recompute == "full" else 0  # one tensor, the step's, for every micro-batch and stage
     ulysses = 2 * model.seq_len * 8 if p.cp_method == "ulysses" and t.recompute != "full" else 0
-    return scalars + ids_and_targets + share.in_flight * per_stage + share.blocks_in_flight * ulysses
+    return scalars + ids_and_targets + tables + positions + share.blocks_in_flight * ulysses
 
 
 def predict_rank(cfg: Config, rank: int) -> dict:
     """``{"memory": {params, grads, optimizer, activations}, "comm_bytes": {key: bytes}}`` of
     global ``rank``, in bytes per step, for a concrete layout of ``cfg`` (no "auto")."""
     p, t, model = cfg.parallel, cfg.train, cfg.model
+    sp = p.sequence_parallel and p.tp > 1  # the engine runs without it at tp 1 (configure.unused_settings)
     pp_rank = rank // (p.world_size // p.pp)  # pp is the mesh's outermost axis (distributed/mesh.py)
     share = rank_share(cfg, pp_rank)
     m = cfg.microbatches
@@ -171,7 +176,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             memory[key] += value
     seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
     tokens = t.micro_batch * seq
-    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+    block = costs.block_activation_bytes(model, tokens, p.tp, sp, t.recompute,
                                          dtype_bytes=act_bytes)
     q, kv = costs.attention_width(model)
     if p.cp > 1 and p.cp_method in ("ring", "allgather") and t.recompute == "none":
@@ -184,10 +189,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         block += tokens * act_bytes * q / p.tp
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
-        block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+        block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, sp, t.recompute,
                                                         act_bytes)
     if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
-        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, p.sequence_parallel, t.recompute,
+        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute,
                                                     p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
                     for moe in (False, True)]
         block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
@@ -226,7 +231,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,
                                              share.moe_blocks, m, model.moe_experts, t.recompute, act_bytes)
     if p.tp > 1:
-        tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, p.sequence_parallel, t.recompute, act_bytes,
+        tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, sp, t.recompute, act_bytes,
                    model.arch)
         widths = dict(residual_bytes=residual_bytes, tp_overlap=p.tp_overlap)
         comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage,
@@ -238,8 +243,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     if p.pp > 1:
         # a stage's output and its gradient are the residual stream
         comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,
-                                             model.hidden, p.tp, p.sequence_parallel, residual_bytes, p.schedule)
-        if p.tp > 1 and not p.sequence_parallel:
+                                             model.hidden, p.tp, sp, residual_bytes, p.schedule)
+        if p.tp > 1 and not sp:
             comm["tp.scatter_gather"] = costs.scatter_gather_bytes_per_step(
                 pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq, model.hidden, p.tp, residual_bytes,
                 p.schedule)

@@ -183,6 +183,10 @@ class SearchResult:
         _, first = np.unique(mesh, axis=0, return_index=True)
         return [int(i) for i in self.order[np.sort(first)[:top]]]
 
+    def mesh_of(self, i: int) -> tuple[int, ...]:
+        """Layout ``i``'s mesh (TP, PP, DP, CP, EP): what ``shown`` keeps one row of."""
+        return tuple(int(np.asarray(getattr(self.layouts, axis))[i]) for axis in MESH_AXES)
+
     def ranked(self, top: int) -> list[tuple[dict, str]]:
         """The layouts ``shown``, as JSON with ``describe``, and why each wins or loses."""
         out = []
