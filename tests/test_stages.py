@@ -46,7 +46,7 @@ def test_describe_names_the_bottleneck_and_by_how_much():
     assert "stage 0 is the slowest, 50% above the mean" in line
 
 
-@pytest.mark.parametrize("stage_layers", ["[1,3]", "[[0],[1,2,3]]"])
+@pytest.mark.parametrize("stage_layers", ["[1,3]", "[[0],[1,2,3]]", "1,3"])  # 1,3: as estimate's --stage-layers
 def test_stage_layers_set_the_split(stage_layers):
     cfg = load_config(None, TINY + ["parallel.pp=2", f"parallel.stage_layers={stage_layers}"])
     spans = partition(cfg.model, 2, 1, cfg.parallel.stage_layers)
@@ -60,7 +60,7 @@ def test_stage_layers_set_the_split(stage_layers):
     ("[[0,1],[3,2]]", "parallel.stage_layers: [[0, 1], [3, 2]] must cover every block 0..3 once, in order"),
     ("[[0,1],[1,2,3]]", "parallel.stage_layers: [[0, 1], [1, 2, 3]] must cover every block 0..3 once"),
     ("[[0,1],[]]", "parallel.stage_layers: expected a block count per stage"),
-    ('"2,2"', "parallel.stage_layers: expected a list, got '2,2'"),
+    ('"2,x"', "parallel.stage_layers: expected a list, got '2,x'"),
 ])
 def test_bad_stage_layers_are_one_line(stage_layers, message):
     with pytest.raises(ConfigError) as err:

@@ -150,7 +150,7 @@ def measure_layer_costs(model: Llama, cfg, device: torch.device, activation_shap
     activations, seconds = [], [[] for _ in parts]
     clock = time.process_time if device.type == "cpu" else time.perf_counter
     with _materialised([module for modules, _ in parts for module in modules], device):
-        params = {q.untyped_storage()._cdata for q in model.parameters()}
+        params = {q.untyped_storage()._cdata for q in (*model.parameters(), *rope)}  # model state, not activations
         for _, run in parts:
             activations.append(_saved_bytes(run, params))  # also the warm-up
         for _ in range(repeats):
@@ -186,7 +186,8 @@ def measured_source(cfg, device: torch.device) -> str:
 
 
 def _saved_bytes(run, params: set[int]) -> float:
-    """Bytes ``run``'s forward saves for its backward, parameters left out; runs the backward too."""
+    """Bytes ``run``'s forward saves for its backward, model state (``params``: parameters and the
+    rotary tables) left out; runs the backward too."""
     saved = [0]
 
     def pack(t):
