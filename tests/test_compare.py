@@ -238,3 +238,22 @@ def test_a_context_parallel_run_is_compared_on_its_share_of_the_sequence(tmp_pat
     act = rows["memory: activations, peak"]
     assert "1 × 16 tokens (seq_len / cp, ring's own saves)" in act.formula
     assert act.measured == act.predicted, act
+
+
+def test_an_asynchronous_pipeline_run_is_compared(tmp_path, corpus, distributed):  # noqa: F811
+    """pp 2 under 2bw: a step also forwards the next step's first micro-batches (numbered on
+    from m), so its timeline is not one flushed step's; compare refused the run's own metrics
+    ("micro-batch 4 … not in 0..3"). Its states, the weight versions and the pp bytes are exact,
+    and the activations too, with the first stage holding the next step's inputs as well."""
+    from threefold.data import prepare_dataset
+
+    cfg = config(tmp_path, corpus, "parallel.pp=2", "parallel.schedule=2bw", "train.global_batch=8",
+                 "train.micro_batch=2", "train.threads=1", "train.steps=4")  # the median: two steady steps of three
+    prepare_dataset(cfg.data, cfg.model.seq_len, progress=False)
+    metrics = tmp_path / "m.jsonl"
+    distributed.run(2, train_rank, cfg, str(metrics), timeout=240)
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert max(event[3] for event in steps[0]["timeline"]["ranks"][0]) >= cfg.microbatches  # the next step's
+    rows = rows_by_name(cmp.compare_run(cfg, metrics))
+    assert_exact(rows, "memory: params", "memory: grads", "memory: optimizer", "memory: weight_versions",
+                 "bytes/step: pp", "memory: activations, peak")

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from threefold.config import Config
 from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
-from threefold.parallel.pipeline.schedule import build_schedule, partition, stages_per_rank
+from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_schedule, partition, stages_per_rank,
+                                                 steps_ahead)
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 from threefold.plan.stage_costs import modelled_layer_costs
@@ -123,8 +124,8 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     token; on real models under 0.5% of the activations), int64 but for the masks, the loss's
     scalar and the rotary tables. The embedding saves its token ids and the loss its targets:
     views of the rank's whole batch of inputs and of targets (m·b sequences each, as
-    data/sampler.py makes them; each counted once while any micro-batch is in flight; not
-    counted: an asynchronous schedule's look-ahead batches of the next step), with
+    data/sampler.py makes them; each counted once while any micro-batch is in flight, and on an
+    asynchronous schedule's first stage the inputs of each later step it forwards), with
     PyTorch's nll_loss an fp32 scalar per micro-batch. Under tp the vocabulary-parallel
     embedding and loss save their own masked ids and a bool mask per micro-batch instead; under
     context parallelism the ids and targets are new tensors of the rank's b·seq/cp tokens per
@@ -139,7 +140,10 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     ends = share.embedding_in_flight * share.first_stage, share.head_logits_in_flight * share.last_stage
     scalars = 4 * ends[1] if p.tp == 1 else 0  # PyTorch's nll_loss: its fp32 total weight
     if p.cp == 1 and p.tp == 1:
-        return scalars + (share.first_stage + share.last_stage) * cfg.microbatches * t.micro_batch * seq * 8
+        # an asynchronous schedule's first stage also holds the inputs of the later steps it forwards
+        ahead = steps_ahead(p.pp, cfg.microbatches) if SCHEDULE_REGISTRY[p.schedule].steady is not None else 0
+        batches = share.first_stage * (1 + ahead) + share.last_stage
+        return scalars + batches * cfg.microbatches * t.micro_batch * seq * 8
     per_token = 8 + (1 if p.tp > 1 else 0)  # an int64 id, and under tp its bool mask
     ids_and_targets = sum(ends) * t.micro_batch * seq * per_token
     if p.cp == 1:

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from threefold.config import ConfigError
-from threefold.parallel.pipeline.schedule import Kind, build_schedule, check_schedule
+from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, Kind, build_schedule, check_schedule, steps_ahead
 
 METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations")  # what compare reads of a step's memory
@@ -114,6 +114,8 @@ def timeline_problem(timeline) -> str | None:
     except ConfigError as err:
         return str(err)
     stages = pp * virtual
+    # an asynchronous schedule's step also forwards later steps' micro-batches (numbered on from m)
+    indices = microbatches * (1 + (steps_ahead(pp, microbatches) if SCHEDULE_REGISTRY[name].steady is not None else 0))
     ranks = timeline["ranks"]
     if not isinstance(ranks, list) or len(ranks) != pp:
         return f"timeline['ranks'] is not a list of its pp={pp} ranks' events"
@@ -130,7 +132,7 @@ def timeline_problem(timeline) -> str | None:
                 return f"timeline['ranks'][{rank}] holds {event!r}: its start and end are not times, start first"
             if kind not in KINDS:
                 return f"timeline['ranks'][{rank}] holds {event!r}: kind {kind!r} is not one of {', '.join(KINDS)}"
-            for what, value, limit in (("micro-batch", mb, microbatches), ("stage", stage, stages)):
+            for what, value, limit in (("micro-batch", mb, indices), ("stage", stage, stages)):
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
                     return f"timeline['ranks'][{rank}] holds {event!r}: its {what} is not in 0..{limit - 1}"
             if KINDS[kind].is_compute:
@@ -138,10 +140,12 @@ def timeline_problem(timeline) -> str | None:
                 busy = busy or end > start
     if not busy:
         return "its timeline's compute actions take no time"
-    if len(measured) < 2 * stages * microbatches:  # a forward and a backward each: some are missing
+    steady = SCHEDULE_REGISTRY[name].steady is not None  # its steps' actions: some of two steps' (run_step)
+    if not steady and len(measured) < 2 * stages * microbatches:  # a forward and a backward each: some are missing
         return (f"its timeline holds {len(measured)} distinct compute actions, fewer than the forward and "
                 f"backward of each of {microbatches} micro-batches on {stages} stages")
-    for action in (a for rank in _built(name, pp, microbatches, virtual).actions for a in rank):
+    flushed = () if steady else _built(name, pp, microbatches, virtual).actions
+    for action in (a for rank in flushed for a in rank):
         if action.kind.is_compute and (action.kind, action.stage, action.microbatch) not in measured:
             return (f"its timeline lacks the {action.kind.value} of micro-batch {action.microbatch} on stage "
                     f"{action.stage} that {name} pp={pp} m={microbatches} runs")
