@@ -31,7 +31,7 @@ def test_defaults_and_preset_and_overrides(tmp_path):
     (["train.lr=fast"], "train.lr: expected a number"),
     (["model.tie_embeddings=maybe"], "model.tie_embeddings: expected true or false"),
     (["model.hidden=250"], "model.hidden: 250 is not divisible by model.heads=8"),
-    (["model.kv_heads=3"], "model.kv_heads: model.heads=8 is not divisible by kv_heads=3"),
+    (["model.kv_heads=3"], "model.kv_heads: model.heads=8 is not divisible by model.kv_heads=3"),
     (["train.micro_batch=5"], "train.micro_batch: 5 does not divide train.global_batch=16"),
     (["parallel.dp=4", "train.micro_batch=8"], "train.global_batch: 16 is not divisible by parallel.dp × train.micro_batch"),
     (["parallel.zero=5"], "parallel.zero: must be 0, 1, 2 or 3"),
@@ -79,7 +79,7 @@ def test_console_script_exit_code(tmp_path):
 
 
 @pytest.mark.parametrize("given, dtype", [("bf16", "bfloat16"), ("BF16", "bfloat16"), ("fp32", "float32"),
-                                          ("bfloat16", "bfloat16")])
+                                          ("bfloat16", "bfloat16"), ("BFLOAT16", "bfloat16")])
 def test_train_dtype_takes_the_planners_names(given, dtype):
     """`--set train.dtype=bf16` was refused while estimate and plan take bf16."""
     assert load_config(None, [f"train.dtype={given}"]).train.dtype == dtype

@@ -92,7 +92,7 @@ class ModelConfig:
         if self.kv_heads is not None and self.kv_heads < 1:
             raise ConfigError(f"model.kv_heads: must be positive, got {self.kv_heads}")
         if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ConfigError(f"model.kv_heads: model.heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+            raise ConfigError(f"model.kv_heads: model.heads={self.heads} is not divisible by model.kv_heads={self.kv_heads}")
         if self.head_dim % 2 and self.arch == "llama":
             raise ConfigError(f"model.hidden: head dimension {self.head_dim} must be even for rotary embeddings")
         if self.ffn is not None and self.ffn < 1:
@@ -460,7 +460,8 @@ def check_output_path(flag: str, path: str | Path, made: str = "file") -> None:
 
 
 # train.dtype as the planner's --dtype and trainers also name them
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "bf16-mixed": "bfloat16", "amp_bf16": "bfloat16"}
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "bf16-mixed": "bfloat16", "amp_bf16": "bfloat16"}
 
 
 def _at_most(section: str, key: str, value: int) -> int:
