@@ -132,9 +132,8 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     micro-batch, and each (micro-batch, stage) in flight holds the rotary tables gathered at its
     zigzag positions (fp32 cos and sin, seq/cp × head_dim each); under full recomputation the
     blocks save the step's positions as an input (one tensor for every micro-batch and stage);
-    Ulysses saves two orderings of the whole sequence
-    in each block it does not recompute whole (models/llama.py, parallel/tensor_parallel.py,
-    parallel/context_parallel.py)."""
+    Ulysses saves two orderings of the whole sequence in each block it does not recompute whole
+    (models/llama.py, parallel/tensor_parallel.py, parallel/context_parallel.py)."""
     p, t, model = cfg.parallel, cfg.train, cfg.model
     seq = model.seq_len // p.cp
     ends = share.embedding_in_flight * share.first_stage, share.head_logits_in_flight * share.last_stage

@@ -114,8 +114,10 @@ def timeline_problem(timeline) -> str | None:
     except ConfigError as err:
         return str(err)
     stages = pp * virtual
-    # an asynchronous schedule's step also forwards later steps' micro-batches (numbered on from m)
-    indices = microbatches * (1 + (steps_ahead(pp, microbatches) if SCHEDULE_REGISTRY[name].steady is not None else 0))
+    # an asynchronous schedule's step also forwards later steps' micro-batches (numbered on from m),
+    # and its actions are some of two steps' (run_step), not one flushed step's
+    steady = SCHEDULE_REGISTRY[name].steady is not None
+    indices = microbatches * (1 + (steps_ahead(pp, microbatches) if steady else 0))
     ranks = timeline["ranks"]
     if not isinstance(ranks, list) or len(ranks) != pp:
         return f"timeline['ranks'] is not a list of its pp={pp} ranks' events"
@@ -140,7 +142,6 @@ def timeline_problem(timeline) -> str | None:
                 busy = busy or end > start
     if not busy:
         return "its timeline's compute actions take no time"
-    steady = SCHEDULE_REGISTRY[name].steady is not None  # its steps' actions: some of two steps' (run_step)
     if not steady and len(measured) < 2 * stages * microbatches:  # a forward and a backward each: some are missing
         return (f"its timeline holds {len(measured)} distinct compute actions, fewer than the forward and "
                 f"backward of each of {microbatches} micro-batches on {stages} stages")
