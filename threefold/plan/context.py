@@ -1,8 +1,8 @@
 """Bytes that context parallelism puts on the cp axis, per layer and micro-batch (torch-free).
 
 ``B_kv`` is the key/value bytes of one rank's tokens: 2 · micro_batch · (seq_len / cp) ·
-kv_heads · head_dim · bytes per element; ``B_q`` the same for the queries (heads instead of
-kv_heads), and the attention output has ``B_q`` bytes too. Per layer and micro-batch, forward
+kv_heads · head_dim · bytes per element; ``B_q`` the queries' bytes alone, micro_batch ·
+(seq_len / cp) · heads · head_dim · bytes per element, and the attention output has ``B_q`` bytes too. Per layer and micro-batch, forward
 and backward together (threefold/parallel/context_parallel.py sends exactly these, counted by
 the CommLedger under "cp"):
 
