@@ -156,3 +156,19 @@ def test_an_uneven_interleaved_split_idles_for_its_longest_chunk():
         longest * closed / (1 - closed + longest * closed), rel=1e-12)
     even = costs.Workload(ModelConfig(layers=6, hidden=1024, heads=16, vocab_size=32_000, seq_len=1024), 12)
     assert costs.estimate(even, layout, A100)["bubble_fraction"] == pytest.approx(closed, rel=1e-12)
+
+
+def test_a_layout_is_placed_in_the_table_by_its_mesh():
+    """plan --config-out says where the written layout sits: a row's own layout, a variant of the
+    row (its mesh at another ZeRO stage, schedule, …), or not in the table."""
+    found = search.search(SMALL, A100, 16)
+    top = 3
+    shown = found.shown(top)
+    meshes = [found.mesh_of(i) for i in shown]
+    for row, i in enumerate(shown, 1):
+        assert found.table_row(i, top) == (row, True)
+    order = [int(i) for i in found.order]
+    variant = next(i for i in order if i not in shown and found.mesh_of(i) == meshes[1])
+    assert found.table_row(variant, top) == (2, False)
+    outside = next(i for i in order if found.mesh_of(i) not in meshes)
+    assert found.table_row(outside, top) == (None, False)

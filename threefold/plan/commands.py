@@ -494,10 +494,9 @@ def plan(as_json, top, out, config_out, **options):
         console.print(f"drawn to {out}", highlight=False)
     if written:
         # the table shows one row a mesh; the search counts every variant (ZeRO stage, schedule, …)
-        shown, written_mesh = found.shown(top), found.mesh_of(written["index"])
-        row = next((k for k, i in enumerate(shown, 1) if found.mesh_of(i) == written_mesh), None)
-        where = ("not in the table" if row is None else f"#{row} in the table" if shown[row - 1] == written["index"]
-                 else f"a variant of #{row} in the table")  # the row's mesh at another ZeRO stage, schedule, …
+        row, own = found.table_row(written["index"], top)
+        where = ("not in the table" if row is None else f"#{row} in the table" if own
+                 else f"a variant of #{row} in the table")
         skipped = (f"; the {written['rank'] - 1:,} faster layouts, counting every variant, do not run on the engine "
                    f"(the fastest: {written['why']})" if written["rank"] > 1 else "")
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "

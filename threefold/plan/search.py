@@ -187,6 +187,14 @@ class SearchResult:
         """Layout ``i``'s mesh (TP, PP, DP, CP, EP): what ``shown`` keeps one row of."""
         return tuple(int(np.asarray(getattr(self.layouts, axis))[i]) for axis in MESH_AXES)
 
+    def table_row(self, i: int, top: int) -> tuple[int | None, bool]:
+        """Where layout ``i`` sits in the table of ``shown(top)``: its row (from 1) and whether it is
+        that row's own layout (else a variant of it: the row's mesh at another ZeRO stage,
+        schedule, …), or (None, False) where its mesh is not in the table."""
+        shown, mesh = self.shown(top), self.mesh_of(i)
+        row = next((k for k, j in enumerate(shown, 1) if self.mesh_of(j) == mesh), None)
+        return row, row is not None and shown[row - 1] == i
+
     def ranked(self, top: int) -> list[tuple[dict, str]]:
         """The layouts ``shown``, as JSON with ``describe``, and why each wins or loses."""
         out = []
