@@ -83,6 +83,18 @@ def test_sequence_parallel_at_tp_1_is_predicted_as_the_engine_runs_it():
     assert dry_run_rank(cfg, 0)["memory"]["activations"] == predict_rank(cfg, 0)["memory"]["activations"]
 
 
+def test_a_pipedream_stage_holds_the_steady_states_weight_versions():
+    """PipeDream keeps pp − s versions of stage s's weights once the run is going; the first
+    step's stage 0 holds two. The dry run is a step in the middle of the run, as the planner
+    prices it: stage 0 of pp 4 holds 4 copies (it measured 2), the last stage 1."""
+    cfg = dry_run_config(load(["model.preset=tiny", "model.vocab_size=256", "model.seq_len=32", "parallel.pp=4",
+                               "parallel.schedule=pipedream", "model.layers=4", "train.global_batch=1",
+                               "train.micro_batch=1"]), 4)
+    for rank, copies in ((0, 4), (1, 3), (3, 1)):
+        got, want = dry_run_rank(cfg, rank)["memory"], predict_rank(cfg, rank)["memory"]
+        assert got["weight_versions"] == want["weight_versions"] == copies * got["params"], rank
+
+
 def test_meta_device_catches_a_tensor_made_on_the_cpu(monkeypatch):
     """What the mode is for: the runtime's receive buffers made without a device fail."""
     from threefold.parallel.pipeline import runtime

@@ -16,6 +16,10 @@ send on each mesh axis; the memory meters are the trainer's (``engine.memory_byt
 norm): the engine's ``value_of``/``values_of`` return NaN/None for them, and nothing else in the
 engine knows it is a dry run.
 
+The step is one in the middle of a run where that differs from the first: the asynchronous
+schedules' stages hold every weight version they keep once the run is going (pipedream's stage s,
+pp − s copies; the first step's stage 0 has made only two).
+
 Routing is the one computation whose shapes depend on values: how many tokens each expert gets.
 A dry run therefore routes every MoE layer round-robin (models/moe.py: assignment t·k + j to
 expert (t·k + j) mod E), which loads every expert, and every ep rank's experts, equally: the
@@ -137,6 +141,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh, mesh_sizes
     from threefold.models.llama import Llama
+    from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
     from threefold.train.engine import Engine, lr_at
     from threefold.train.metrics import ActivationMeter
     from threefold.train.trainer import split_micro_batches
@@ -157,6 +162,10 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             for layer in model.moe_layers():  # fake tensors have no values to route by: the named rule
                 layer.routing = "round_robin"
             engine = Engine(model, cfg, mesh, Comm(mesh))
+            if p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].weight_versions is not None:
+                # a step in the middle of the run: every weight version the schedule keeps exists
+                # (the first step's stage 0 holds two of pipedream's pp)
+                engine.set_adam_step(float(p.pp))
             engine.comm_bytes()  # construction's traffic (none today) is not the step's
             meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
             # the rank's inputs and targets, two tensors as the sampler makes them (data/sampler.py:
