@@ -2,8 +2,10 @@
 fake process group) against the planner's figures for that rank: every accepted layout runs,
 and its states and bytes per axis are the planner's, exactly. A seeded generator, so a failure
 names its layout. It found full recomputation under ZB-H1 sending 3× the planner's tp bytes
-(now refused) and ZeRO-3's experts gathered three times a micro-batch under full recomputation
-(now twice, as the planner counts)."""
+(now refused), ZeRO-3's experts gathered three times a micro-batch under full recomputation
+(now twice, as the planner counts), and (run longer, over every rank) PipeDream's stage s keeping
+pp − s micro-batches and weight versions in the middle of a run where the planner counted the
+first step's."""
 from __future__ import annotations
 
 import random
@@ -81,6 +83,11 @@ def assert_dry_run_is_the_planners(cfg, sets: list[str]) -> None:
         assert got["memory"].get("weight_versions", 0) == want["memory"].get("weight_versions", 0), (rank, sets)
         for axis, sent in want["comm_bytes"].items():
             assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
+        # activations to the byte, but for MoE routing's int64 bookkeeping, which the planner
+        # estimates (within 0.3% on these models)
+        moe = any(s.startswith("model.moe_experts") for s in sets)
+        assert got["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=5e-3 if moe else 0), \
+            (rank, sets)
 
 
 def hybrid_sharded(sets: list[str], rng: random.Random) -> list[str] | None:

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 from threefold.config import Config
 from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
-from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_schedule, partition, stages_per_rank,
-                                                 steps_ahead)
+from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_run, build_schedule, partition,
+                                                 stages_per_rank, steps_ahead)
 from threefold.plan import context, costs
 from threefold.plan.simulate import peak_in_flight
 from threefold.plan.stage_costs import modelled_layer_costs
@@ -77,6 +77,10 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers,
                       modelled_layer_costs(cfg))  # the engine's split (a dry run times nothing)
     schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    if SCHEDULE_REGISTRY[p.schedule].steady is not None:
+        # 2bw, pipedream: 1F1B across steps, so a step in the middle of the run keeps what the run
+        # keeps (pipedream's stage s, pp − s micro-batches of one each): its peak, drained at the end
+        schedule = build_run(p.schedule, p.pp, cfg.microbatches, 2 * steps_ahead(p.pp, cfg.microbatches) + 1)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)

@@ -16,9 +16,11 @@ send on each mesh axis; the memory meters are the trainer's (``engine.memory_byt
 norm): the engine's ``value_of``/``values_of`` return NaN/None for them, and nothing else in the
 engine knows it is a dry run.
 
-The step is one in the middle of a run where that differs from the first: the asynchronous
-schedules' stages hold every weight version they keep once the run is going (pipedream's stage s,
-pp − s copies; the first step's stage 0 has made only two).
+The step is one in the middle of a run where that differs from the first: under the
+asynchronous schedules (2bw, pipedream) the first step fills the pipeline and the second is
+measured, a steady step that starts the next step's forwards on the inputs the sampler would give
+it, and whose stages hold every weight version they keep once the run is going (pipedream's stage
+s, pp − s copies; the first step's stage 0 has made only two).
 
 Routing is the one computation whose shapes depend on values: how many tokens each expert gets.
 A dry run therefore routes every MoE layer round-robin (models/moe.py: assignment t·k + j to
@@ -141,7 +143,6 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh, mesh_sizes
     from threefold.models.llama import Llama
-    from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
     from threefold.train.engine import Engine, lr_at
     from threefold.train.metrics import ActivationMeter
     from threefold.train.trainer import split_micro_batches
@@ -162,19 +163,26 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             for layer in model.moe_layers():  # fake tensors have no values to route by: the named rule
                 layer.routing = "round_robin"
             engine = Engine(model, cfg, mesh, Comm(mesh))
-            if p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].weight_versions is not None:
-                # a step in the middle of the run: every weight version the schedule keeps exists
-                # (the first step's stage 0 holds two of pipedream's pp)
+            if engine.lookahead:  # every weight version the schedule keeps exists by the run's middle
                 engine.set_adam_step(float(p.pp))
-            engine.comm_bytes()  # construction's traffic (none today) is not the step's
             meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
-            # the rank's inputs and targets, two tensors as the sampler makes them (data/sampler.py:
-            # their storages are what the embedding and the loss save); values never read
-            inputs, targets = (torch.zeros((t.global_batch // engine.dp_size, cfg.model.seq_len), dtype=torch.long,
-                                           device=engine.device) for _ in range(2))
-            engine.forward_backward(split_micro_batches(inputs, targets, t.micro_batch))
-            engine.clip_grad_norm(t.grad_clip)
-            engine.optimizer_step(lr_at(0, cfg))
+
+            def batch():
+                """The rank's inputs and targets of a step, two tensors as the sampler makes them
+                (data/sampler.py: their storages are what the embedding and the loss save)."""
+                return split_micro_batches(*(torch.zeros((t.global_batch // engine.dp_size, cfg.model.seq_len),
+                                                         dtype=torch.long, device=engine.device) for _ in range(2)),
+                                           t.micro_batch)
+
+            # 2bw, pipedream: the first step of a run fills the pipeline; the second is one of its
+            # steady steps (what it carries in, sends and holds), which is the one measured
+            for _ in range(2 if engine.lookahead else 1):
+                engine.comm_bytes()  # construction's or the first step's traffic is not the step's
+                meter.peak = meter.live
+                upcoming = [batch() for _ in range(engine.lookahead)]
+                engine.forward_backward(batch(), upcoming) if upcoming else engine.forward_backward(batch())
+                engine.clip_grad_norm(t.grad_clip)
+                engine.optimizer_step(lr_at(0, cfg))
             memory = dict(engine.memory_bytes(), activations=meter.peak)
             comm_bytes = engine.comm_bytes()
             timeline = engine.step_timeline()
