@@ -57,3 +57,32 @@ def test_validation_loss_is_the_same_on_two_ranks(data, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert records[-1]["val_loss"] == pytest.approx(one, rel=1e-5)
+
+
+VALIDATION_MEMORY = """
+import resource, torch
+from threefold.configure import load_config
+from threefold.distributed.launch import keep_large_blocks_in_the_heap
+from threefold.models.llama import Llama
+from threefold.train.engine import Engine
+
+assert keep_large_blocks_in_the_heap()  # as every training process does
+cfg = load_config("configs/single.toml", ["model.vocab_size=4096"])
+engine = Engine(Llama(cfg.model), cfg)
+x = torch.randint(0, 4096, (cfg.train.global_batch, cfg.model.seq_len))
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096  # noqa: E731
+engine.eval_loss([(x, x)] * 3)
+before = rss()
+engine.eval_loss([(x, x)] * 15)
+print((rss() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+def test_validation_memory_does_not_grow_with_the_batches():
+    """Each validation batch's loss kept as its own tensor sat between the heap's freed blocks,
+    so every forward mapped new memory: 300 batches grew a run by 14 GB (a new user's audit).
+    15 batches of the tiny model then grew the process by about 0.8 GB; now by nothing."""
+    grown_mib = float(subprocess.run([sys.executable, "-c", VALIDATION_MEMORY], capture_output=True, text=True,
+                                     check=True, cwd=Path(__file__).resolve().parents[1]).stdout)
+    assert grown_mib < 200, grown_mib
