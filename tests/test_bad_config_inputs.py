@@ -177,3 +177,58 @@ def test_a_hybrid_sharding_the_engine_cannot_run_is_refused(capsys, sets, messag
 def test_hybrid_sharding_of_an_automatic_dp_is_checked_once_the_world_is_known(capsys):
     refused(capsys, ["dryrun", "--world-size", "6", *TINY, *BATCH, "--set", "parallel.dp=auto", "--set", "parallel.zero=3",
                      "--set", "parallel.dp_shard=4"], "parallel.dp_shard: must divide parallel.dp=6")
+
+
+# ---------------------------------------------------------------- unknown keys: the closest known ones
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.stepz=3"], "error: train.stepz: unknown key in --set; did you mean train.steps?"),
+    (["train.tp=2"], "error: train.tp: unknown key in --set; did you mean parallel.tp?"),
+    (["trian.steps=3"], "error: trian: unknown section in --set (known: model, parallel, train, data); did you mean train?"),
+])
+def test_an_unknown_key_names_the_closest_known_one(capsys, sets, message):
+    assert refused(capsys, ["train", "--no-progress", *sum((["--set", s] for s in sets), [])], message) == message
+
+
+def test_an_unknown_key_with_nothing_close_lists_the_sections_keys(capsys):
+    line = refused(capsys, ["train", "--no-progress", "--set", "data.qqqq=1"], "data.qqqq: unknown key in --set; ")
+    assert line.endswith("the keys of [data]: corpus, tokenizer, vocab_size, val_fraction, cache_dir, allow_binary")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps = 3\n", "steps: not a section in {path}; keys go under one: [train] steps"),
+    ("stepz = 3\n", "stepz: not a section in {path}; keys go under one of [model] [parallel] [train] [data]; "
+                    "did you mean [train] steps?"),
+])
+def test_a_key_above_every_section_names_its_section(tmp_path, capsys, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    message = "error: " + message.format(path=path)
+    assert refused(capsys, ["train", "--no-progress", "--config", str(path)], message) == message
+
+
+# ---------------------------------------------------------------- data prepare: its own flags, not config keys
+
+@pytest.mark.parametrize("flags, message", [
+    (["--val-fraction", "0.7"], "error: --val-fraction: must be in (0, 0.5), got 0.7"),
+    (["--seq-len", "100000"], "fewer than one sequence of --seq-len + 1 = 100001; use a larger corpus or a smaller "
+                              "--seq-len"),
+    (["--tokenizer", "nothere.json"], "error: --tokenizer: file 'nothere.json' does not exist"),
+    (["--corpus", "{tmp}/binary.txt"], "--allow-binary trains on it anyway"),
+])
+def test_data_prepare_names_its_own_flags(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "play.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    (tmp_path / "binary.txt").write_bytes(bytes(range(32)) * 200)
+    line = refused(capsys, ["data", "prepare", "--corpus", str(tmp_path / "play.txt"), "--vocab-size", "300",
+                            "--cache-dir", str(tmp_path / "cache"), *[f.format(tmp=tmp_path) for f in flags]], message)
+    assert "data." not in line and "model." not in line, line
+
+
+def test_data_prepare_takes_a_tokenizer_json(tmp_path, capsys):
+    (tmp_path / "play.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    cache = ["--corpus", str(tmp_path / "play.txt"), "--seq-len", "16", "--cache-dir", str(tmp_path / "cache")]
+    assert main(["data", "prepare", "--vocab-size", "300", *cache]) == 0
+    trained = next((tmp_path / "cache").rglob("tokenizer-bpe300.json"))
+    assert main(["data", "prepare", "--tokenizer", str(trained), *cache]) == 0
+    assert "vocabulary" in capsys.readouterr().out

@@ -362,3 +362,58 @@ def test_a_rank_missing_from_a_resume_is_named_in_one_line(distributed, tmp_path
     assert message.startswith("loading the checkpoint step_00000003 failed on rank 0 "), message
     assert "Timed out waiting 2000ms" in message
     assert message.endswith("rank 1 of the group [0, 1] did not reach it (dead, or stuck elsewhere)"), message
+
+
+# --- what a resume refuses, before any rank starts (a new user's audit) ------------------------------
+def test_a_checkpoint_read_with_another_tokenizer_is_refused(tmp_path):
+    """A run on another corpus trains another BPE: the checkpoint's embedding rows would be read
+    as other tokens. Its own tokenizer passes."""
+    from threefold.data.tokenizer import save_tokenizer, train_bpe
+
+    saved = train_bpe(iter(["to be or not to be, that is the question"] * 50), 300)
+    other = train_bpe(iter(["the quick brown fox jumps over the lazy dog"] * 50), 300)
+    save_tokenizer(saved, tmp_path / "tokenizer.json")
+    checkpoint.check_tokenizer(tmp_path, saved, "train.resume")
+    with pytest.raises(ConfigError, match=r"^train.resume: .* was trained with another tokenizer: 257 of its \d+ "
+                                          r"tokens have the id this run's gives them"):
+        checkpoint.check_tokenizer(tmp_path, other, "train.resume")
+
+
+def test_a_resume_is_checked_before_the_ranks_start(tmp_path, corpus):  # noqa: F811
+    """Another seed, a weights-only folder, a step folder without trainer.json: one line each,
+    naming the key and what to do."""
+    from threefold.train.preflight import check_run
+    from threefold.train.trainer import train
+
+    ckpt = tmp_path / "ckpt"
+    common = ["train.steps=2", "train.checkpoint_every=2", f"train.checkpoint_dir={json.dumps(str(ckpt))}"]
+    train(trainer_config(tmp_path, corpus, *common), progress=False)
+    with pytest.raises(ConfigError, match=r"^train.seed: .*step_000002' was saved with train.seed=\d+, this run has "
+                                          r"7; .* resume with --set train.seed="):
+        check_run(trainer_config(tmp_path, corpus, *common, "train.resume=true", "train.seed=7"))
+    cfg = make_config("single")
+    model = Llama(cfg.model)
+    checkpoint.save_weights(tmp_path / "imported", model, {"config": cfg.to_dict()}, tokenizer=None)
+    with pytest.raises(ConfigError, match="holds imported weights, not a run to resume; start a new run from them "
+                                          "with model.init_from"):
+        checkpoint.check_root(tmp_path / "imported")
+    (checkpoint.step_dir(ckpt, 2) / "trainer.json").unlink()
+    with pytest.raises(ConfigError, match=r"step_000002' lacks trainer.json .*; remove step_000002 to use the "
+                                          "checkpoint before it"):
+        checkpoint.resolve(checkpoint.step_dir(ckpt, 2))
+
+
+def test_a_resumed_run_rewrites_the_steps_after_its_checkpoint_once(tmp_path, corpus):  # noqa: F811
+    """Steps after the checkpoint that a failure cut short are in the metrics file once, as the
+    resumed run wrote them; a resume with nothing left to train says so and changes nothing."""
+    from threefold.train.trainer import train
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = ["train.steps=3", "train.checkpoint_every=2", f"train.checkpoint_dir={json.dumps(str(ckpt))}"]
+    train(trainer_config(tmp_path, corpus, *common), metrics_file=str(metrics), progress=False)
+    shutil.rmtree(checkpoint.step_dir(ckpt, 3))  # as if the run had failed after step 3, before saving it
+    train(trainer_config(tmp_path, corpus, *common, "train.resume=true"), metrics_file=str(metrics), progress=False)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    done = train(trainer_config(tmp_path, corpus, *common[1:], "train.steps=2", "train.resume=true"),
+                 metrics_file=str(metrics), progress=False)
+    assert done.losses == [] and [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]

@@ -37,6 +37,9 @@ def test_defaults_and_preset_and_overrides(tmp_path):
     (["parallel.zero=5"], "parallel.zero: must be 0, 1, 2 or 3"),
     (["parallel.schedule=round-robin"], "parallel.schedule: must be one of"),
     (["data.corpus=/no/such/corpus"], "data.corpus: path '/no/such/corpus' does not exist"),
+    (["data.corpus="], "data.corpus: empty; give 'shakespeare' or a path"),  # was every text file below "."
+    (['data.tokenizer=""'], "data.tokenizer: empty"),
+    (["data.cache_dir= "], "data.cache_dir: empty"),
     (["train.dtype=float16"], "train.dtype"),
     (["train.recompute=some"], "train.recompute"),
     (["train.resume=true"], "train.resume: needs train.checkpoint_dir"),
@@ -61,7 +64,8 @@ def test_cli_exit_code_2_one_line_no_traceback(tmp_path, capsys):
     path = write(tmp_path, '[model]\npreset = "tiny"\n')
     assert main(["train", "--config", str(path), "--set", "train.no_such_key=1"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "error: train.no_such_key: unknown key in --set"
+    assert err.strip().startswith("error: train.no_such_key: unknown key in --set; the keys of [train]: steps, ")
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_cli_nproc_must_match_layout(tmp_path, capsys):

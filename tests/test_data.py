@@ -262,9 +262,9 @@ def test_cli_prepare_prints_a_table(small_cfg, capsys):
 
 
 @pytest.mark.parametrize("args, key", [
-    (["--corpus", "/no/such/corpus"], "data.corpus"),
-    (["--vocab-size", "100"], "data.vocab_size"),
-    (["--cache-dir", "/proc/not-writable"], "data.cache_dir"),
+    (["--corpus", "/no/such/corpus"], "--corpus"),  # data prepare's messages name its own flags
+    (["--vocab-size", "100"], "--vocab-size"),
+    (["--cache-dir", "/proc/not-writable"], "--cache-dir"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, key, tmp_path, capsys):
     assert main(["data", "prepare", "--cache-dir", str(tmp_path / "cache"), *args]) == 2

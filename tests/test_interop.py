@@ -530,3 +530,33 @@ def test_a_rank_reads_only_its_pieces_of_a_checkpoint(tmp_path, tokenizer, monke
     monkeypatch.setattr(checkpoint, "_read", recording)
     run = dataclasses.replace(cfg, init_from=str(tmp_path / "run"))
     assert_every_rank_reads_its_share(run, full, asked, sum(p.numel() for p in model.parameters()), 0.6)
+
+
+# ---------------------------------------------------------------- what a new user types
+
+def test_import_of_a_threefold_checkpoint_says_to_use_it_as_it_is(tmp_path, tokenizer, cli, capsys):
+    _, saved = save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    for source in (tmp_path / "run", saved):  # a checkpoint_dir, and one checkpoint in it
+        assert_refused(cli, capsys, tmp_path, ["import", str(source), "--out", str(tmp_path / "out")],
+                       f"import: {str(source)!r} is already a threefold checkpoint; use it as it is: "
+                       f"threefold generate --checkpoint {source}, or model.init_from")
+
+
+def test_an_out_that_is_a_file_is_called_a_file(tmp_path, tokenizer, cli, capsys):
+    save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    (tmp_path / "notes.txt").write_text("mine")
+    for argv in (["export", "--checkpoint", str(tmp_path / "run")], ["import", "smollm2"]):
+        assert_refused(cli, capsys, tmp_path, [*argv, "--out", str(tmp_path / "notes.txt")],
+                       f"--out: {tmp_path / 'notes.txt'} is an existing file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_inspect_takes_the_tensor_names_it_shows_and_suggests_the_closest(tmp_path, tokenizer, capsys):
+    save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    assert main(["inspect", str(tmp_path / "run"), "--tensor", "model/blocks.0.attn.wq.weight", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["tensors"]) == {
+        f"{kind}/blocks.0.attn.wq.weight" for kind in ("model", "exp_avg", "exp_avg_sq")}
+    assert main(["inspect", str(tmp_path / "run"), "--tensor", "blocks.0.attn.wq.weihgt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --tensor: ") and \
+        err.rstrip().endswith("(did you mean 'blocks.0.attn.wq.weight'?)"), err

@@ -25,8 +25,8 @@ COMMANDS = {
     "dryrun": ("threefold.train.dryrun", "dryrun", "One real training step of rank R of a large job, on fake tensors."),
     "compare": ("threefold.plan.compare", "compare", "Compare a run's measurements with the planner's prediction."),
     "calibrate": ("threefold.plan.calibrate", "calibrate", "Measure this machine for the planner."),
-    "export": ("threefold.interop.commands", "export_cmd", "Write a checkpoint as a Hugging Face LlamaForCausalLM folder."),
-    "import": ("threefold.interop.commands", "import_cmd", "Read an HF Llama folder or a GGUF file (or smollm2) into a checkpoint."),
+    "export": ("threefold.interop.commands", "export_cmd", "Write a checkpoint as a Hugging Face folder (LlamaForCausalLM, or MixtralForCausalLM with experts)."),
+    "import": ("threefold.interop.commands", "import_cmd", "Read an HF Llama or Mixtral folder or a GGUF file (or smollm2) into a checkpoint."),
     "bench": ("threefold.bench_commands", "bench", "Run the benchmarks under bench/."),
 }
 

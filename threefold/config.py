@@ -311,6 +311,12 @@ class DataConfig:
     allow_binary: bool = False  # train on a file that is not UTF-8 text (refused otherwise)
 
     def validate(self) -> None:
+        # an empty path is the current folder: a corpus of every text file below it, a cache in it
+        for key, what in (("corpus", "'shakespeare' or a path to a text file or folder"),
+                          ("tokenizer", "'bpe', 'gpt2' or a path to a tokenizer.json file"),
+                          ("cache_dir", "a folder for the tokenized corpus (default 'cache')")):
+            if not str(getattr(self, key)).strip():
+                raise ConfigError(f"data.{key}: empty; give {what}")
         if self.tokenizer not in ("bpe", "gpt2") and Path(self.tokenizer).is_dir():
             raise ConfigError(f"data.tokenizer: {self.tokenizer!r} is a folder, not a tokenizer.json file")
         if self.tokenizer not in ("bpe", "gpt2") and not Path(self.tokenizer).is_file():
@@ -526,17 +532,34 @@ def _coerce(section: str, key: str, value):
 
 
 def apply_values(cfg: Config, values: dict, origin: str = "config") -> None:
-    """Set ``{section: {key: value}}`` on ``cfg``, refusing unknown sections and keys."""
+    """Set ``{section: {key: value}}`` on ``cfg``, refusing unknown sections and keys (with the
+    closest known ones, or the section a key outside any section belongs in)."""
+    import difflib
+
+    keys_of = {name: [f.name for f in fields(kind)] for name, kind in SECTIONS.items()}
     for section, entries in values.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{section}: unknown section in {origin} (known: {', '.join(SECTIONS)})")
+            if not isinstance(entries, dict):  # `steps = 3` above every [section]: a key, not a section
+                owners = [f"[{name}] {section}" for name, keys in keys_of.items() if section in keys]
+                close = [f"[{name}] {key}" for name, keys in keys_of.items()
+                         for key in difflib.get_close_matches(section, keys, n=1)]
+                hint = (f": {' or '.join(owners)}" if owners else f" of {' '.join(f'[{name}]' for name in SECTIONS)}"
+                        + (f"; did you mean {' or '.join(close)}?" if close else ""))
+                raise ConfigError(f"{section}: not a section in {origin}; keys go under one{hint}")
+            close = difflib.get_close_matches(section, SECTIONS, n=1)
+            raise ConfigError(f"{section}: unknown section in {origin} (known: {', '.join(SECTIONS)})"
+                              + (f"; did you mean {close[0]}?" if close else ""))
         if not isinstance(entries, dict):
             raise ConfigError(f"{section}: expected a table of keys in {origin}")
         target = getattr(cfg, section)
-        names = {f.name for f in fields(target)}
+        names = keys_of[section]
         for key, value in entries.items():
             if key not in names:
-                raise ConfigError(f"{section}.{key}: unknown key in {origin}")
+                elsewhere = [f"{name}.{key}" for name, keys in keys_of.items() if key in keys]
+                close = elsewhere or [f"{section}.{k}" for k in difflib.get_close_matches(key, names, n=3)]
+                hint = (f"did you mean {' or '.join(close)}?" if close
+                        else f"the keys of [{section}]: {', '.join(names)}")
+                raise ConfigError(f"{section}.{key}: unknown key in {origin}; {hint}")
             setattr(target, key, _coerce(section, key, value))
 
 

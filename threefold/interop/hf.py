@@ -429,6 +429,17 @@ def init_from_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
+def init_from_checkpoint(source: str) -> Path | None:
+    """The threefold checkpoint ``model.init_from`` names (a checkpoint, or the latest of a folder
+    of them), or None for a Hugging Face folder."""
+    from threefold.train import checkpoint
+
+    path = Path(source)
+    if (path / "trainer.json").is_file() or checkpoint.list_checkpoints(path):
+        return checkpoint.resolve(path)
+    return None
+
+
 def describe_init_from(source: str) -> str:
     """Which weights ``model.init_from`` names: a checkpoint and its step, or a Hugging Face folder."""
     from threefold.train import checkpoint

@@ -76,7 +76,8 @@ def _model_options(command):
         click.option("--ffn", type=int, help="FFN width; default 4·hidden (gpt) or Llama's ~8/3·hidden."),
         click.option("--vocab", type=int, help="Vocabulary size (required without --model)."),
         click.option("--seq-len", type=int, help="Tokens per sequence (required without --model)."),
-        click.option("--tie-embeddings/--no-tie-embeddings", default=None),
+        click.option("--tie-embeddings/--no-tie-embeddings", default=None,
+                     help="The output head shares the input embedding's weights; default: the preset's, else tied."),
         click.option("--moe-experts", type=int, help="Routed experts per MoE layer (0: dense); makes any shape MoE."),
         click.option("--moe-top-k", type=int, help="Experts per token (default 2)."),
         click.option("--moe-ffn", type=int, help="Each expert's SwiGLU width (default --ffn)."),
@@ -331,7 +332,9 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=False)
+@click.option("--sequence-parallel/--no-sequence-parallel", default=False,
+              help="With --tp > 1, split the norms' activations over the tensor-parallel ranks along the sequence "
+                   "(Megatron's sequence parallelism); default: off.")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
               help="ZeRO stage over the dp ranks: 1 shards the optimizer's moments, 2 also the gradients, 3 also "
                    "the weights (FSDP's FULL_SHARD).")
@@ -343,7 +346,8 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
-@click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True)
+@click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True,
+              help="Pipeline schedule, used with --pp > 1 (`threefold schedule` draws each).")
 @click.option("--stage-layers", metavar="N,N,…",
               help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
                    "e.g. 3,2; the schedule is then played on each stage's own cost. Default: ceil(layers/pp) "

@@ -87,6 +87,10 @@ def check_root(root: str | Path) -> None:
         raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is a file, not a folder")
     check_output_path("train.checkpoint_dir", root, made="folder")  # not at the first save, steps later
     if (root / "trainer.json").is_file():
+        if read_meta(root).get("weights_only"):  # `threefold import`'s: nothing to resume, weights to start from
+            raise ConfigError(f"train.checkpoint_dir: {str(root)!r} holds imported weights, not a run to resume; "
+                              f"start a new run from them with model.init_from = {json.dumps(str(root))} and a "
+                              "checkpoint_dir of its own")
         raise ConfigError(f"train.checkpoint_dir: {str(root)!r} is one checkpoint, not a folder of them; set it to "
                           f"{str(root.parent)!r} (train.resume continues from the latest there)")
 
@@ -98,6 +102,8 @@ def resolve(path: str | Path) -> Path:
         return path
     if not path.exists():
         raise ConfigError(f"checkpoint: {str(path)!r} does not exist")
+    if path.name.startswith("step_") and path.name[5:].isdigit():
+        read_meta(path)  # its trainer.json is missing: one line saying so
     latest = list_checkpoints(path)
     if not latest:
         raise ConfigError(f"checkpoint: {str(path)!r} holds no threefold checkpoint (no step_*/trainer.json)")
@@ -109,6 +115,9 @@ def read_meta(path: Path) -> dict:
     key of the type its field has (converted as ``--set`` converts it) and a valid model; anything
     else is one line naming the file and what is wrong with it."""
     file = path / "trainer.json"
+    if not file.exists() and path.is_dir() and path.name.startswith("step_"):
+        raise ConfigError(f"checkpoint: {str(path)!r} lacks trainer.json (a save that did not finish, or damage); "
+                          f"remove {path.name} to use the checkpoint before it")
     try:
         meta = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
@@ -389,6 +398,47 @@ def check_model(meta: dict, cfg: Config, path: Path) -> None:
         now = getattr(cfg.model, key)
         if getattr(saved, key) != now:
             raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={getattr(saved, key)}, this run has {now}")
+
+
+SAMPLER_KEYS = {"seed": "train.seed", "seq_len": "model.seq_len", "global_batch": "train.global_batch"}
+
+
+def check_resumable(path: Path, cfg: Config) -> dict:
+    """Before any rank starts: the checkpoint a resume would read is a training run's (not
+    imported weights), and this run continues its stream of batches (the sampler's seed, sequence
+    length and global batch); its metadata."""
+    meta = read_meta(path)
+    if meta.get("weights_only"):
+        raise ConfigError(f"checkpoint: {str(path)!r} holds weights only, no optimizer states to resume; "
+                          f"start a new run from it with model.init_from = {json.dumps(str(path))}")
+    for key, flag in SAMPLER_KEYS.items():
+        saved, now = meta["sampler"].get(key), getattr(cfg.model if flag.startswith("model") else cfg.train, key)
+        if saved is not None and saved != now:
+            raise ConfigError(f"{flag}: {str(path)!r} was saved with {flag}={saved}, this run has {now}; the batches "
+                              f"it continues follow from it: resume with --set {flag}={saved}")
+    return meta
+
+
+def check_tokenizer(path: Path, tokenizer, key: str) -> None:
+    """Refuse a checkpoint whose token ids mean other tokens than this run's tokenizer gives them
+    (another corpus or tokenizer): its embedding's rows would be read as other tokens. Nothing to
+    compare where it was saved without a tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return
+    try:
+        saved = HFTokenizer.from_file(str(file)).get_vocab()
+    except Exception:
+        raise ConfigError(f"{key}: {str(file)!r} is not a tokenizer file") from None
+    now = tokenizer.hf.get_vocab()
+    if saved == now:
+        return
+    same = len(saved.items() & now.items())
+    raise ConfigError(f"{key}: {str(path)!r} was trained with another tokenizer: {same:,} of its {len(saved):,} "
+                      f"tokens have the id this run's gives them, so its embedding would read other tokens; "
+                      f"tokenize with its own: data.tokenizer = {json.dumps(str(file))}")
 
 
 def _metadata(path: Path):

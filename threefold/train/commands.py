@@ -12,7 +12,9 @@ from threefold.configure import load_config, resolve_world
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML file with [model] [parallel] [train] [data].")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML file with [model] [parallel] [train] [data] (optional: without it, the defaults, "
+                   "changed by any --set).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override one config key (repeatable).")
 @click.option("--metrics-file", type=click.Path(dir_okay=False), help="Write one JSON object per step here.")
 @click.option("--nproc", type=int, default=None,
@@ -20,7 +22,7 @@ from threefold.configure import load_config, resolve_world
 @click.option("--max-restarts", type=click.IntRange(0), default=0,
               help="After a rank fails, restart all ranks (torchrun) up to N times; they resume from the "
                    "last complete checkpoint (needs train.checkpoint_dir).")
-@click.option("--progress/--no-progress", default=True, help="Show the progress bar.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show the progress bar.")
 def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     """Train a model from a TOML config."""
     if metrics_file is not None:
@@ -99,7 +101,8 @@ def _default_run(cfg) -> str:
 @click.command()
 @click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
               help="A checkpoint folder, or a checkpoint_dir (its latest checkpoint is used).")
-@click.option("--prompt", default="ROMEO:", show_default=True)
+@click.option("--prompt", default="ROMEO:", show_default=True,
+              help="Text the sample continues (with --chat, the user's message).")
 @click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1, MAX_NEW_TOKENS),
               help=f"Tokens to sample after the prompt (at most {MAX_NEW_TOKENS:,}).")
 @click.option("--temperature", default=0.8, show_default=True,
@@ -151,10 +154,18 @@ def inspect(checkpoint_path, key, as_json):
     meta = checkpoint.read_meta(path)
     stored = checkpoint.pieces(path)
     if key is not None:
-        names = [n for n in (f"{kind}/{key}" for kind in ("model", "exp_avg", "exp_avg_sq")) if n in stored]
+        import difflib
+
+        kinds = ("model", "exp_avg", "exp_avg_sq")
+        prefix, slash, rest = key.partition("/")
+        plain = rest if slash and prefix in kinds else key  # the tables' name, model/blocks.0…, is the key too
+        names = [n for n in (f"{kind}/{plain}" for kind in kinds) if n in stored]
         if not names:
             keys = sorted(n.partition("/")[2] for n in stored if n.startswith("model/"))
-            raise ConfigError(f"--tensor: {str(path)!r} holds no tensor {key!r} (keys look like {keys[0]!r})")
+            close = difflib.get_close_matches(plain, keys, n=1)
+            hint = (f"did you mean {close[0]!r}?" if close
+                    else f"keys look like {keys[0]!r}") if keys else "it holds no model tensors"
+            raise ConfigError(f"--tensor: {str(path)!r} holds no tensor {key!r} ({hint})")
         stored = {n: stored[n] for n in names}
     parallel = meta["config"]["parallel"]
     files = Counter(piece["file"] for info in stored.values() for piece in info["pieces"])

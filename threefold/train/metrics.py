@@ -125,13 +125,18 @@ def least_exposed(comm, calls: dict[str, list[float]]) -> tuple[dict[str, float]
 
 
 class MetricsWriter:
-    """One JSON object per line; the file is rewritten from the start of a fresh run."""
+    """One JSON object per line; the file is rewritten from the start of a fresh run. A run
+    resumed at ``resume_step`` keeps the records up to that step and drops the later ones, which
+    the resumed run writes again (the steps after the checkpoint, before a failure or a stop)."""
 
-    def __init__(self, path: str | Path | None, append: bool = False):
+    def __init__(self, path: str | Path | None, resume_step: int = 0):
         self.file = None
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a" if append else "w", buffering=1)
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = _records_up_to(path, resume_step) if resume_step and path.is_file() else []
+            self.file = open(path, "w", buffering=1)
+            self.file.writelines(kept)
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -140,3 +145,18 @@ class MetricsWriter:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a metrics file whose step is at most ``step`` (lines that are not a step's
+    record, kept)."""
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            kept.append(line)
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept

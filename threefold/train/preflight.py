@@ -29,6 +29,7 @@ def check_run(cfg: Config, warn=print) -> None:
         checkpoint.check_root(t.checkpoint_dir)
         found = checkpoint.list_checkpoints(t.checkpoint_dir)
         if t.resume and found:
+            checkpoint.check_resumable(found[-1], cfg)  # before the ranks start: one line, not one a rank
             problem = checkpoint.damage(found[-1])
             if problem:
                 raise ConfigError(problem)

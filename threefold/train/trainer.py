@@ -9,6 +9,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -80,6 +81,23 @@ def upcoming_batches(engine, sampler: BatchSampler, cfg: Config, step: int) -> l
     return upcoming
 
 
+def _check_tokenizers(cfg: Config, tokenizer, resumed) -> None:
+    """The checkpoint resumed and the weights of model.init_from read token ids as this run's
+    tokenizer does (refused on the main process, in one line; the others exit 2)."""
+    from threefold.interop.hf import init_from_checkpoint
+
+    sources = [("train.resume", resumed)] if resumed is not None else []
+    if cfg.model.init_from:
+        sources.append(("model.init_from", init_from_checkpoint(cfg.model.init_from) or Path(cfg.model.init_from)))
+    try:
+        for key, path in sources:
+            checkpoint.check_tokenizer(path, tokenizer, key)
+    except ConfigError:
+        if _is_main_process():
+            raise
+        raise SystemExit(2) from None
+
+
 def train(cfg: Config, metrics_file: str | None = None, progress: bool = True,
           console: Console | None = None) -> TrainResult:
     stop = StopRequest(restart_count())  # from here on, SIGTERM means: finish the step, save, exit 0
@@ -113,6 +131,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     keep_large_blocks_in_the_heap()
     torch.manual_seed(cfg.train.seed)
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=progress and _is_main_process())
+    _check_tokenizers(cfg, dataset.tokenizer, found[-1] if resuming and found else None)
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
     t = cfg.train
 
@@ -151,10 +170,15 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                               soft_wrap=True)  # one line, whatever the terminal's width
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
+    if start >= t.steps:  # a requeued job that has finished: say so, and leave everything as it is
+        if main:
+            console.print(f"train.steps = {t.steps}: the checkpoint is at step {start}, so nothing is left to train "
+                          "(raise train.steps to go on)", markup=False, highlight=False)
+        return TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
 
     checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
-    writer = MetricsWriter(metrics_file if main else None, append=start > 0)
+    writer = MetricsWriter(metrics_file if main else None, resume_step=start)
     if main:
         console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
                       f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
