@@ -205,3 +205,11 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, corpus, c
     empty = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'empty'))}"
     train(config(tmp_path, corpus, "train.steps=1", empty, "train.resume=true"), progress=False)
     assert "no checkpoint in" in " ".join(capsys.readouterr().err.split())
+
+
+def test_no_progress_logs_a_line_every_log_every_steps(tmp_path, corpus, capsys):
+    """Without the bar (--no-progress, as in a batch job's log), the step's figures every log_every steps."""
+    train(config(tmp_path, corpus, "train.steps=4", "train.log_every=2"), progress=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"]
+    assert all(" loss " in line and " tok/s" in line for line in lines)

@@ -260,7 +260,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     async_checkpoint: bool = False  # write checkpoints in a background thread from a copy of the states
     resume: bool = False  # resume from the latest checkpoint in checkpoint_dir
-    log_every: int = 1
+    log_every: int = 1  # with --no-progress, a line of loss, lr, norm and speed every log_every steps
     sample_tokens: int = 120  # generated at the end of a run; 0 disables
     sample_prompt: str = "ROMEO:"
     threads: int | None = None  # intra-op threads per rank; None: this machine's cores / ranks
