@@ -231,6 +231,10 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     assert main(["schedule", "--from-metrics", str(metrics)]) == 0
     printed = capsys.readouterr().out
     assert "over 1 step(s) after the first" in printed and "replayed at each action's measured time" in printed
+    one = tmp_path / "one.jsonl"  # a run of one step: its only timeline pays the warm-up, and says so
+    one.write_text(json.dumps({"step": 1, "timeline": timeline}) + "\n")
+    assert main(["schedule", "--from-metrics", str(one)]) == 0
+    assert "over its one step, warm-up included" in capsys.readouterr().out
     assert all(0 <= idle < 1 for idle in report["mean_replayed_idle"])
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")

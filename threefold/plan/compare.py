@@ -366,7 +366,9 @@ def compare(config_path, overrides, metrics_file, as_json):
     p = cfg.parallel
     axes = " × ".join(f"{a}={getattr(p, a)}" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp", "pp")
                       or getattr(p, a) > 1)
-    Console().print(rows_table(rows, f"rank 0 of {axes}: predicted vs measured (median of steps after the first)"))
+    measured = ("median of steps after the first" if len(read_records(metrics_file, "--metrics-file")) > 1
+                else "its one step, warm-up included")
+    Console().print(rows_table(rows, f"rank 0 of {axes}: predicted vs measured ({measured})"))
     drift = step_time_drift(read_steps(metrics_file))
     if drift:
         (a, b), (c, d) = drift["fast_steps"], drift["slow_steps"]

@@ -134,5 +134,5 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
             "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
             "simulated_idle": idle_fractions(simulated_segs), "bottleneck": neck,
             "mean_measured_idle": mean_idle(timelines), "mean_replayed_idle": mean_idle(timelines, replayed_idle),
-            "mean_steps": max(1, len(timelines) - 1),
+            "mean_steps": max(1, len(timelines) - 1), "steps": len(timelines),
             "out": str(out) if out else None}

@@ -61,9 +61,11 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
 
         check_picture_path("--out", out)
         report = measured_vs_simulated(metrics_file, out)
+        over = (f"over {report['mean_steps']} step(s) after the first" if report["steps"] > 1
+                else "over its one step, warm-up included (a longer run gives a steadier figure)")
         click.echo(json.dumps(report) if as_json else "\n".join(
             [f"rank {rank}: idle {got:.1%} measured in the last step, {want:.1%} simulated on its costs; "
-             f"{mean:.1%} over {report['mean_steps']} step(s) after the first, {replayed:.1%} replayed at each "
+             f"{mean:.1%} {over}, {replayed:.1%} replayed at each "
              f"action's measured time ({100 * (mean - replayed):+.1f} points from the messages: transfers, waking)"
              for rank, (got, want, mean, replayed) in enumerate(zip(
                  report["measured_idle"], report["simulated_idle"], report["mean_measured_idle"],

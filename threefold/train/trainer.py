@@ -162,6 +162,9 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             meta = checkpoint.load(found[-1], engine, cfg)
             sampler.load_state_dict(meta["sampler"])
             start = meta["step"]
+            if main and cfg.model.init_from:
+                console.print("model.init_from: its weights are replaced by the checkpoint the run resumes from",
+                              markup=False, highlight=False)
             if main:
                 saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
                 derived = f"; parallel.dp = \"auto\" on {engine.world_size} ranks" if auto_dp else ""
