@@ -84,7 +84,7 @@ def assert_dry_run_is_the_planners(cfg, sets: list[str]) -> None:
         for axis, sent in want["comm_bytes"].items():
             assert got["comm_bytes"].get(axis) == sent, (axis, rank, sets)
         # activations to the byte, but for MoE routing's int64 bookkeeping, which the planner
-        # estimates (within 0.3% on these models)
+        # estimates (within 0.3% on the tiny models; 0.5% allowed)
         moe = any(s.startswith("model.moe_experts") for s in sets)
         assert got["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=5e-3 if moe else 0), \
             (rank, sets)

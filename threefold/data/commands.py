@@ -16,7 +16,7 @@ _DEFAULTS = DataConfig()
 FLAGS = {"data.allow_binary = true": "--allow-binary", "data.allow_binary": "--allow-binary",
          "data.val_fraction": "--val-fraction", "data.vocab_size": "--vocab-size", "data.cache_dir": "--cache-dir",
          "data.tokenizer": "--tokenizer", "data.corpus": "--corpus", "model.seq_len": "--seq-len",
-         "seq_len": "--seq-len"}
+         "seq_len + 1": "--seq-len + 1", "a smaller seq_len": "a smaller --seq-len"}  # phrases, not a path's parts
 
 
 @click.group()

@@ -400,11 +400,8 @@ def init_from_reader(cfg: ModelConfig):
     (saved by any layout); a folder whose model is not the run's model is refused."""
     from threefold.train import checkpoint
 
-    source = Path(cfg.init_from)
-    if (source / "trainer.json").is_file() or checkpoint.list_checkpoints(source):  # a checkpoint, or their folder
-        pretrained, read = checkpoint.piece_reader(checkpoint.resolve(source))
-    else:
-        pretrained, read = hf_piece_reader(cfg.init_from)
+    found = init_from_checkpoint(cfg.init_from)
+    pretrained, read = checkpoint.piece_reader(found) if found else hf_piece_reader(cfg.init_from)
     for key in WEIGHT_DEFINING_KEYS:
         if getattr(pretrained, key) != getattr(cfg, key):
             raise ConfigError(f"model.init_from: {cfg.init_from} has {key}={getattr(pretrained, key)}, "
@@ -444,11 +441,8 @@ def describe_init_from(source: str) -> str:
     """Which weights ``model.init_from`` names: a checkpoint and its step, or a Hugging Face folder."""
     from threefold.train import checkpoint
 
-    path = Path(source)
-    if (path / "trainer.json").is_file() or checkpoint.list_checkpoints(path):
-        found = checkpoint.resolve(path)
-        return checkpoint.describe(found, checkpoint.read_meta(found))
-    return f"{source} (a Hugging Face folder)"
+    found = init_from_checkpoint(source)
+    return checkpoint.describe(found, checkpoint.read_meta(found)) if found else f"{source} (a Hugging Face folder)"
 
 
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

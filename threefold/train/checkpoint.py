@@ -413,7 +413,10 @@ def check_resumable(path: Path, cfg: Config) -> dict:
                           f"start a new run from it with model.init_from = {json.dumps(str(path))}")
     for key, flag in SAMPLER_KEYS.items():
         saved, now = meta["sampler"].get(key), getattr(cfg.model if flag.startswith("model") else cfg.train, key)
-        if saved is not None and saved != now:
+        if saved is None:
+            raise ConfigError(f"checkpoint: {str(path)!r} holds no sampler {key} (it was not saved by train), so a run "
+                              "cannot resume from it")
+        if saved != now:
             raise ConfigError(f"{flag}: {str(path)!r} was saved with {flag}={saved}, this run has {now}; the batches "
                               f"it continues follow from it: resume with --set {flag}={saved}")
     return meta
@@ -421,24 +424,20 @@ def check_resumable(path: Path, cfg: Config) -> dict:
 
 def check_tokenizer(path: Path, tokenizer, key: str) -> None:
     """Refuse a checkpoint whose token ids mean other tokens than this run's tokenizer gives them
-    (another corpus or tokenizer): its embedding's rows would be read as other tokens. Nothing to
-    compare where it was saved without a tokenizer."""
-    from tokenizers import Tokenizer as HFTokenizer
-
+    (another corpus or tokenizer): its embedding's rows would be read as other tokens. Tokens one
+    of them adds (a chat template's, padding) change no id; nothing to compare where the
+    checkpoint was saved without a tokenizer."""
     file = path / "tokenizer.json"
     if not file.is_file():
         return
-    try:
-        saved = HFTokenizer.from_file(str(file)).get_vocab()
-    except Exception:
-        raise ConfigError(f"{key}: {str(file)!r} is not a tokenizer file") from None
-    now = tokenizer.hf.get_vocab()
-    if saved == now:
-        return
-    same = len(saved.items() & now.items())
-    raise ConfigError(f"{key}: {str(path)!r} was trained with another tokenizer: {same:,} of its {len(saved):,} "
-                      f"tokens have the id this run's gives them, so its embedding would read other tokens; "
-                      f"tokenize with its own: data.tokenizer = {json.dumps(str(file))}")
+    saved = {i: token for token, i in load_tokenizer(file, "checkpoint").hf.get_vocab().items()}
+    now = {i: token for token, i in tokenizer.hf.get_vocab().items()}
+    moved = sum(1 for i in saved.keys() & now.keys() if saved[i] != now[i])
+    if moved:
+        raise ConfigError(f"{key}: {str(path)!r} was trained with another tokenizer: {moved:,} of the {len(saved):,} "
+                          "token ids it knows mean another token in this run's, so its embedding would read other "
+                          f"tokens; tokenize with its own (copy {file.name} out of the checkpoint, which "
+                          "keep_checkpoints may delete, and set data.tokenizer to the copy)")
 
 
 def _metadata(path: Path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -134,9 +135,12 @@ class MetricsWriter:
         if path:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept = _records_up_to(path, resume_step) if resume_step and path.is_file() else []
-            self.file = open(path, "w", buffering=1)
-            self.file.writelines(kept)
+            if resume_step and path.is_file():  # written beside and moved over it: a crash here loses nothing
+                kept = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                with open(path) as old, open(kept, "w") as new:
+                    new.writelines(_records_up_to(old, resume_step))
+                os.replace(kept, path)
+            self.file = open(path, "a" if resume_step else "w", buffering=1)
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -147,16 +151,13 @@ class MetricsWriter:
             self.file.close()
 
 
-def _records_up_to(path: Path, step: int) -> list[str]:
-    """The lines of a metrics file whose step is at most ``step`` (lines that are not a step's
-    record, kept)."""
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
+def _records_up_to(lines, step: int):
+    """The records of a metrics file whose step is at most ``step``, each ending its line; a line
+    that is not a record (one a killed run left half written) is dropped."""
+    for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            kept.append(line)
             continue
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
-            kept.append(line if line.endswith("\n") else line + "\n")
-    return kept
+        if isinstance(record, dict) and not (isinstance(record.get("step"), int) and record["step"] > step):
+            yield line if line.endswith("\n") else line + "\n"

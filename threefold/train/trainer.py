@@ -82,16 +82,17 @@ def upcoming_batches(engine, sampler: BatchSampler, cfg: Config, step: int) -> l
 
 
 def _check_tokenizers(cfg: Config, tokenizer, resumed) -> None:
-    """The checkpoint resumed and the weights of model.init_from read token ids as this run's
-    tokenizer does (refused on the main process, in one line; the others exit 2)."""
+    """The checkpoint resumed, or else the one or the Hugging Face folder model.init_from names,
+    reads token ids as this run's tokenizer does (refused on the main process, in one line; the
+    others exit 2)."""
     from threefold.interop.hf import init_from_checkpoint
 
-    sources = [("train.resume", resumed)] if resumed is not None else []
-    if cfg.model.init_from:
-        sources.append(("model.init_from", init_from_checkpoint(cfg.model.init_from) or Path(cfg.model.init_from)))
     try:
-        for key, path in sources:
-            checkpoint.check_tokenizer(path, tokenizer, key)
+        if resumed is not None:  # its weights replace init_from's
+            checkpoint.check_tokenizer(resumed, tokenizer, "train.resume")
+        elif cfg.model.init_from:
+            path = init_from_checkpoint(cfg.model.init_from) or Path(cfg.model.init_from)
+            checkpoint.check_tokenizer(path, tokenizer, "model.init_from")
     except ConfigError:
         if _is_main_process():
             raise
@@ -116,11 +117,20 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         checkpoint.check_root(t.checkpoint_dir)
     found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
     if resuming and found:
-        problem = checkpoint.damage(found[-1])  # the same answer on every rank: one of them says it
-        if problem and _is_main_process():
-            raise ConfigError(problem)
-        if problem:
-            raise SystemExit(2)
+        try:  # the same answer on every rank: one of them says it (under torchrun or SLURM, no preflight ran)
+            saved_step = checkpoint.check_resumable(found[-1], cfg)["step"]
+            problem = checkpoint.damage(found[-1])
+            if problem:
+                raise ConfigError(problem)
+        except ConfigError:
+            if _is_main_process():
+                raise
+            raise SystemExit(2) from None
+        if saved_step >= t.steps:  # a requeued job that has finished: say so, and leave everything as it is
+            if _is_main_process():
+                console.print(f"train.steps = {t.steps}: {found[-1]} is at step {saved_step}, so nothing is left to "
+                              "train (raise train.steps to go on)", markup=False, highlight=False, soft_wrap=True)
+            return TrainResult()
     if found and not resuming and _is_main_process():
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
@@ -173,11 +183,6 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                               soft_wrap=True)  # one line, whatever the terminal's width
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
-    if start >= t.steps:  # a requeued job that has finished: say so, and leave everything as it is
-        if main:
-            console.print(f"train.steps = {t.steps}: the checkpoint is at step {start}, so nothing is left to train "
-                          "(raise train.steps to go on)", markup=False, highlight=False)
-        return TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
 
     checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))

@@ -390,7 +390,7 @@ class PipelineRuntime:
         through this rank's stages in order; p2p tagged ``tag``. Returns a (len(batches),) tensor."""
         losses = torch.zeros(len(batches), dtype=torch.float64, device=self.device)
         positions = token_positions(batches[0][0], positions)
-        sends = []
+        sends, previous = [], []
         for i, (tokens, targets) in enumerate(batches):
             for stage, module in sorted(self.stages.items()):
                 with self.compute_context():
@@ -409,7 +409,10 @@ class PipelineRuntime:
                 elif not self.schedule.hands_over_locally(stage + 1):
                     sends.append(self.comm.send(self.wire.pack(output), self.axis, self.schedule.rank_of(stage + 1),
                                                 tag=tag))
-        for pending in sends:
+            for pending in previous:  # taken by now: each batch's messages are freed one batch later
+                pending.wait()
+            previous, sends = sends, []
+        for pending in previous:
             pending.wait()
         return losses
 
