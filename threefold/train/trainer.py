@@ -4,6 +4,7 @@ this step, steps the learning rate, evaluates, logs and checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -87,12 +88,19 @@ def _check_tokenizers(cfg: Config, tokenizer, resumed) -> None:
     others exit 2)."""
     from threefold.interop.hf import init_from_checkpoint
 
-    try:
+    with _said_by_rank_0():
         if resumed is not None:  # its weights replace init_from's
             checkpoint.check_tokenizer(resumed, tokenizer, "train.resume")
         elif cfg.model.init_from:
             path = init_from_checkpoint(cfg.model.init_from) or Path(cfg.model.init_from)
             checkpoint.check_tokenizer(path, tokenizer, "model.init_from")
+
+
+@contextlib.contextmanager
+def _said_by_rank_0():
+    """A refusal every rank reaches alike: rank 0 says it in one line, the others exit 2 quietly."""
+    try:
+        yield
     except ConfigError:
         if _is_main_process():
             raise
@@ -117,15 +125,11 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         checkpoint.check_root(t.checkpoint_dir)
     found = checkpoint.list_checkpoints(t.checkpoint_dir) if t.checkpoint_dir else []
     if resuming and found:
-        try:  # the same answer on every rank: one of them says it (under torchrun or SLURM, no preflight ran)
+        with _said_by_rank_0():  # under torchrun or SLURM no preflight ran
             saved_step = checkpoint.check_resumable(found[-1], cfg)["step"]
             problem = checkpoint.damage(found[-1])
             if problem:
                 raise ConfigError(problem)
-        except ConfigError:
-            if _is_main_process():
-                raise
-            raise SystemExit(2) from None
         if saved_step >= t.steps:  # a requeued job that has finished: say so, and leave everything as it is
             if _is_main_process():
                 console.print(f"train.steps = {t.steps}: {found[-1]} is at step {saved_step}, so nothing is left to "
