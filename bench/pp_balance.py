@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from threefold.plan.measured import mean_idle
+from threefold.plan.records import steady
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "pp_balance.json"
@@ -54,7 +55,7 @@ def run(config: str, steps: int, extra: list[str], metrics: Path) -> dict:
         raise SystemExit(f"train failed: {done.stderr.strip().splitlines()[-1]}")
     split = next((line for line in (done.stderr + done.stdout).splitlines() if "pipeline stages" in line), "")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return {"idle": mean_idle([record["timeline"] for record in records]), "uniform_ideal_at_measured_ratios": uniform_ideal(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
+    return {"idle": mean_idle([record["timeline"] for record in steady(records)]), "uniform_ideal_at_measured_ratios": uniform_ideal(records), "split": split, "stage_layers": records[-1]["timeline"]["stage_layers"],
             "load_average": os.getloadavg()[0]}
 
 

@@ -409,7 +409,9 @@ def test_a_resume_is_checked_before_the_ranks_start(tmp_path, corpus):  # noqa: 
 
 def test_a_resumed_run_rewrites_the_steps_after_its_checkpoint_once(tmp_path, corpus):  # noqa: F811
     """Steps after the checkpoint that a failure cut short are in the metrics file once, as the
-    resumed run wrote them; a resume with nothing left to train says so and changes nothing."""
+    resumed run wrote them, its first marked as a warm-up, which compare leaves out as it does the
+    run's first; a resume with nothing left to train says so and changes nothing."""
+    from threefold.plan.compare import read_steps
     from threefold.train.trainer import train
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
@@ -420,6 +422,8 @@ def test_a_resumed_run_rewrites_the_steps_after_its_checkpoint_once(tmp_path, co
         file.write('{"step": 4, "lo')  # and been killed writing step 4's record
     train(trainer_config(tmp_path, corpus, *common, "train.resume=true"), metrics_file=str(metrics), progress=False)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line).get("warmup", False) for line in metrics.read_text().splitlines()] == [True, False, True]
+    assert [record["step"] for record in read_steps(metrics)] == [2]
     done = train(trainer_config(tmp_path, corpus, *common[1:], "train.steps=2", "train.resume=true"),
                  metrics_file=str(metrics), progress=False)
     assert done.losses == [] and [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]

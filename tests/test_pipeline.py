@@ -201,7 +201,7 @@ def test_measured_bubble_follows_the_simulator(distributed):
     for schedule in ("1f1b", "zb-h1"):
         steps = distributed.run(2, run_timed, schedule, 8, 512, 4)[0]
         timelines[schedule] = steps[-1]
-        measured = mean_idle(steps)
+        measured = mean_idle(steps[1:])  # the first pays the warm-up
         played = [idle_fractions(simulate_measured(timeline).segments()) for timeline in steps[1:]]
         simulated = [sum(step[rank] for step in played) / len(played) for rank in range(2)]
         for got, want in zip(measured, simulated):
@@ -235,6 +235,11 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     one.write_text(json.dumps({"step": 1, "timeline": timeline}) + "\n")
     assert main(["schedule", "--from-metrics", str(one)]) == 0
     assert "over its one step, warm-up included" in capsys.readouterr().out
+    resumed = tmp_path / "resumed.jsonl"  # a resumed launch's first step warms up again
+    resumed.write_text("".join(json.dumps(record) + "\n" for record in records + [
+        {"step": 2, "timeline": timeline, "warmup": True}, {"step": 3, "timeline": timeline}]))
+    assert main(["schedule", "--from-metrics", str(resumed)]) == 0
+    assert "over 2 step(s), without each of its 2 launches' first" in capsys.readouterr().out
     assert all(0 <= idle < 1 for idle in report["mean_replayed_idle"])
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
@@ -242,11 +247,12 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     assert "holds no pipeline timeline" in capsys.readouterr().err
 
 
-def test_the_mean_idle_share_leaves_out_the_first_step():
+def test_the_mean_idle_share_leaves_out_each_launchs_first_step():
     """Rank 0 computes 2 of a 3-second step and rank 1 1.5 of it (idle 1/3, 1/2; its send is not
-    compute); in the next step both compute 3 of 4 (idle 1/4); the first, warm-up step is left
-    out of the mean."""
+    compute); in the next step both compute 3 of 4 (idle 1/4); the warm-up steps, the file's
+    first and a resumed launch's (marked by the trainer), are left out of the mean."""
     from threefold.plan.measured import mean_idle
+    from threefold.plan.records import steady
 
     def step(rank0, rank1):
         return {"pp": 2, "ranks": [[(s, e, kind, 0, 0) for s, e, kind in rank0],
@@ -254,7 +260,12 @@ def test_the_mean_idle_share_leaves_out_the_first_step():
     warm_up = step([(0, 10, "F")], [(10, 11, "F")])
     first = step([(0, 1, "F"), (1, 2, "B")], [(1, 2, "F"), (2, 2.5, "send_grad"), (2.5, 3, "B")])
     second = step([(0, 1, "F"), (1, 3, "B")], [(1, 2, "F"), (2, 4, "B")])
-    assert mean_idle([warm_up, first, second]) == pytest.approx([(1 / 3 + 1 / 4) / 2, (1 / 2 + 1 / 4) / 2])
+    records = [{"step": 1, "timeline": warm_up}, {"step": 2, "timeline": first},
+               {"step": 3, "timeline": warm_up, "warmup": True}, {"step": 4, "timeline": second}]
+    assert steady(records) == [records[1], records[3]]
+    assert steady(records[:1]) == records[:1] and steady(records[2:3]) == records[2:3]  # nothing else: kept
+    steps = [record["timeline"] for record in steady(records)]
+    assert mean_idle(steps) == pytest.approx([(1 / 3 + 1 / 4) / 2, (1 / 2 + 1 / 4) / 2])
     assert mean_idle([first]) == pytest.approx([1 / 3, 1 / 2])
 
 

@@ -426,11 +426,20 @@ def collective_lines(means: dict[tuple[str, int], list[float]], world: int) -> d
     return curves
 
 
+def worker_context():
+    """How the measuring workers start: spawned, fresh interpreters as torchrun's ranks are (a
+    fork of this process could also hang once it has run OpenMP work). Forked instead from a
+    server that had imported torch, which saves 2 s of CPU a worker, the workers measured a few
+    points less slowdown at 4 workers a core (1.04-1.06× against 1.08-1.11×, two rounds each)
+    and 0.4 ms more wait at one a core: they are not the runs being predicted."""
+    return multiprocessing.get_context("spawn")
+
+
 def _run_gloo_workers(world: int, target, args: tuple, timeout_s: float, what: str):
     """Spawn ``world`` processes running ``target(rank, world, port, *args, results)`` over gloo
     on 127.0.0.1 and return the first result one of them puts. RuntimeError if a worker fails
     or nothing arrives within ``timeout_s``."""
-    ctx = multiprocessing.get_context("spawn")  # fork hangs after the parent has run OpenMP work
+    ctx = worker_context()
     store = _free_store()
     results = ctx.Queue()
     workers = [ctx.Process(target=target, daemon=True, args=(rank, world, store.port, *args, results))
@@ -591,7 +600,7 @@ def measure_shared_core_slowdown(cores: int, seconds: float = 2.0, rounds: int =
     predicted 8-30% short when it said 1.00; interleaved, 2-second phases of this model gave
     0.97-1.08× and the tiny preset's whole step 1.02-1.15×, medians of 1.03-1.07."""
     worlds = oversubscribed_worlds(cores)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     results = ctx.Queue()
     commands = [ctx.Queue() for _ in range(worlds[-1])]
     procs = [ctx.Process(target=_shared_core_worker, args=(queue_, results), daemon=True) for queue_ in commands]

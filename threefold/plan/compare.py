@@ -8,7 +8,7 @@ prices: dp, dp+cp, cp, cp.routing, ep, tp, tp.loss, tp.scatter_gather, pp); each
 formula it used. Exposed communication per axis and the step time come from costs.estimate with
 the profile ``threefold calibrate`` measured.
 
-Measured figures are the median over the steps after the first (which pays for warm-up).
+Measured figures are the median over the steps after each launch's first (which pays for warm-up).
 Where no exact formula exists for rank 0, the formula column says so.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from threefold.config import Config, ConfigError
 from threefold.configure import load_config
 from threefold.plan import costs
 from threefold.plan.dryrun_predict import RankShare, predict_rank, rank_share
-from threefold.plan.records import read_records
+from threefold.plan.records import read_records, steady
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,9 @@ def load_run(config_path, overrides=()) -> Config:
 
 
 def read_steps(metrics_path: str | Path, flag: str = "--metrics-file") -> list[dict]:
-    """The step records of a metrics file (``read_records``), without the first step when there
-    are others; ConfigError, one line, for a file that is not one."""
-    records = read_records(metrics_path, flag)
-    return records[1:] if len(records) > 1 else records
+    """The steady step records of a metrics file (``read_records``, ``records.steady``: each
+    launch's first step left out); ConfigError, one line, for a file that is not one."""
+    return steady(read_records(metrics_path, flag))
 
 
 def check_same_run(cfg: Config, want: dict, steps: list[dict], metrics_path) -> None:
@@ -128,7 +127,7 @@ def estimate_run(cfg: Config, gpu) -> dict:
 
 
 def measured_step_time(steps: list[dict]) -> float:
-    """The median step time of a run's steps (the first, which pays for warm-up, left out)."""
+    """The median step time of a run's steps (read_steps': each launch's first, which pays for warm-up, left out)."""
     return statistics.median(step["step_time_s"] for step in steps)
 
 
@@ -366,8 +365,10 @@ def compare(config_path, overrides, metrics_file, as_json):
     p = cfg.parallel
     axes = " × ".join(f"{a}={getattr(p, a)}" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp", "pp")
                       or getattr(p, a) > 1)
-    measured = ("median of steps after the first" if len(read_records(metrics_file, "--metrics-file")) > 1
-                else "its one step, warm-up included")
+    records = read_records(metrics_file, "--metrics-file")
+    warmups = len(records) - len(steady(records))
+    measured = ("its one step, warm-up included" if not warmups else "median of steps after the first"
+                if warmups == 1 else f"median of steps, without each of its {warmups} launches' first")
     Console().print(rows_table(rows, f"rank 0 of {axes}: predicted vs measured ({measured})"))
     drift = step_time_drift(read_steps(metrics_file))
     if drift:

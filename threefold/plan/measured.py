@@ -9,7 +9,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Kind, build_schedule
-from threefold.plan.records import read_records
+from threefold.plan.records import read_records, steady
 from threefold.plan.simulate import ActionCosts, SimResult, replay, simulate
 
 
@@ -89,22 +89,20 @@ def measured_idle(timeline: dict) -> list[float]:
     return idle_fractions(measured_segments(timeline))
 
 
-def mean_idle(timelines: list[dict], idle=measured_idle) -> list[float]:
+def mean_idle(steps: list[dict], idle=measured_idle) -> list[float]:
     """Each rank's idle share (``idle`` of a step: measured_idle, or replayed_idle) averaged over
-    the steps of ``timelines`` after the first (its warm-up; the only one if there is one). One
-    step's share swings with the moment it ran in: on 2 cores, ten-step windows of the demo
-    ranged 16-29% around a run's 21%."""
-    steps = timelines[1:] or timelines
+    the timelines ``steps`` (a run's steady ones: records.steady). One step's share swings with
+    the moment it ran in: on 2 cores, ten-step windows of the demo ranged 16-29% around a run's 21%."""
     shares = [idle(timeline) for timeline in steps]
     return [sum(step[rank] for step in shares) / len(shares) for rank in range(len(shares[0]))]
 
 
-def read_timelines(metrics_path: str | Path) -> list[dict]:
-    """Every step's measured timeline in a metrics file written by ``threefold train
+def read_timeline_records(metrics_path: str | Path) -> list[dict]:
+    """Every step record with a measured timeline in a metrics file written by ``threefold train
     --metrics-file`` on a pipeline run, in order, read by ``records.read_records`` (each line checked,
     its timeline by ``timeline_problem``); one line and exit 2 for a file that is not one or
     that holds no timeline."""
-    timelines = [record["timeline"] for record in read_records(metrics_path, "--from-metrics", required=("step",))
+    timelines = [record for record in read_records(metrics_path, "--from-metrics", required=("step",))
                  if "timeline" in record]
     if not timelines:
         raise ConfigError(f"--from-metrics: {metrics_path} holds no pipeline timeline for any step "
@@ -115,10 +113,11 @@ def read_timelines(metrics_path: str | Path) -> list[dict]:
 def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = None) -> dict:
     """For ``threefold schedule --from-metrics``: each rank's idle share in a run's last measured
     step and in the simulator's play of the same schedule on that step's stage costs, and the
-    measured share averaged over the run's steps (``mean_idle``); with ``out``, both timelines
-    drawn there (measured above simulated)."""
-    timelines = read_timelines(metrics_path)
-    timeline = timelines[-1]
+    measured share averaged over the run's steady steps (``mean_idle``: each launch's first left
+    out, ``records.steady``); with ``out``, both timelines drawn there (measured above simulated)."""
+    records = read_timeline_records(metrics_path)
+    steady_timelines = [record["timeline"] for record in steady(records)]
+    timeline = records[-1]["timeline"]
     simulated = simulate_measured(timeline)
     measured_segs, simulated_segs = measured_segments(timeline), simulated.segments()
     name = f"{timeline['schedule']} pp={timeline['pp']} m={timeline['microbatches']}"
@@ -133,6 +132,7 @@ def measured_vs_simulated(metrics_path: str | Path, out: str | Path | None = Non
     return {"schedule": timeline["schedule"], "pp": timeline["pp"], "microbatches": timeline["microbatches"],
             "virtual_stages": timeline["virtual_stages"], "measured_idle": idle_fractions(measured_segs),
             "simulated_idle": idle_fractions(simulated_segs), "bottleneck": neck,
-            "mean_measured_idle": mean_idle(timelines), "mean_replayed_idle": mean_idle(timelines, replayed_idle),
-            "mean_steps": max(1, len(timelines) - 1), "steps": len(timelines),
+            "mean_measured_idle": mean_idle(steady_timelines),
+            "mean_replayed_idle": mean_idle(steady_timelines, replayed_idle),
+            "mean_steps": len(steady_timelines), "warmup_steps": len(records) - len(steady_timelines),
             "out": str(out) if out else None}

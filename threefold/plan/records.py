@@ -18,6 +18,15 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations")  # what compare re
 OPTIONAL_FIGURES = ("comm_exposed_s", "comm_exposed_least_s", "comm_exposed_call_least_s")
 
 
+def steady(records: list) -> list:
+    """The records of steps that ran at a run's steady speed: without each launch's first step,
+    which pays for warm-up (the trainer marks it ``"warmup": true``; in a file without the mark,
+    the first record), or all of them when nothing else is left. A run resumed from a checkpoint
+    warms up again at its first step."""
+    kept = [r for i, r in enumerate(records) if i > 0 and not (isinstance(r, dict) and r.get("warmup"))]
+    return kept or records
+
+
 def is_number(value) -> bool:
     """A finite JSON number that fits a float (not a boolean, which Python counts as an int)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):

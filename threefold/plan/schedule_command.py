@@ -61,8 +61,10 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
 
         check_picture_path("--out", out)
         report = measured_vs_simulated(metrics_file, out)
-        over = (f"over {report['mean_steps']} step(s) after the first" if report["steps"] > 1
-                else "over its one step, warm-up included (a longer run gives a steadier figure)")
+        warmups = report["warmup_steps"]
+        over = ("over its one step, warm-up included (a longer run gives a steadier figure)" if not warmups
+                else f"over {report['mean_steps']} step(s) after the first" if warmups == 1
+                else f"over {report['mean_steps']} step(s), without each of its {warmups} launches' first")
         click.echo(json.dumps(report) if as_json else "\n".join(
             [f"rank {rank}: idle {got:.1%} measured in the last step, {want:.1%} simulated on its costs; "
              f"{mean:.1%} {over}, {replayed:.1%} replayed at each "

@@ -235,6 +235,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                       "comm_exposed_s": comm_exposed, "comm_exposed_least_s": comm_exposed_least,
                       "comm_exposed_call_least_s": comm_call_least,
                       "memory": memory, **({"skipped": True} if skipped else {}),
+                      **({"warmup": True} if step == start else {}),  # this launch's first: compare leaves it out
                       **({"moe": moe_stats} if moe else {})}
             timeline = engine.step_timeline()
             if timeline is not None:  # `threefold schedule --from-metrics` draws it beside its simulation
