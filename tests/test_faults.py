@@ -87,7 +87,7 @@ def wait_for_steps(job, metrics, n: int, timeout_s: float = 120) -> None:
 def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, corpus):  # noqa: F811
     """What SLURM and Kubernetes send before they kill a job (here to the launching process,
     as Kubernetes does; it passes it on): every rank stops after the same step, saves, exits 0."""
-    long = ["--set", "train.steps=200", "--set", "train.checkpoint_every=0"]  # the only save: SIGTERM's
+    long = ["--set", "train.steps=60", "--set", "train.checkpoint_every=0"]  # the only save: SIGTERM's
     whole = subprocess.run(command(tmp_path, corpus, "whole") + long, capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr[-2000:]
 
@@ -100,7 +100,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, corpus): 
     assert job.returncode == 0 and time.time() - signalled < 20, err[-2000:]
     (saved,) = list_checkpoints(tmp_path / "stopped")
     stopped_at = int(saved.name[5:])
-    assert stopped_at < 200 and f"SIGTERM: stopped after step {stopped_at} of 200, saved {saved}" in err
+    assert stopped_at < 60 and f"SIGTERM: stopped after step {stopped_at} of 60, saved {saved}" in err
     assert sorted(losses(tmp_path / "stopped.jsonl")) == list(range(1, stopped_at + 1))
 
     resumed = subprocess.run(command(tmp_path, corpus, "stopped") + long + ["--set", "train.resume=true"],
