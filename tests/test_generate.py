@@ -103,6 +103,25 @@ def test_export_says_what_it_loaded_and_writes_files_by_the_umask(trained, capsy
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
 
 
+def test_a_run_keeps_the_tokenizer_settings_of_what_it_starts_from(trained, tmp_path):
+    """A chat model's turn-ending token, begin-of-text token and template (what tokenizer.json
+    does not hold) go into the checkpoints of a run started from it: read from a checkpoint's
+    meta, or a Hugging Face folder's tokenizer_config.json (an AddedToken's content included)."""
+    from threefold.train.trainer import _tokenizer_meta_to_keep
+
+    root, sets = trained
+    cfg = load_config(None, sets)
+    assert _tokenizer_meta_to_keep(cfg, None) == {}  # a fresh run
+    assert _tokenizer_meta_to_keep(cfg, checkpoint.resolve(root / "ckpt")) == {}  # one trained here: the defaults
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": {"content": "<|im_start|>", "special": True}, "chat_template": "T"}))
+    from_hf = load_config(None, sets + [f"model.init_from={json.dumps(str(tmp_path))}"])
+    kept = {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": "T"}
+    assert _tokenizer_meta_to_keep(from_hf, None) == kept
+    meta = checkpoint.read_meta(checkpoint.resolve(root / "ckpt"))
+    assert checkpoint.tokenizer_meta({**meta, **kept, "chat_template": None}) == {k: kept[k] for k in kept if k != "chat_template"}
+
+
 def test_init_from_says_what_it_loaded(trained):
     root, sets = trained
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -126,6 +145,7 @@ def test_smollm2_tokenizer_ends_turns_and_has_its_chat_template():
 
     tokenizer = gguf_tokenizer(open_gguf(smollm2_path()), "smollm2")
     assert tokenizer.eos == "<|im_end|>" and tokenizer.eos_id == 2
+    assert tokenizer.bos == "<|im_start|>" and tokenizer.bos_id == 1  # its own, not the end of a turn
     assert tokenizer.chat("Hi") == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                                     "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
@@ -134,6 +154,7 @@ def test_smollm2_tokenizer_ends_turns_and_has_its_chat_template():
 @needs_smollm2
 def test_smollm2_chat_answers_and_stops(tmp_path):
     from threefold.interop.commands import export_checkpoint, import_model
+    from threefold.interop.hf import read_hf_folder
 
     import_model("smollm2", tmp_path / "smol")
     meta = checkpoint.read_meta(tmp_path / "smol")
@@ -146,3 +167,8 @@ def test_smollm2_chat_answers_and_stops(tmp_path):
     export_checkpoint(tmp_path / "smol", tmp_path / "hf")  # and the template travels to HF and back
     settings = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert settings["eos_token"] == "<|im_end|>" and settings["chat_template"] == meta["chat_template"]
+    assert settings["bos_token"] == "<|im_start|>" and meta["bos_token"] == "<|im_start|>"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    back = read_hf_folder(tmp_path / "hf")[2]
+    assert (back.eos, back.bos, back.chat_template) == ("<|im_end|>", "<|im_start|>", meta["chat_template"])

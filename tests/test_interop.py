@@ -401,6 +401,10 @@ def test_finetune_config_starts_from_smollm2_on_two_ranks(tmp_path, smollm2, cor
     assert records[0]["val_loss"] < 6.0  # pretrained; a random 49,152-token model starts near ln(49152) = 10.8
     assert records[-1]["val_loss"] < records[0]["val_loss"] + 0.05  # a small fine-tuning step does no harm
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "8", "--prompt", "ROMEO:"]) == 0
+    # the chat model's turn-ending token and template travel into the fine-tuned checkpoint
+    imported, tuned = checkpoint.read_meta(out), checkpoint.read_meta(checkpoint.resolve(tmp_path / "ckpt"))
+    assert checkpoint.tokenizer_meta(tuned) == checkpoint.tokenizer_meta(imported)
+    assert tuned["eos_token"] == "<|im_end|>" and "<|im_start|>" in tuned["chat_template"]
 
 
 # --- init_from at scale: each rank reads only the pieces it keeps -------------------------------

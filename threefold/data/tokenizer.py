@@ -25,15 +25,21 @@ class Tokenizer:
     """``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``.
 
     ``eos``: the token that ends a text (generation stops there); a chat model's is the end of a
-    turn (SmolLM2's ``<|im_end|>``). ``chat_template``: the model's Jinja template of a conversation,
-    when it has one (``chat(prompt)`` applies it)."""
+    turn (SmolLM2's ``<|im_end|>``). ``bos``: the token that begins one, as an exported model's
+    config names it: a model trained here has none of its own (one EOS separates the documents,
+    so it also opens each), an imported one keeps its own (SmolLM2's ``<|im_start|>``).
+    ``chat_template``: the model's Jinja template of a conversation, when it has one
+    (``chat(prompt)`` applies it)."""
 
-    def __init__(self, hf: HFTokenizer, name: str, eos: str = EOS, chat_template: str | None = None):
+    def __init__(self, hf: HFTokenizer, name: str, eos: str = EOS, chat_template: str | None = None,
+                 bos: str | None = None):
         self.hf = hf
         self.name = name
         self.vocab_size = hf.get_vocab_size()
         self.eos = eos
         self.eos_id = hf.token_to_id(eos)
+        self.bos = eos if bos is None else bos
+        self.bos_id = hf.token_to_id(self.bos)
         self.chat_template = chat_template
 
     def chat(self, prompt: str) -> str:
@@ -89,10 +95,11 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
     os.replace(temporary, path)
 
 
-def load_tokenizer(path: Path, name: str, eos: str = EOS, chat_template: str | None = None) -> Tokenizer:
+def load_tokenizer(path: Path, name: str, eos: str = EOS, chat_template: str | None = None,
+                   bos: str | None = None) -> Tokenizer:
     """A tokenizers JSON file; ConfigError, naming the file, when it is not one."""
     try:
-        return Tokenizer(HFTokenizer.from_file(str(path)), name, eos, chat_template)
+        return Tokenizer(HFTokenizer.from_file(str(path)), name, eos, chat_template, bos)
     except Exception as err:  # tokenizers raises a bare Exception carrying serde's message
         detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else err.__class__.__name__
         raise ConfigError(f"data.tokenizer: {str(path)!r} is not a tokenizers file (tokenizer.json): {detail}") from None

@@ -94,7 +94,7 @@ def import_model(source: str | Path, out: str | Path) -> ModelConfig:
     config = Config(model=cfg).to_dict()
     # The model only understands its own tokenizer: name it by the file the checkpoint carries.
     config["data"]["tokenizer"] = str(out.resolve() / "tokenizer.json")
-    meta = {"config": config, "imported_from": str(source), "eos_token": tokenizer.eos}
+    meta = {"config": config, "imported_from": str(source), "eos_token": tokenizer.eos, "bos_token": tokenizer.bos}
     if tokenizer.chat_template:
         meta["chat_template"] = tokenizer.chat_template
     with new_folder(out) as folder:

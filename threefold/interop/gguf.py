@@ -230,6 +230,8 @@ def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
     if not -1 <= eos_id < len(tokens):
         raise ConfigError(f"{where}: the GGUF metadata's tokenizer.ggml.eos_token_id is {eos_id}, outside its "
                           f"{len(tokens):,} tokens")
+    bos_id = _metadata(reader, "tokenizer.ggml.bos_token_id", where, int, -1)
     return Tokenizer(hf, _metadata(reader, "general.basename", where, str, Path(where).stem),
                      eos=EOS if eos_id == -1 else tokens[eos_id],
-                     chat_template=_metadata(reader, "tokenizer.chat_template", where, str, "") or None)
+                     chat_template=_metadata(reader, "tokenizer.chat_template", where, str, "") or None,
+                     bos=tokens[bos_id] if 0 <= bos_id < len(tokens) else None)

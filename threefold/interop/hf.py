@@ -99,11 +99,12 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 # ---------------------------------------------------------------- config.json
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None, bos_id: int | None = None) -> dict:
     """config.json of ``LlamaForCausalLM`` (``MixtralForCausalLM`` with experts) for ``cfg``;
-    readable by transformers 4.x and 5.x."""
+    readable by transformers 4.x and 5.x. ``bos_id``: the model's own begin-of-text token, where
+    it has one (Tokenizer.bos); else the end-of-text token."""
     if cfg.moe_experts:
-        return dict(hf_config(dataclasses.replace(cfg, moe_experts=0, moe_top_k=None), dtype, eos_id),
+        return dict(hf_config(dataclasses.replace(cfg, moe_experts=0, moe_top_k=None), dtype, eos_id, bos_id),
                     architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=cfg.moe_experts,
                     num_experts_per_tok=cfg.moe_top_k_experts, intermediate_size=cfg.moe_ffn_hidden,
                     router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
@@ -127,7 +128,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, eos_id: int | None) -> dict:
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         # Our documents are separated by one EOS token, which therefore also opens each document.
-        "bos_token_id": eos_id,
+        "bos_token_id": eos_id if bos_id is None else bos_id,
         "eos_token_id": eos_id,
     }
 
@@ -451,9 +452,9 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     tokenizer_file = Path(folder) / TOKENIZER
     if not tokenizer_file.is_file():
         raise ConfigError(f"{folder}: no {TOKENIZER}; the tokenizer is needed to use the model")
-    eos, template = chat_settings(Path(folder))
+    eos, template, bos = chat_settings(Path(folder))
     try:
-        tokenizer = load_tokenizer(tokenizer_file, str(tokenizer_file), eos, template)
+        tokenizer = load_tokenizer(tokenizer_file, str(tokenizer_file), eos, template, bos)
     except Exception as err:
         raise ConfigError(f"{tokenizer_file}: not a readable tokenizers file ({err.__class__.__name__})") from None
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -462,14 +463,19 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return cfg, state, tokenizer
 
 
-def chat_settings(folder: Path) -> tuple[str, str | None]:
-    """(end-of-text token, chat template) from a folder's tokenizer_config.json, when it has them."""
+def chat_settings(folder: Path) -> tuple[str, str | None, str | None]:
+    """(end-of-text token, chat template, begin-of-text token) from a folder's
+    tokenizer_config.json, when it has them."""
     path = folder / "tokenizer_config.json"
     settings = read_json(path) if path.is_file() else {}
-    eos = settings.get("eos_token", EOS)
-    eos = eos.get("content", EOS) if isinstance(eos, dict) else eos  # an AddedToken, serialised
+
+    def token(key: str) -> str | None:
+        value = settings.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # an AddedToken, serialised
+        return value if isinstance(value, str) and value else None
+
     template = settings.get("chat_template")
-    return (eos if isinstance(eos, str) else EOS), (template if isinstance(template, str) else None)
+    return token("eos_token") or EOS, (template if isinstance(template, str) else None), token("bos_token")
 
 
 def write_hf_folder(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
@@ -479,12 +485,12 @@ def write_hf_folder(folder: Path, cfg: ModelConfig, tensors: dict[str, torch.Ten
     """
     dtype = tensors["model.embed_tokens.weight"].dtype
     save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
-    (folder / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, tokenizer.eos_id), indent=2) + "\n")
+    (folder / CONFIG).write_text(json.dumps(hf_config(cfg, dtype, tokenizer.eos_id, tokenizer.bos_id), indent=2) + "\n")
     save_tokenizer(tokenizer, folder / TOKENIZER)
     # So that transformers' AutoTokenizer finds the tokenizer.json and its end-of-text token.
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
     if tokenizer.eos_id is not None:
-        tokenizer_config.update(eos_token=tokenizer.eos, bos_token=tokenizer.eos)
+        tokenizer_config.update(eos_token=tokenizer.eos, bos_token=tokenizer.bos)
     if tokenizer.chat_template:
         tokenizer_config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

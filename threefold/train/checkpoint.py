@@ -135,7 +135,7 @@ def read_meta(path: Path) -> dict:
     if adam_step is not None and (not isinstance(adam_step, (int, float)) or isinstance(adam_step, bool)
                                   or not math.isfinite(adam_step) or adam_step < 0):
         raise ConfigError(f"checkpoint: {file} has adam_step={adam_step!r}; expected a number of at least 0")
-    for key in ("imported_from", "eos_token", "chat_template"):
+    for key in ("imported_from", *TOKENIZER_META_KEYS):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise ConfigError(f"checkpoint: {file} has {key}={meta[key]!r}; expected a string")
     if not meta.get("weights_only"):  # a training checkpoint: resuming reads where the sampler was
@@ -191,11 +191,24 @@ def describe(path: Path, meta: dict) -> str:
     return f"{path} (step {meta['step']})"
 
 
+# What a checkpoint's meta may record of its tokenizer beyond tokenizer.json: the end-of-text
+# token generation stops at, the begin-of-text token an export names, the chat template.
+TOKENIZER_META_KEYS = ("eos_token", "bos_token", "chat_template")
+
+
+def tokenizer_meta(meta: dict) -> dict:
+    """The TOKENIZER_META_KEYS a checkpoint's meta records (an imported chat model's): a run
+    started or resumed from it saves them again, so that ``generate --chat`` and ``export`` work
+    on what it trained."""
+    return {key: meta[key] for key in TOKENIZER_META_KEYS if meta.get(key) is not None}
+
+
 def read_tokenizer(path: Path, meta: dict):
-    """The checkpoint's tokenizer, with the end-of-text token and chat template it was saved with."""
+    """The checkpoint's tokenizer, with the end- and begin-of-text tokens and the chat template it
+    was saved with."""
     try:
         return load_tokenizer(path / "tokenizer.json", meta["config"]["data"]["tokenizer"],
-                              meta.get("eos_token", EOS), meta.get("chat_template"))
+                              meta.get("eos_token", EOS), meta.get("chat_template"), meta.get("bos_token"))
     except Exception:
         raise ConfigError(f"checkpoint: {path / 'tokenizer.json'} is missing or unreadable") from None
 
@@ -222,11 +235,12 @@ def _single_process_is_meant():
 
 # --- save ----------------------------------------------------------------------------------------
 def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, tokenizer=None,
-         keep: int = 2) -> Path | None:
-    """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0."""
+         keep: int = 2, kept_meta: dict | None = None) -> Path | None:
+    """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0.
+    ``kept_meta``: tokenizer_meta of the checkpoint the run started from, saved again."""
     tmp = _begin(root, step, engine)
-    final = _write_and_publish(root, step, tmp, _this_ranks_shards(engine), _meta(step, engine, cfg, sampler_state),
-                               engine, tokenizer, keep, group=None)
+    meta = _meta(step, engine, cfg, sampler_state, kept_meta)
+    final = _write_and_publish(root, step, tmp, _this_ranks_shards(engine), meta, engine, tokenizer, keep, group=None)
     engine.barrier()  # nobody goes on until the checkpoint is published
     return final
 
@@ -238,8 +252,8 @@ class Checkpointer:
     whose DCP collectives run over a process group of their own so that they never interleave
     with the training's. One save is in flight at a time: the next waits for it."""
 
-    def __init__(self, engine, asynchronous: bool = False, timeout_s: float = 300.0):
-        self.engine, self.asynchronous = engine, asynchronous
+    def __init__(self, engine, asynchronous: bool = False, timeout_s: float = 300.0, kept_meta: dict | None = None):
+        self.engine, self.asynchronous, self.kept_meta = engine, asynchronous, kept_meta
         self.group = None
         if asynchronous and not _no_dist():  # collective: every rank creates it, at the same point
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -249,12 +263,12 @@ class Checkpointer:
     def save(self, root, step: int, cfg: Config, sampler_state: dict, tokenizer=None, keep: int = 2):
         """Returns the published folder (rank 0, foreground) or the folder it will become."""
         if not self.asynchronous:
-            return save(root, step, self.engine, cfg, sampler_state, tokenizer, keep)
+            return save(root, step, self.engine, cfg, sampler_state, tokenizer, keep, self.kept_meta)
         self.wait()
         tmp = _begin(root, step, self.engine)
         snapshot = [Shard(s.name, s.full_shape, s.offsets, s.tensor.to("cpu", copy=True))
                     for s in _this_ranks_shards(self.engine)]
-        meta = _meta(step, self.engine, cfg, sampler_state)
+        meta = _meta(step, self.engine, cfg, sampler_state, self.kept_meta)
         self.pending = self.executor.submit(_write_and_publish, root, step, tmp, snapshot, meta, self.engine,
                                             tokenizer, keep, self.group)
         return step_dir(root, step) if self.engine.is_main else None
@@ -289,9 +303,9 @@ def _this_ranks_shards(engine) -> list[Shard]:
     return engine.checkpoint_shards() + [Shard(f"rng/rank{engine.rank}", tuple(rng.shape), (0,), rng)]
 
 
-def _meta(step: int, engine, cfg: Config, sampler_state: dict) -> dict:
+def _meta(step: int, engine, cfg: Config, sampler_state: dict, kept_meta: dict | None = None) -> dict:
     return {"format": FORMAT, "step": step, "adam_step": engine.adam_step(), "sampler": sampler_state,
-            "world_size": engine.world_size, "config": cfg.to_dict()}
+            "world_size": engine.world_size, "config": cfg.to_dict(), **(kept_meta or {})}
 
 
 def _write_and_publish(root, step: int, tmp: Path, shards: list[Shard], meta: dict, engine, tokenizer, keep: int,

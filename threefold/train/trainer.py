@@ -96,6 +96,21 @@ def _check_tokenizers(cfg: Config, tokenizer, resumed) -> None:
             checkpoint.check_tokenizer(path, tokenizer, "model.init_from")
 
 
+def _tokenizer_meta_to_keep(cfg: Config, resumed) -> dict:
+    """What the checkpoint resumed, or else model.init_from, records of its tokenizer beyond
+    tokenizer.json (checkpoint.tokenizer_meta; a Hugging Face folder's tokenizer_config.json):
+    an imported chat model's turn-ending token and template, which this run's checkpoints keep."""
+    from threefold.interop.hf import chat_settings, init_from_checkpoint
+
+    source = resumed or (init_from_checkpoint(cfg.model.init_from) if cfg.model.init_from else None)
+    if source is not None:
+        return checkpoint.tokenizer_meta(checkpoint.read_meta(source))
+    if not cfg.model.init_from:
+        return {}
+    eos, template, bos = chat_settings(Path(cfg.model.init_from))
+    return checkpoint.tokenizer_meta({"eos_token": eos, "bos_token": bos, "chat_template": template})
+
+
 @contextlib.contextmanager
 def _said_by_rank_0():
     """A refusal every rank reaches alike: rank 0 says it in one line, the others exit 2 quietly."""
@@ -188,7 +203,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         elif main:
             console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
 
-    checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s)
+    checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s,
+                                           _tokenizer_meta_to_keep(cfg, found[-1] if resuming and found else None))
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, resume_step=start)
     if main:
