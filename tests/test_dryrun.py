@@ -17,7 +17,7 @@ from threefold.models.llama import Llama
 from threefold.parallel.pipeline.schedule import Kind
 from threefold.plan.dryrun_predict import predict_rank
 from threefold.train import engine as engine_module
-from threefold.train.dryrun import dry_run_config, dry_run_rank
+from threefold.train.dryrun import dry_run_config, dry_run_rank, result_table
 
 # The tiny model at world 256: tp2 (sequence parallel) × pp4 (1F1B) × dp32 (ZeRO-1), four
 # micro-batches of two sequences per replica.
@@ -91,8 +91,11 @@ def test_a_pipedream_stage_holds_the_steady_states_weight_versions():
                                "parallel.schedule=pipedream", "model.layers=4", "train.global_batch=1",
                                "train.micro_batch=1"]), 4)
     for rank, copies in ((0, 4), (1, 3), (3, 1)):
-        got, want = dry_run_rank(cfg, rank)["memory"], predict_rank(cfg, rank)["memory"]
+        result = dry_run_rank(cfg, rank)
+        got, want = result["memory"], predict_rank(cfg, rank)["memory"]
         assert got["weight_versions"] == want["weight_versions"] == copies * got["params"], rank
+    assert result["steps_run"] == 2 and "2 steps in" in result_table(cfg, result).title
+    assert "the last (a steady one) shown" in result_table(cfg, result).title
 
 
 def test_meta_device_catches_a_tensor_made_on_the_cpu(monkeypatch):
@@ -283,7 +286,7 @@ def test_the_json_shape(capsys):
                              "train.global_batch=4", "train.micro_batch=1"] for x in ("--set", o)]
     assert main(["dryrun", *overrides, "--world-size", "2", "--rank", "1", "--compare", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["rank"] == 1
+    assert record["rank"] == 1 and record["steps_run"] == 1
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
     assert set(record["predicted"]) == {"memory", "comm_bytes"}
     assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]

@@ -176,7 +176,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
 
             # 2bw, pipedream: the first step of a run fills the pipeline; the second is one of its
             # steady steps (what it carries in, sends and holds), which is the one measured
-            for _ in range(2 if engine.lookahead else 1):
+            steps_run = 2 if engine.lookahead else 1
+            for _ in range(steps_run):
                 engine.comm_bytes()  # construction's or the first step's traffic is not the step's
                 meter.peak = meter.live
                 upcoming = [batch() for _ in range(engine.lookahead)]
@@ -196,7 +197,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
                                      if mesh.sizes[a] > 1 and (hybrid or a not in ("dpr", "dps"))},
             "memory": memory, "comm_bytes": comm_bytes,
             "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
-            "stage_split": stage_split,
+            "stage_split": stage_split, "steps_run": steps_run,
             "seconds": time.perf_counter() - began}
 
 
@@ -213,7 +214,7 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
     with Progress(*columns, console=console, disable=not progress or not console.is_terminal, transient=True) as bar:
         task = bar.add_task("")
         for rank in ranks:
-            bar.update(task, description=f"dry run: rank {rank} of {cfg.parallel.world_size}, one step")
+            bar.update(task, description=f"dry run: rank {rank} of {cfg.parallel.world_size}")
             try:
                 result = dry_run_rank(cfg, rank, device)
             except RuntimeError as err:
@@ -260,7 +261,8 @@ def result_table(cfg: Config, result: dict):
     p = cfg.parallel
     where = " ".join(f"{a}={c}" for a, c in result["coords"].items())
     title = (f"rank {result['rank']} of {p.world_size} (dp={p.dp} × tp={p.tp} × pp={p.pp}; {where or 'one rank'}), "
-             f"one step in {result['seconds']:.1f} s")
+             + (f"one step in {result['seconds']:.1f} s" if result["steps_run"] == 1 else
+                f"{result['steps_run']} steps in {result['seconds']:.1f} s, the last (a steady one) shown"))
     predicted = result.get("predicted")
     table = Table(title=title)
     for name in ("quantity", "dry run", *(("planner", "dry run/planner") if predicted else ())):
