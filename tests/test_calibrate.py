@@ -219,6 +219,14 @@ def test_fitting_lowers_the_error_and_cross_validates():
         assert row["left_out_s"] > 0 and row["fitted_s"] > 0
         assert row["fitted_error"] == pytest.approx(row["fitted_s"] / row["measured_s"] - 1)
     print(json.dumps(report["mean_abs_error"]))
+    # "plain" is the profile as measured, not an earlier fit's fractions saved in it
+    again = fit.cross_validate(runs[:2], {**profile, **report["fractions"]})
+    assert [row["plain_s"] for row in again["runs"]] == [fit.predict(r, profile, plain) for r in runs[:2]]
+    # on these 7 runs the products and the memory-bound work trade off, and two fractions end at
+    # the range's ends: said, not hidden
+    assert report["at_limit"] == fit.at_limit(report["fractions"]) and report["at_limit"]
+    assert fit.at_limit({"matmul_efficiency": 1.5, "hbm_efficiency": 0.5, "link_efficiency": 0.0201}) == [
+        "matmul_efficiency", "link_efficiency"]
 
 
 def test_from_runs_command_writes_the_profile(tmp_path, capsys):
@@ -241,7 +249,14 @@ def test_from_runs_command_writes_the_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("runs,message", [
-    (lambda tmp: [str(RUNS / "manifest.json"), str(tmp / "other.json")], "trains another model"),
+    (lambda tmp: [f"{RUNS / 'manifest.json'}:ddp,tp,demo"], "run 'demo' trains another model than 'ddp'"),
+    (lambda tmp: [str(RUNS / "manifest.json")], "(from a manifest: MANIFEST.json:NAME,NAME,…)"),
+    (lambda tmp: [f"{RUNS / 'manifest.json'}:ddp,dp_pp"], "has no run 'dp_pp'; its runs: demo, ddp, tp"),
+    # a config that is not its metrics file's run, refused as compare refuses it
+    (lambda tmp: [str(RUNS / "manifest.json"), str(tmp / "other.json")],
+     "run 'big': --config: " + str(RUNS / "ddp.jsonl") + " was written by another model or layout"),
+    (lambda tmp: [f"{RUNS / 'ddp.toml'}:{RUNS / 'tp.jsonl'}", f"{RUNS / 'tp.toml'}:{RUNS / 'ddp.jsonl'}"],
+     "was written by another model or layout"),
     (lambda tmp: [f"{RUNS / 'ddp.toml'}:{tmp / 'missing.jsonl'}"], "no metrics file"),
     (lambda tmp: ["nonsense"], "neither CONFIG.toml:METRICS.jsonl nor a manifest"),
     (lambda tmp: [f"{RUNS / 'ddp.toml'}:{RUNS / 'ddp.jsonl'}"], "needs at least two runs"),
@@ -260,17 +275,13 @@ def test_from_runs_refuses_bad_runs_in_one_line(tmp_path, capsys, runs, message)
 def test_targets_of_another_vocabulary_are_read_apart_from_the_fit(tmp_path):
     """bench/planner_runs.py predicts the demo (4,608 tokens) from a fit on runs of 4,096: it reads
     every run without the one-model rule and checks the rule on the runs it fits."""
-    recorded = json.loads((RUNS / "manifest.json").read_text())
-    manifest = {name: dict(recorded[name], config=str(RUNS / recorded[name]["config"]),
-                           metrics=str(RUNS / recorded[name]["metrics"])) for name in ("ddp", "tp")}
-    manifest["tp"]["set"] = [*manifest["tp"]["set"], "model.vocab_size=4608"]
-    (tmp_path / "two.json").write_text(json.dumps(manifest))
-    runs = fit.read_runs([str(tmp_path / "two.json")], one_model=False)
+    two = f"{RUNS / 'manifest.json'}:ddp,demo"
+    runs = fit.read_runs([two], one_model=False)
     assert [r.cfg.model.vocab_size for r in runs] == [4096, 4608]
     with pytest.raises(ConfigError, match="trains another model"):
         fit.check_one_model(runs)
     with pytest.raises(ConfigError, match="trains another model"):
-        fit.read_runs([str(tmp_path / "two.json")])
+        fit.read_runs([two])
 
 
 # ---- what the planner makes of the measurements ---------------------------------------------

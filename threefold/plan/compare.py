@@ -25,7 +25,7 @@ from threefold.config import Config, ConfigError
 from threefold.configure import load_config
 from threefold.plan import costs
 from threefold.plan.dryrun_predict import RankShare, predict_rank, rank_share
-from threefold.plan.records import read_records, steady
+from threefold.plan.records import is_number, read_records, steady
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,27 @@ def read_steps(metrics_path: str | Path, flag: str = "--metrics-file") -> list[d
     return steady(read_records(metrics_path, flag))
 
 
+def _layout_words(cfg: Config) -> str:
+    p = cfg.parallel
+    return (f"dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''} zero={p.zero}, "
+            f"{cfg.model.layers} layers of {cfg.model.hidden}")
+
+
 def check_same_run(cfg: Config, want: dict, steps: list[dict], metrics_path) -> None:
     """Refuse, in one line, a config that is not the one the metrics file's run trained with:
-    the file does not record its config, but its rank 0's parameter bytes and the axes that
-    carried traffic give the layout away."""
+    the file does not record its config, but its rank 0's parameter bytes, the axes that
+    carried traffic and the tokens of a step (its tokens/s × seconds) give it away."""
     p = cfg.parallel
     measured = steps[-1]["memory"].get("params")
     predicted = want["memory"]["params"]  # predict_rank's, for rank 0
-    layout = (f"dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''} zero={p.zero}, "
-              f"{cfg.model.layers} layers of {cfg.model.hidden}")
+    layout = _layout_words(cfg)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    rate = steps[-1].get("tokens_per_s")
+    if is_number(rate) and abs(rate * steps[-1]["step_time_s"] / tokens - 1) > 0.01:
+        raise ConfigError(f"--config: {metrics_path} was written by a run of another batch: its steps trained "
+                          f"{rate * steps[-1]['step_time_s']:,.0f} tokens each, this config "
+                          f"{cfg.train.global_batch} × {cfg.model.seq_len} = {tokens:,} (train.global_batch, "
+                          "model.seq_len)")
     if measured is not None and measured != predicted:
         raise ConfigError(f"--config: {metrics_path} was written by another model or layout: its rank 0 holds "
                           f"{measured:,.0f} bytes of parameters, this config ({layout}) gives {predicted:,.0f}")
@@ -111,10 +123,16 @@ def run_split(cfg: Config) -> tuple[int, ...] | None:
     return tuple(p.stage_layers) if p.pp > 1 and p.stage_layers else None
 
 
-def with_run_split(cfg: Config, steps: list[dict]) -> Config:
+def with_run_split(cfg: Config, steps: list[dict], metrics_path="--metrics-file") -> Config:
     """The config with the split its run chose (measured costs, or by hand), read off the
-    metrics' timeline; unchanged where the steps record none."""
+    metrics' timeline; unchanged where the steps record none. ConfigError, one line, where the
+    timeline's pipeline is not the config's (another layout's file)."""
     timeline = steps[-1].get("timeline")
+    p = cfg.parallel
+    if timeline and (timeline["pp"], timeline["virtual_stages"]) != (p.pp, p.virtual_stages):
+        raise ConfigError(f"--config: {metrics_path} was written by another layout: its pipeline had "
+                          f"pp={timeline['pp']} with {timeline['virtual_stages']} chunk(s) a rank, this config "
+                          f"pp={p.pp} with {p.virtual_stages} ({_layout_words(cfg)})")
     if timeline and timeline.get("stage_layers"):
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=timeline["stage_layers"]))
     return cfg
@@ -178,7 +196,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
     steps = read_steps(metrics_path)  # a bad file is refused before the tokenizer is read
     cfg = resolved(cfg)
     timeline = steps[-1].get("timeline")
-    cfg = with_run_split(cfg, steps)
+    cfg = with_run_split(cfg, steps, metrics_path)
 
     def measured(get) -> float:
         return statistics.median(get(step) for step in steps)

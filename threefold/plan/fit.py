@@ -22,7 +22,9 @@ left out is reported per run.
 
 A run is given as ``CONFIG.toml:METRICS.jsonl`` or as a manifest ``.json``:
 ``{"name": {"config": "run.toml", "set": ["train.steps=8", …], "metrics": "run.jsonl"}, …}``
-with paths relative to the manifest (bench/planner_runs.py writes one).
+with paths relative to the manifest (bench/planner_runs.py writes one); ``MANIFEST.json:a,b``
+takes the runs named a and b of it. Each config is checked against its metrics file as
+``threefold compare`` checks it (compare.check_same_run).
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ import numpy as np
 
 from threefold.config import Config, ConfigError, check_output_path
 from threefold.plan import costs
-from threefold.plan.compare import load_run, measured_step_time, read_steps, run_layout, run_split, with_run_split
+from threefold.plan.compare import (check_same_run, load_run, measured_step_time, read_steps, run_layout, run_split,
+                                    with_run_split)
+from threefold.plan.dryrun_predict import predict_rank
 from threefold.plan.hardware import local_gpu
 
 FRACTIONS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
@@ -57,15 +61,19 @@ def read_runs(specs, one_model: bool = True) -> list[Run]:
     (``one_model``) for runs of different models (``check_one_model``)."""
     runs = []
     for spec in specs:
-        if spec.endswith(".json"):
-            path = Path(spec)
+        before, sep, after = spec.rpartition(":")
+        if spec.endswith(".json") or (sep and before.endswith(".json")):
+            path, names = (Path(spec), None) if spec.endswith(".json") else (Path(before), after.split(","))
             try:
                 manifest = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
-                raise ConfigError(f"--from-runs: cannot read the manifest {spec} ({err})") from None
+                raise ConfigError(f"--from-runs: cannot read the manifest {path} ({err})") from None
             if not isinstance(manifest, dict) or not manifest:
-                raise ConfigError(f"--from-runs: {spec} is not a manifest of runs (an object of name → run)")
-            for name, entry in manifest.items():
+                raise ConfigError(f"--from-runs: {path} is not a manifest of runs (an object of name → run)")
+            unknown = [name for name in names or [] if name not in manifest]
+            if unknown:
+                raise ConfigError(f"--from-runs: {path} has no run {unknown[0]!r}; its runs: {', '.join(manifest)}")
+            for name, entry in manifest.items() if names is None else ((n, manifest[n]) for n in names):
                 if not isinstance(entry, dict) or not {"config", "metrics"} <= set(entry):
                     raise ConfigError(f"--from-runs: {spec}: run {name!r} needs 'config' and 'metrics'")
                 runs.append(_run(name, path.parent / entry["config"], path.parent / entry["metrics"],
@@ -89,7 +97,8 @@ def check_one_model(runs: list[Run]) -> None:
     for run in runs[1:]:
         if _block(run.cfg) != _block(first.cfg):
             raise ConfigError(f"--from-runs: run {run.name!r} trains another model than {first.name!r} "
-                              f"({_describe(run.cfg)} against {_describe(first.cfg)}): fit on runs of one model")
+                              f"({_describe(run.cfg)} against {_describe(first.cfg)}): fit on runs of one model "
+                              "(from a manifest: MANIFEST.json:NAME,NAME,…)")
 
 
 def _block(cfg: Config) -> tuple:
@@ -113,7 +122,11 @@ def _run(name: str, config: Path, metrics: Path, overrides, given: str) -> Run:
     if not metrics.is_file():
         raise ConfigError(f"--from-runs: run {name!r}: no metrics file {metrics}")
     steps = read_steps(metrics, given)  # records.read_records: every field's type and value checked
-    cfg = with_run_split(load_run(config, overrides), steps)
+    try:
+        cfg = with_run_split(load_run(config, overrides), steps, metrics)
+        check_same_run(cfg, predict_rank(cfg, 0), steps, metrics)
+    except ConfigError as err:  # which run, then compare's words
+        raise ConfigError(f"--from-runs: run {name!r}: {err}") from None
     return Run(name, cfg, measured_step_time(steps), *run_layout(cfg), run_split(cfg))
 
 
@@ -132,6 +145,7 @@ def predict(run: Run, profile: dict, fractions: dict):
 PLAIN = {key: 1.0 for key in FRACTIONS}
 # The profile's rates are medians, not bursts (calibrate._typical_rate): a run may beat them.
 MAX_FRACTION = 1.5
+MIN_FRACTION = 0.02
 
 
 def loss(runs, profile, fractions):
@@ -140,11 +154,11 @@ def loss(runs, profile, fractions):
 
 
 def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> dict:
-    """The fractions, each in [0.02, MAX_FRACTION], that minimise ``loss``: a grid of ``points`` values
+    """The fractions, each in [MIN_FRACTION, MAX_FRACTION], that minimise ``loss``: a grid of ``points`` values
     per fraction, evenly spaced in log, over all three at once (the cost model evaluates the
     whole grid in one call per run), then again around the best point on a grid 1/6 as wide,
     ``levels`` times: the last grid's step is 0.05% of the fraction; PLAIN where that is no better."""
-    low, high = np.full(3, np.log(0.02)), np.full(3, np.log(MAX_FRACTION))
+    low, high = np.full(3, np.log(MIN_FRACTION)), np.full(3, np.log(MAX_FRACTION))
     best = None
     for _ in range(levels):
         axes = [np.linspace(low[k], high[k], points) for k in range(3)]
@@ -153,7 +167,7 @@ def fit(runs: list[Run], profile: dict, levels: int = 4, points: int = 13) -> di
         i = int(np.argmin(loss(runs, profile, values)))
         best = np.array([np.log(values[key][i]) for key in FRACTIONS])
         half = (high - low) / 12  # ±1/12 of this grid's span around the best point
-        low, high = np.maximum(best - half, np.log(0.02)), np.minimum(best + half, np.log(MAX_FRACTION))
+        low, high = np.maximum(best - half, np.log(MIN_FRACTION)), np.minimum(best + half, np.log(MAX_FRACTION))
     fitted = {key: float(np.exp(value)) for key, value in zip(FRACTIONS, best)}
     # the grids need not hold the profile as measured (every fraction 1): never end worse than it
     return fitted if loss(runs, profile, fitted) <= loss(runs, profile, PLAIN) else dict(PLAIN)
@@ -167,14 +181,22 @@ def cross_validate(runs: list[Run], profile: dict) -> dict:
     for i, run in enumerate(runs):
         others = runs[:i] + runs[i + 1:]
         rows.append({"run": run.name, "measured_s": run.measured_s,
-                     "plain_s": predict(run, profile, {k: float(profile.get(k, 1.0)) for k in FRACTIONS}),
+                     "plain_s": predict(run, profile, PLAIN),  # as measured, not an earlier fit's
                      "fitted_s": predict(run, profile, fitted),
                      "left_out_s": predict(run, profile, fit(others, profile))})
     for row in rows:
         for key in ("plain", "fitted", "left_out"):
             row[f"{key}_error"] = row[f"{key}_s"] / row["measured_s"] - 1
     mean = {key: sum(abs(r[f"{key}_error"]) for r in rows) / len(rows) for key in ("plain", "fitted", "left_out")}
-    return {"fractions": fitted, "runs": rows, "mean_abs_error": mean}
+    return {"fractions": fitted, "runs": rows, "mean_abs_error": mean, "at_limit": at_limit(fitted)}
+
+
+def at_limit(fractions: dict) -> list[str]:
+    """The fractions a fit left at an end of its range, [MIN_FRACTION, MAX_FRACTION]: the runs
+    did not pin them down (too few layouts, or runs that disagree), and the profile then prices
+    that kind of work by the limit, not by the machine."""
+    return [key for key, value in fractions.items()
+            if value <= MIN_FRACTION * 1.01 or value >= MAX_FRACTION / 1.01]
 
 
 def fit_and_predict(train: list[Run], targets: list[Run], profile: dict) -> dict:
@@ -218,6 +240,10 @@ def calibrate_from_runs(specs, out, as_json: bool) -> None:
     table.caption = (f"mean |error|: plain {mean['plain']:.1%}, fitted {mean['fitted']:.1%}, left out "
                      f"{mean['left_out']:.1%}; fitted " + ", ".join(f"{k} {v:.3f}" for k, v in report["fractions"].items()))
     Console().print(table)
+    for key in report["at_limit"]:
+        click.echo(f"warning: {key} ended at {report['fractions'][key]:.3g}, the end of the range the fit searches "
+                   f"([{MIN_FRACTION}, {MAX_FRACTION}]): these runs do not pin it down (runs of more layouts, or "
+                   "longer ones, would); the profile prices that work by the limit", err=True)
     click.echo(f"profile written to {saved}")
 
 
