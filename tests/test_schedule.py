@@ -394,3 +394,20 @@ def test_zb_h1_closed_form_at_any_shares_is_the_simulators_bubble(pp, m, f, b, w
         assert sim.bubble_fraction == pytest.approx(0.1497, abs=1e-4)
     # the schedules whose bubble the shares do not move at uniform stages keep their form
     assert costs.bubble_fraction("1f1b", pp, m, shares=shares) == costs.bubble_fraction("1f1b", pp, m)
+
+
+def test_the_command_reads_other_frameworks_names_and_gives_a_steady_runs_bubble(capsys):
+    """`schedule` takes the names estimate and plan take (1F1B, interleaved-1f1b, pipedream-flush),
+    and for the schedules that never flush says both figures: a step alone fills the pipeline
+    (2bw pp 4, m 8: 1F1B's 9 idle units of 33), a step of a run's steady state has no bubble, as
+    estimate prices it."""
+    for given, read in (("1F1B", "1f1b"), ("interleaved-1f1b", "interleaved"), ("pipedream-flush", "1f1b")):
+        assert main(["schedule", "--schedule", given, "--pp", "4", "--microbatches", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["schedule"] == read
+    assert main(["schedule", "--schedule", "2bw", "--pp", "4", "--microbatches", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bubble_fraction"] == pytest.approx(9 / 33) and report["steady_bubble_fraction"] == 0.0
+    assert main(["schedule", "--schedule", "1f1b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steady_bubble_fraction"] is None
+    assert main(["schedule", "--schedule", "pipedream", "--pp", "4", "--microbatches", "1"]) == 0
+    assert "its steady steps: bubble 0.0%" in " ".join(capsys.readouterr().out.split())

@@ -47,7 +47,8 @@ class _Choice(click.Choice):
         return super().convert(key if key in self.choices else value, param, ctx)  # refused: as it was given
 
 
-def _choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:
+def choice(values, synonyms: dict[str, str] | None = None) -> click.Choice:
+    """A flag's choices, read as _Choice reads them (any case, other frameworks' names)."""
     return _Choice(values, synonyms)
 
 
@@ -66,8 +67,8 @@ RECOMPUTE_SYNONYMS = {"true": "full", "false": "none", "off": "none", "no": "non
 
 def _model_options(command):
     options = [
-        click.option("--model", type=_choice(PRESETS), help="A named model; the shape flags below override it."),
-        click.option("--arch", type=_choice(["llama", "gpt"]),
+        click.option("--model", type=choice(PRESETS), help="A named model; the shape flags below override it."),
+        click.option("--arch", type=choice(["llama", "gpt"]),
                      help="llama: RMSNorm, SwiGLU, rotary (default). gpt: LayerNorm, GELU MLP, learned positions."),
         click.option("--layers", type=int, help="Transformer blocks (required without --model)."),
         click.option("--hidden", type=int, help="Model width (required without --model)."),
@@ -98,7 +99,7 @@ def _model_options(command):
         click.option("--power-limit-w", type=float,
                      help="Board power limit the GPUs run at, in watts (nvidia-smi -pl): below the rated power "
                           "their products run at the clock it allows, (limit/rated)^(1/3)."),
-        click.option("--dtype", type=_choice(DTYPES, DTYPE_SYNONYMS), default=None,
+        click.option("--dtype", type=choice(DTYPES, DTYPE_SYNONYMS), default=None,
                      help="Compute type: the GPU's 16-bit peak (default; bf16, or fp16 as the 2021-22 runs trained, "
                           "at the same tensor-core peak) or its fp32 peak (the engine's default on CPUs: use it with "
                           "--gpu local for fp32 runs), or float8: the blocks' linear layers at the fp8 peak "
@@ -107,9 +108,9 @@ def _model_options(command):
                      help="Data-parallel reductions and ZeRO gathers run behind compute (DDP's and FSDP's way)."),
         click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
                      help="Tensor-parallel collectives pipelined with the GEMMs (Megatron-Core's option)."),
-        click.option("--attention", type=_choice(costs.ATTENTION), default="flash", show_default=True,
+        click.option("--attention", type=choice(costs.ATTENTION), default="flash", show_default=True,
                      help="flash never stores the s×s scores; eager stores them (Megatron 2021-22)."),
-        click.option("--grad-dtype", type=_choice(["fp32", "bf16"]), default="fp32", show_default=True,
+        click.option("--grad-dtype", type=choice(["fp32", "bf16"]), default="fp32", show_default=True,
                      help="Gradients kept in fp32 (18 bytes of model state per parameter) or bf16 (16)."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
     ]
@@ -326,7 +327,7 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
 @click.option("--dp", type=int, help="Data-parallel size; default: --num-gpus / (tp·pp·cp).")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context-parallel size.")
-@click.option("--cp-method", type=_choice(costs.CP_METHODS), default="ring", show_default=True,
+@click.option("--cp-method", type=choice(costs.CP_METHODS), default="ring", show_default=True,
               help="Attention over the split sequence: ring, allgather (Llama 3) or ulysses (DeepSpeed).")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
@@ -342,11 +343,11 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of this many "
                    "dp ranks, which dp / N groups hold alike, all-reducing gradients between them; needs --zero 3. "
                    "0: one group of all dp ranks.")
-@click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
+@click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
-@click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True,
+@click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True,
               help="Pipeline schedule, used with --pp > 1 (`threefold schedule` draws each).")
 @click.option("--stage-layers", metavar="N,N,…",
               help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
@@ -419,15 +420,15 @@ def _fixed_knobs(command):
         click.option("--pp", type=int, help="Fix the pipeline stages."),
         click.option("--dp", type=int, help="Fix the data-parallel size."),
         click.option("--cp", type=int, help="Fix the context-parallel size."),
-        click.option("--cp-method", type=_choice(costs.CP_METHODS), help="Fix the context-parallel method."),
+        click.option("--cp-method", type=choice(costs.CP_METHODS), help="Fix the context-parallel method."),
         click.option("--ep", type=int, help="Fix the expert-parallel size."),
         click.option("--micro-batch", type=int, help="Fix the micro-batch."),
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
         click.option("--dp-shard", type=int, help="Fix hybrid sharding's shard group (dp ranks; ZeRO-3 only)."),
-        click.option("--recompute", type=_choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
-        click.option("--schedule", type=_choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
+        click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
+        click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
     ]
     for option in reversed(options):
         command = option(command)

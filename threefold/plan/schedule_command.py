@@ -16,6 +16,7 @@ from rich.table import Table
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_schedule, check_schedule, schedule_names,
                                                  stages_per_rank)
+from threefold.plan.commands import SCHEDULE_SYNONYMS, choice
 from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
 
@@ -28,8 +29,9 @@ MAX_PAIRS = 50_000  # (stage, micro-batch) pairs played: about 10 s of building 
 
 
 @click.command("schedule")
-@click.option("--schedule", "name", type=click.Choice(schedule_names()), default="1f1b", show_default=True,
-              help="Pipeline schedule.")
+@click.option("--schedule", "name", type=choice(schedule_names(), SCHEDULE_SYNONYMS), default="1f1b",
+              show_default=True, help="Pipeline schedule (any case; interleaved-1f1b, pipedream-flush and the other "
+                                      "frameworks' names too).")
 @click.option("--pp", type=int, default=4, show_default=True, help="Pipeline ranks.")
 @click.option("--microbatches", type=int, default=8, show_default=True, help="Micro-batches per step.")
 @click.option("--virtual-stages", type=int, default=None,
@@ -97,6 +99,10 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
     costs = ActionCosts(forward=chunk, backward=backward_ratio * chunk,
                         weight_grad=weight_grad_share * backward_ratio * chunk, p2p=p2p_ratio)
     result = simulate(plan, costs)
+    # 2bw, pipedream never flush: a step alone is a run's first, which fills the pipeline; in the
+    # run's steady steps the next step's forwards fill this one's drain (SteadyForms)
+    steady = SCHEDULE_REGISTRY[name].steady
+    steady_bubble = float(steady.bubble(pp, microbatches, virtual_stages)) if steady else None
     if out:
         from threefold.plan.timeline import draw_timelines  # matplotlib only when drawing
 
@@ -104,7 +110,8 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
     if as_json:
         click.echo(json.dumps({
             "schedule": name, "pp": pp, "microbatches": microbatches, "virtual_stages": virtual_stages,
-            "bubble_fraction": result.bubble_fraction, "makespan": result.makespan,
+            "bubble_fraction": result.bubble_fraction, "steady_bubble_fraction": steady_bubble,
+            "makespan": result.makespan,
             "peak_activations": list(result.peak_activations),
             "costs": {"forward": 1.0, "backward": backward_ratio, "weight_grad": weight_grad_share * backward_ratio,
                       "p2p": p2p_ratio},
@@ -115,7 +122,10 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
     if show_actions:
         click.echo(str(plan))
     console.print(f"{_describe(result)}: bubble [bold]{result.bubble_fraction:.1%}[/bold], "
-                  f"step {result.makespan:g} forward-units")
+                  f"step {result.makespan:g} forward-units"
+                  + (f" (a run's first step, which fills the pipeline; its steady steps: bubble "
+                     f"[bold]{steady_bubble:.1%}[/bold], the next step's forwards filling each drain)"
+                     if steady else ""))
     table = Table("rank", "busy", "idle", "peak activations (micro-batches)")
     for rank, busy in enumerate(result.busy):
         table.add_row(str(rank), f"{busy:g}", f"{result.makespan - busy:g}", f"{result.peak_activations[rank]:g}")
