@@ -358,7 +358,15 @@ def test_an_mfu_above_100_percent_says_why(capsys):
     code, out, _ = run(capsys, *args)
     assert "note: MFU above 100%" in " ".join(out.split())
     code, out, _ = run(capsys, *GPT3_LAYOUT)
-    assert "MFU above 100%" not in out
+    assert "MFU above 100%" not in out and "HFU above 100%" not in out
+    # with full recomputation the hardware count passes 1 first, with the same note
+    hfu = ["estimate", "--arch", "llama", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "32000",
+           "--seq-len", "131072", "--global-batch", "8", "--gpu", "a100-80gb", "--num-gpus", "64", "--cp", "8",
+           "--recompute", "full"]
+    code, out, _ = run(capsys, *hfu, "--json")
+    assert json.loads(out)["mfu"] < 1 < json.loads(out)["hfu"]
+    code, out, _ = run(capsys, *hfu)
+    assert "note: HFU above 100%" in " ".join(out.split())
 
 
 def test_a_gpu_holds_what_its_driver_reports(capsys):
@@ -458,3 +466,24 @@ def test_config_out_skips_layouts_the_engine_does_not_run(capsys, tmp_path):
     code, _, err = run(capsys, "plan", *SMALL_LLAMA, "--config-out", str(tmp_path / "c.txt"))
     assert code == 2 and "must end in .toml" in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flags,note,fixed", [
+    (["--tp", "1", "--sequence-parallel"], "--sequence-parallel has no effect at --tp 1", {"sequence_parallel": False}),
+    (["--pp", "4", "--schedule", "1f1b", "--virtual-stages", "4"], "is Megatron's interleaved 1F1B",
+     {"schedule": "interleaved"}),
+    (["--pp", "4", "--schedule", "interleaved", "--virtual-stages", "1"], "interleaved with one model chunk a rank is 1F1B",
+     {"schedule": "1f1b"}),
+])
+def test_plan_reads_fixed_knobs_as_estimate_does(capsys, flags, note, fixed):
+    """Knobs that mean something else together (as Megatron reads them) are a note in plan, as in
+    estimate, where plan had found no layout for them."""
+    args = ["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "16", "--global-batch", "64", *flags]
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0 and note in err and json.loads(out)["fitting"] > 0
+    assert fixed.items() <= json.loads(out)["fixed"].items()
+    from threefold import config
+
+    config.note_once.cache_clear()  # once per process
+    code, out, err = run(capsys, "estimate", *args[1:])
+    assert code == 0 and note in err

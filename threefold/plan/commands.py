@@ -202,6 +202,31 @@ def check_positive(o: dict, keys) -> None:
 LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "num_gpus")
 
 
+def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
+    """The options with the knobs that mean something else at these sizes (None: not fixed, as
+    plan's search leaves them) read as the engine and Megatron read them, a note for each:
+    Megatron's 1F1B with virtual stages is its interleaved schedule and interleaved with one
+    chunk a rank is 1F1B (a published run may state either); a schedule at pp 1, a CP method at
+    cp 1 and sequence parallelism at tp 1 have nothing to act on (Megatron turns SP off too)."""
+    o = dict(o)
+    schedule, virtual = o.get("schedule"), o.get("virtual_stages")
+    if schedule == "1f1b" and (virtual or 1) > 1 and pp != 1:
+        note_once("note: 1f1b with --virtual-stages > 1 is Megatron's interleaved 1F1B; estimating interleaved")
+        o["schedule"] = "interleaved"
+    elif schedule == "interleaved" and virtual == 1:
+        note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
+        o["schedule"] = "1f1b"
+    if pp == 1 and o["schedule"] not in (None, "1f1b") and not SCHEDULE_REGISTRY[o["schedule"]].chunked:
+        note_once(f"note: --schedule {o['schedule']} has no effect at --pp 1 (no pipeline); estimating 1f1b")
+        o["schedule"] = "1f1b"
+    if cp == 1 and o.get("cp_method") not in (None, "ring"):
+        note_once(f"note: --cp-method {o['cp_method']} has no effect at --cp 1")
+    if o.get("sequence_parallel") and tp == 1:
+        note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
+        o["sequence_parallel"] = False
+    return o
+
+
 def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     """The layout and GPU count of estimate's options; --dp or --num-gpus may be left out."""
     check_positive(o, LAYOUT_SIZES)
@@ -214,26 +239,11 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
         if num_gpus % (tp * pp * cp):
             raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
         dp = num_gpus // (tp * pp * cp)
-    schedule = _given(o, "schedule", "1f1b")
-    # Megatron's 1F1B with virtual stages is its interleaved schedule, and interleaved with one
-    # chunk a rank is 1F1B: a published run may state either, as Megatron reads it
-    if schedule == "1f1b" and (o.get("virtual_stages") or 1) > 1 and pp > 1:
-        note_once("note: 1f1b with --virtual-stages > 1 is Megatron's interleaved 1F1B; estimating interleaved")
-        schedule = "interleaved"
-    elif schedule == "interleaved" and o.get("virtual_stages") == 1:
-        note_once("note: interleaved with one model chunk a rank is 1F1B; estimating 1f1b")
-        schedule = "1f1b"
-    if pp == 1 and o.get("schedule") not in (None, "1f1b") and not SCHEDULE_REGISTRY[schedule].chunked:
-        note_once(f"note: --schedule {schedule} has no effect at --pp 1 (no pipeline); estimating 1f1b")
-        schedule = "1f1b"
+    o = reconciled({**o, "schedule": _given(o, "schedule", "1f1b")}, tp, pp, cp)
+    schedule = o["schedule"]
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
-    if cp == 1 and o.get("cp_method") not in (None, "ring"):
-        note_once(f"note: --cp-method {o['cp_method']} has no effect at --cp 1")
     sequence_parallel = bool(o.get("sequence_parallel"))
-    if sequence_parallel and tp == 1:  # nothing to split the sequence over: Megatron turns it off too
-        note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
-        sequence_parallel = False
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
@@ -407,10 +417,11 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     for table in report.estimate_tables(result, f"{_title(options, work, num_gpus, gpu)}: {described}",
                                        gpu.hbm_bytes):
         console.print(table)
-    if result["mfu"] > 1:
-        console.print("note: MFU above 100%: the convention (PaLM's, torchtitan's) counts attention's whole s × s "
-                      "score matrix, of which causal flash attention computes half; at this sequence length "
-                      "attention is most of the FLOPs")
+    if result["hfu"] > 1:  # HFU ≥ MFU: it adds the recomputed forward
+        console.print(f"note: {'MFU' if result['mfu'] > 1 else 'HFU'} above 100%: the convention (PaLM's, "
+                      "torchtitan's) counts attention's whole s × s score matrix, of which causal flash attention "
+                      "computes half (HFU counts the recomputed forward's too); at this sequence length attention "
+                      "is most of the FLOPs")
 
 
 def _fixed_knobs(command):
@@ -462,7 +473,8 @@ def plan(as_json, top, out, config_out, **options):
         from threefold.plan.engine_config import check_model
 
         check_model(work)
-    fixed = {knob: options.get(knob) for knob in search.KNOBS}
+    knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
+    fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
