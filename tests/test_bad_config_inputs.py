@@ -142,6 +142,7 @@ def test_a_pipeline_schedule_without_a_pipeline_is_refused(capsys, command, sche
     (["parallel.schedule=gpipe", "parallel.pp=1"],
      'note: parallel.schedule = "gpipe" has no effect at parallel.pp = 1'),
     (["parallel.schedule=zb-h1"], 'note: parallel.schedule = "zb-h1" has no effect at parallel.pp = 1'),
+    (["parallel.cp_method=ulysses"], 'note: parallel.cp_method = "ulysses" has no effect at parallel.cp = 1'),
 ])
 def test_a_setting_the_engine_ignores_is_noted_once(capsys, sets, note):
     config.note_once.cache_clear()

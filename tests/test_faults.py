@@ -219,3 +219,13 @@ def test_sigterm_on_one_process_stops_after_the_step_in_progress(tmp_path, corpu
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_000003"]
     assert f"SIGTERM: stopped after step 3 of 8, saved {ckpt / 'step_000003'}" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's only
+
+
+def test_a_diverged_run_says_so_once_whatever_the_ranks(tmp_path, corpus):  # noqa: F811
+    """Every rank takes the stop for a non-finite loss or gradient norm at the same step (both are
+    global): one of them says it, in one line, and the job exits 1."""
+    diverge = ["--set", "train.lr=1e30", "--set", "train.warmup_steps=0", "--set", "train.grad_clip=0.0"]
+    run = subprocess.run(command(tmp_path, corpus, "diverged") + diverge, capture_output=True, text=True, timeout=300)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
+    assert re.match(r"error: step \d+: the loss is \S+ and the gradient norm nan; stopping", errors[0]), errors

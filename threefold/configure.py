@@ -47,6 +47,9 @@ def unused_settings(cfg: Config) -> list[str]:
     if p.pp == 1 and p.schedule != "1f1b":
         notes.append(f"note: parallel.schedule = \"{p.schedule}\" has no effect at parallel.pp = 1 "
                      "(no pipeline to schedule)")
+    if p.cp == 1 and p.cp_method != "ring":
+        notes.append(f"note: parallel.cp_method = \"{p.cp_method}\" has no effect at parallel.cp = 1 "
+                     "(no sequence split to attend across)")
     if p.pp == 1 and p.virtual_stages != 1:
         notes.append(f"note: parallel.virtual_stages = {p.virtual_stages} has no effect at parallel.pp = 1 "
                      "(no pipeline to split into stages)")

@@ -60,10 +60,7 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 
     try:
         run_training(cfg, metrics_file=metrics_file, progress=progress)
-    except TrainingError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(1)
-    except CheckpointError as err:  # raised on every rank alike: one of them says it
+    except (TrainingError, CheckpointError) as err:  # raised on every rank alike: one of them says it
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(f"error: {err}", err=True)
         sys.exit(1)
