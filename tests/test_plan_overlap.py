@@ -91,6 +91,18 @@ def test_bad_bandwidth_is_one_line(capsys, flag, value):
     assert code == 2 and f"{flag}: must be a positive number" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags,message", [
+    # so small or large that the cost model's step came out NaN or 300 digits long
+    (["--intra-node-gbps", "5e-324"], "--intra-node-gbps: 5e-324 is outside what any GPU or link has (0.008 to 8e+06 "
+                                      "Gbit/s per GPU)"),
+    (["--inter-node-gbps", "1e300"], "--inter-node-gbps: 1e+300 is outside what any GPU or link has"),
+    (["--power-limit-w", "0.7"], "--power-limit-w: 0.7 is outside what any GPU or link has (50 to 100000 W)"),  # kW?
+])
+def test_an_implausible_number_is_one_line(capsys, flags, message):
+    code, _, err = run(capsys, "estimate", *GPT3, *flags, "--json")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_link_latency_matters_at_small_messages():
     """A tiny model's many small all-reduces: the ring's latency, not its bandwidth, sets the time."""
     tiny = costs.Workload(get_preset("tiny").__class__(layers=2, hidden=64, heads=4, vocab_size=320, seq_len=32), 8)
@@ -195,6 +207,7 @@ def test_power_limit_flag_holds_a_catalog_gpu_at_a_lower_clock(capsys):
     (lambda t: t.replace('hbm_gib = 96\n', ''), "missing key gpu.hbm_gib"),
     (lambda t: t.replace('"800 TFLOP/s"', '"800 furlongs"'), "unknown unit in '800 furlongs'"),
     (lambda t: t.replace('"450 GB/s"', '"450 GiB"'), "unknown unit in '450 GiB'"),
+    (lambda t: t.replace("hbm_tb_s = 3.35", "hbm_tb_s = 3.35e-9"), "gpu.hbm_tb_s: 3.35e-09 is outside what any GPU"),
     (lambda t: t.replace('inter_node_gbps = 400', 'inter_node_gbps = -1'), "must be positive"),
     (lambda t: t + "colour = 3\n", "unknown key node.colour"),
     (lambda t: t + "[efficiency]\nattention = 1.5\n", "efficiency.attention: must be in (0, 1]"),

@@ -158,6 +158,7 @@ class GPU:
                 continue
             if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
                 raise ConfigError(f"{flag}: must be a positive number of Gbit/s per GPU, got {gbps}")
+            check_plausible(flag, gbps * 1e9 / 8, "bandwidth", gbps, per=1e9 / 8, unit="Gbit/s per GPU")
             changes[key] = gbps * 1e9 / 8
         return dataclasses.replace(self, **changes) if changes else self
 
@@ -168,6 +169,7 @@ class GPU:
             return self
         if not (isinstance(watts, (int, float)) and math.isfinite(watts) and watts > 0):
             raise ConfigError(f"{flag}: must be a positive number of watts, got {watts}")
+        check_plausible(flag, watts, "power", watts)
         if self.rated_power_w is None:
             raise ConfigError(f"{flag}: no rated power known for {self.name}; a --cluster file gives it "
                               "(gpu.rated_power_w)")
@@ -409,6 +411,21 @@ def power_clock_scale(power_limit_w: float, rated_power_w: float) -> float:
     return min(1.0, (power_limit_w / rated_power_w) ** (1 / 3))
 
 
+# What any GPU, node or link has, in SI units: a value outside is a slip of unit (a power limit
+# of 0.7 meant in kW) or of digits, and far enough outside it overflows the cost model to inf or NaN.
+PLAUSIBLE = {"bandwidth": (1e6, 1e15, "bytes/s"), "flops": (1e9, 1e18, "FLOP/s"), "bytes": (2**20, 2**50, "bytes"),
+             "time": (1e-12, 1.0, "s"), "power": (50.0, 1e5, "W"), "count": (1, 1e6, "")}
+
+
+def check_plausible(where: str, si_value: float, quantity: str, given, per: float = 1.0, unit: str | None = None) -> None:
+    """ConfigError, one line, for a ``quantity`` (a key of PLAUSIBLE) outside what any hardware
+    has; the range is said in ``unit`` (``per`` of the SI unit) where given."""
+    low, high, si_unit = PLAUSIBLE[quantity]
+    if not low <= si_value <= high:
+        raise ConfigError(f"{where}: {given!r} is outside what any GPU or link has "
+                          f"({low / per:g} to {high / per:g} {unit or si_unit})".rstrip())
+
+
 def _quantity(where: str, value, quantity: str, factor: float) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{where}: must be a number, got {value!r}")
@@ -430,6 +447,8 @@ def _quantity(where: str, value, quantity: str, factor: float) -> float:
         raise ConfigError(f"{where}: must be {'in (0, 1]' if quantity == 'fraction' else 'positive'}, got {value!r}")
     if quantity == "count" and number != int(number):
         raise ConfigError(f"{where}: must be a whole number, got {value!r}")
+    if quantity in PLAUSIBLE:
+        check_plausible(where, number * factor, quantity, value)
     return number * factor
 
 
