@@ -178,6 +178,14 @@ def test_batch_mode_one_line_per_input_in_order(capsys, tmp_path):
     assert "colour: unknown key" in results[3]["error"]
     assert results[4]["layout"]["zero"] == 3 and results[4]["layout"]["micro_batch"] == 2
     assert results[5]["num_gpus"] == 64 and results[5]["layout"]["dp"] == 1
+    # a byte-order mark before the first line is not part of it; a file of no lines says so
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    code, out, _ = run(capsys, "estimate", "--batch", str(path))
+    assert code == 0 and [json.loads(line) for line in out.splitlines()] == results
+    path.write_text("\n  \n")
+    code, out, err = run(capsys, "estimate", "--batch", str(path))
+    assert code == 2 and out == "" and err.strip() == f"error: --batch: {path} holds no lines (one JSON object a line, " \
+                                                        "a layout each)"
 
 
 def test_plan_prints_the_rate_and_ranked_layouts(capsys):

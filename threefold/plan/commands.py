@@ -90,7 +90,8 @@ def _model_options(command):
                                    "required unless --cluster describes one."),
         click.option("--cluster", type=click.Path(dir_okay=False),
                      help="A TOML file describing a GPU that is not in the catalog and its nodes (docs/planner.md)."),
-        click.option("--num-gpus", type=int, help="GPUs in the job (required)."),
+        click.option("--num-gpus", type=int, help="GPUs in the job (required by plan; estimate's default: "
+                                                  "--tp × --pp × --cp × --dp)."),
         click.option("--gpus-per-node", type=int, help="Default: the GPU's usual node size."),
         click.option("--inter-node-gbps", type=float,
                      help="Network bandwidth per GPU in Gbit/s, one direction (200: DGX A100 HDR; 400: DGX H100 "
@@ -347,8 +348,9 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="With --tp > 1, split the norms' activations over the tensor-parallel ranks along the sequence "
                    "(Megatron's sequence parallelism); default: off.")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
-              help="ZeRO stage over the dp ranks: 1 shards the optimizer's moments, 2 also the gradients, 3 also "
-                   "the weights (FSDP's FULL_SHARD).")
+              help="ZeRO stage over the dp ranks: 1 shards the optimizer's states (AdamW's moments and, in "
+                   "mixed precision, the fp32 master weights), 2 also the gradients, 3 also the weights (FSDP's "
+                   "FULL_SHARD).")
 @click.option("--dp-shard", type=int, default=0, show_default=True,
               help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of this many "
                    "dp ranks, which dp / N groups hold alike, all-reducing gradients between them; needs --zero 3. "
@@ -390,6 +392,9 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
             lines = batch_file.readlines()
         except UnicodeDecodeError:
             raise ConfigError(f"--batch: {batch_file.name} is not UTF-8 text") from None
+        if not any(text.strip() for text in lines):
+            raise ConfigError(f"--batch: {batch_file.name} holds no lines (one JSON object a line, a layout each)")
+        lines[0] = lines[0].removeprefix("\ufeff")  # the byte-order mark some editors write first
         params = {p.name: p for p in ctx.command.params if p.name in options}
         for text in lines:
             if not text.strip():
