@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from threefold.cli import main
@@ -487,3 +488,16 @@ def test_zero3_gathers_no_next_block_on_a_stage_of_one():
     zero2, zero3 = (costs.estimate(work, costs.Layout.named(pp=4, dp=8, micro_batch=1, zero=zero), gpu)["params_bytes"]
                     for zero in (2, 3))
     assert zero3 == pytest.approx(zero2 * (1 + 1 / 8), rel=1e-12)
+
+
+def test_a_tp_group_across_two_nodes_is_priced_on_the_network(capsys):
+    """tp 4 on nodes of 6 GPUs: ranks 4-7 straddle nodes 0 and 1, so their collectives cross the
+    network and hold up the step; on nodes of 4 or 8 every group stays inside one."""
+    tp_s = {}
+    for per_node in (4, 6, 8):
+        result = estimate(capsys, "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "24", "--global-batch",
+                          "24", "--tp", "4", "--sequence-parallel", "--gpus-per-node", str(per_node))
+        tp_s[per_node] = result["comm"]["tp_s"]
+    assert tp_s[4] == tp_s[8] < tp_s[6]
+    assert costs.in_one_node(np.array([4, 4, 8, 16]), 8).tolist() == [True, True, True, False]
+    assert costs.in_one_node(np.array([4, 3, 2]), 6).tolist() == [False, True, True]

@@ -1026,6 +1026,13 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
     return parts
 
 
+def in_one_node(group_span, gpus_per_node):
+    """Whether every group of ``group_span`` consecutive ranks lies in one node: it fits in one,
+    and the node holds whole groups (tp 4 on nodes of 6 would put ranks 4-7 on two nodes, whose
+    collectives then cross the network and hold up the step)."""
+    return (group_span <= gpus_per_node) & (gpus_per_node % group_span == 0)
+
+
 def members_in_node(gpus_per_node, *dims):
     """How many members of a group one node holds: the group spans grid dimensions given as
     (stride, size), innermost first, and a node is ``gpus_per_node`` consecutive ranks. A dimension
@@ -1459,7 +1466,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         NVIDIA/nccl#812). k = 1 (one member a node: tp fills it) is one NIC a GPU. Latency: a ring
         through k members a node crosses the network on one step in k and NVLink on the others
         (NCCL's own ring model counts its inter-node steps apart: src/graph/tuning.cc)."""
-        intra = group_span <= gpu.gpus_per_node
+        intra = in_one_node(group_span, gpu.gpus_per_node)
         one_nic = gpu.inter_node_bw * gpu.inter_link_efficiency
         k = np.maximum(members_per_node, 1)
         nics = np.where(k > 1, np.minimum(k * one_nic, nvlink_bw), one_nic)
@@ -1490,9 +1497,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
     tp_wait = group_wait(wait, t, runnable, pair_wait)
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
-                                                             t - 1, tp_bw, tp_lat, t <= gpu.gpus_per_node, tp_wait),
+                                                             t - 1, tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node), tp_wait),
                                        _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
-                                                        tp_bw, tp_lat, t <= gpu.gpus_per_node, tp_wait)), 0)
+                                                        tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node), tp_wait)), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
     # products that produce and consume it). With tp_comm_overlap (Megatron-Core's
@@ -1582,13 +1589,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # A pipeline's last stage ends its backwards (p − 1) chunk backwards before stage 0 does:
     # its reduction runs behind that drain. Stage 0 has no drain but holds no head.
     drain_s = np.where(single_stage, 0, (p - 1) * backward_s / v)
-    dp_kinds = dict(gpu=gpu, intra=t * c * shard_dp <= gpu.gpus_per_node,
+    dp_kinds = dict(gpu=gpu, intra=in_one_node(t * c * shard_dp, gpu.gpus_per_node),
                     wait=group_wait(wait, shards, runnable, pair_wait), members_per_node=dp_members_per_node)
     if np.any(groups > 1):  # hybrid sharding's groups: ranks t·c·dp_shard apart, all-reducing the shards
         between_members = members_in_node(gpu.gpus_per_node, (t * c * shard_dp, groups))
         between_bw, between_lat = link(t * c * d, members_per_node=between_members)
         dp_kinds["between"] = dict(groups=groups, bw=between_bw, latency=between_lat, members_per_node=between_members,
-                                   intra=t * c * d <= gpu.gpus_per_node,
+                                   intra=in_one_node(t * c * d, gpu.gpus_per_node),
                                    wait=group_wait(wait, groups, runnable, pair_wait))
     # ZeRO-3's units (parallel/fsdp.py): the blocks and the root; DualPipeV's last stage has no head
     dp_last = _data_parallel(last_numel, shards, zero, m, stage_layers, work, dp_bw, dp_lat, backward_s, forward_s,
