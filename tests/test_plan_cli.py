@@ -482,6 +482,7 @@ def test_config_out_skips_layouts_the_engine_does_not_run(capsys, tmp_path):
      {"schedule": "interleaved"}),
     (["--pp", "4", "--schedule", "interleaved", "--virtual-stages", "1"], "interleaved with one model chunk a rank is 1F1B",
      {"schedule": "1f1b"}),
+    (["--tp", "1", "--tp-comm-overlap"], "--tp-comm-overlap has no effect without tensor parallelism", {"tp": 1}),
 ])
 def test_plan_reads_fixed_knobs_as_estimate_does(capsys, flags, note, fixed):
     """Knobs that mean something else together (as Megatron reads them) are a note in plan, as in

@@ -225,6 +225,9 @@ def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
     if o.get("sequence_parallel") and tp == 1:
         note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
         o["sequence_parallel"] = False
+    if o.get("tp_comm_overlap") and (tp == 1 or o.get("sequence_parallel") is False):
+        note_once("note: --tp-comm-overlap has no effect without tensor parallelism and --sequence-parallel (it "
+                  "pipelines their all-gathers and reduce-scatters with the products, as Megatron-Core's does)")
     return o
 
 
@@ -240,7 +243,8 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
         if num_gpus % (tp * pp * cp):
             raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
         dp = num_gpus // (tp * pp * cp)
-    o = reconciled({**o, "schedule": _given(o, "schedule", "1f1b")}, tp, pp, cp)
+    o = reconciled({**o, "schedule": _given(o, "schedule", "1f1b"), "sequence_parallel": bool(o.get("sequence_parallel"))},
+                   tp, pp, cp)
     schedule = o["schedule"]
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
