@@ -90,7 +90,8 @@ def test_a_flag_without_effect_gets_a_note(capsys, extra, note):
     (["--tp", "3"], ["--tp: 3 does not divide the 32 heads"]),
     (["--ep", "2"], ["--ep: 2 needs an MoE model"]),
     (["--schedule", "interleaved", "--pp", "1"], ["--pp 1, --schedule interleaved", "together"]),
-    (["--sequence-parallel", "--tp", "1"], ["--tp 1, --sequence-parallel", "together"])])
+    # (sequence parallelism at tp 1 is a note, as in estimate: test_plan_cli.py)
+    (["--tp", "8", "--pp", "2"], ["--tp 8, --pp 2: each is possible alone, but together", "on 8 GPUs"])])
 def test_plan_names_the_fixed_knob_that_leaves_no_layout(capsys, fixed, words):
     one_line_error(*run(capsys, "plan", *BASE, *fixed)[::2], *words)
 
