@@ -119,10 +119,15 @@ def test_resume_refuses_bad_checkpoints_and_overwrites_nothing(tmp_path, corpus,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("has model.hidden=64, this run has 128") and err[-1].startswith("error: checkpoint:")
     assert folder_contents(ckpt) == before
+    # refused before any rank starts (preflight, and the trainer under torchrun: rank 0 alone says it),
+    # where each of the ranks had refused it in its own line
+    from threefold.config import ConfigError
+
+    with pytest.raises(ConfigError, match="has model.hidden=64, this run has 128"):
+        checkpoint.check_resumable(checkpoint.resolve(ckpt), config(tmp_path, corpus, "model.hidden=128"))
     pieces = next(checkpoint.resolve(ckpt).glob("*.distcp"))
     pieces.write_bytes(pieces.read_bytes()[:-10])
     before = folder_contents(ckpt)
-    from threefold.config import ConfigError
     with pytest.raises(ConfigError, match=r"__0_0.distcp' is truncated: [\d,]+ bytes, its pieces need"):
         train(config(tmp_path, corpus, "train.steps=2", *common), progress=False)
     assert folder_contents(ckpt) == before  # nothing written, nothing removed

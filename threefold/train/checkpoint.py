@@ -406,10 +406,13 @@ def _fsync(path: Path) -> None:
 # --- load ----------------------------------------------------------------------------------------
 def check_model(meta: dict, cfg: Config, path: Path) -> None:
     """Refuse a checkpoint of another model (or another sequence length: the data stream would
-    change), naming the difference."""
+    change), naming the difference. A vocabulary left to the tokenizer (None) is checked once
+    the tokenizer has set it."""
     saved = ModelConfig(**meta["config"]["model"])
     for key in (*WEIGHT_DEFINING_KEYS, "seq_len"):
         now = getattr(cfg.model, key)
+        if key == "vocab_size" and now is None:
+            continue
         if getattr(saved, key) != now:
             raise ConfigError(f"checkpoint: {str(path)!r} has model.{key}={getattr(saved, key)}, this run has {now}")
 
@@ -419,8 +422,8 @@ SAMPLER_KEYS = {"seed": "train.seed", "seq_len": "model.seq_len", "global_batch"
 
 def check_resumable(path: Path, cfg: Config) -> dict:
     """Before any rank starts: the checkpoint a resume would read is a training run's (not
-    imported weights), and this run continues its stream of batches (the sampler's seed, sequence
-    length and global batch); its metadata."""
+    imported weights) of this model (check_model), and this run continues its stream of batches
+    (the sampler's seed, sequence length and global batch); its metadata."""
     meta = read_meta(path)
     if meta.get("weights_only"):
         raise ConfigError(f"checkpoint: {str(path)!r} holds weights only, no optimizer states to resume; "
@@ -433,6 +436,7 @@ def check_resumable(path: Path, cfg: Config) -> dict:
         if saved != now:
             raise ConfigError(f"{flag}: {str(path)!r} was saved with {flag}={saved}, this run has {now}; the batches "
                               f"it continues follow from it: resume with --set {flag}={saved}")
+    check_model(meta, cfg, path)
     return meta
 
 
