@@ -229,3 +229,22 @@ def test_a_diverged_run_says_so_once_whatever_the_ranks(tmp_path, corpus):  # no
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert run.returncode == 1 and len(errors) == 1, run.stderr[-3000:]
     assert re.match(r"error: step \d+: the loss is \S+ and the gradient norm nan; stopping", errors[0]), errors
+
+
+def test_ctrl_c_stops_every_rank_and_says_so_once(tmp_path, corpus):  # noqa: F811
+    """Ctrl-C, which a terminal sends to the whole job: every rank stops, rank 0 says "aborted",
+    exit 130; no traceback, none of Python's "Exception ignored" reports (a KeyboardInterrupt
+    raised while the activation meter's finalizer ran was ignored, and the run went on), and no
+    error from the rank whose partner stopped first."""
+    job = subprocess.Popen(command(tmp_path, corpus, "interrupted") + ["--set", "train.steps=100000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_steps(job, tmp_path / "interrupted.jsonl", 2)
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130 and err.strip().splitlines()[-1] == "aborted", err[-3000:]
+    assert err.count("aborted") == 1 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert "error:" not in err, err[-3000:]

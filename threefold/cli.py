@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 import click
@@ -68,8 +69,9 @@ def main(argv=None) -> int:
         return 2
     except click.exceptions.Exit as ex:
         return ex.exit_code
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except click.exceptions.Abort:  # Ctrl-C reaches every rank of a job: one of them says it
+        if os.environ.get("RANK", "0") == "0":
+            click.echo("aborted", err=True)
         return 130
     except click.exceptions.NoArgsIsHelpError as err:  # `threefold`, `threefold data`: what there is to run
         click.echo(err.ctx.get_help())

@@ -83,11 +83,14 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     killed by a signal cannot speak for itself: one line names it and the signal.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # torchrun would otherwise set 1 thread per process and warn; each rank refines this itself.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + [
+            "torch.distributed.elastic"]:  # each of its modules' loggers has a level of its own (LOGLEVEL's)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # torchrun's agent answers SIGTERM by terminating the ranks at once (SIGKILL 30 s later) and
     # failing; here SIGTERM is passed on to the ranks instead, which finish the step, save and exit
     # 0, and the agent sees them succeed.
@@ -106,6 +109,8 @@ def relaunch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
                       f"the other ranks{hint}", file=sys.stderr)
         exited = sorted((f.timestamp, f.exitcode) for f in err.failures.values() if f.exitcode > 0)
         return exited[0][1] if exited else 1  # a rank that stopped itself (2: a user error) said why
+    except SignalException as err:  # Ctrl-C or SIGHUP: torchrun passed it on to the ranks, and rank 0 said so
+        return 128 + int(err.sigval)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
@@ -126,6 +131,15 @@ def _signal_children(signum: int) -> None:
             pass
 
 
+_INTERRUPTED = False  # a StopRequest of this process has seen Ctrl-C
+
+
+def interrupted() -> bool:
+    """Whether this process was interrupted (Ctrl-C): a collective that then fails only means
+    that another rank stopped first, as it was told to."""
+    return _INTERRUPTED
+
+
 class StopRequest:
     """SIGTERM, turned into a decision every rank takes at the same step.
 
@@ -140,14 +154,38 @@ class StopRequest:
 
     def __init__(self, attempt: int = 0):
         self.signalled = False
+        self.interrupted = False
         self.key = f"threefold/attempt{attempt}/stop-after-step"
         self._posted = False
         self._previous = None
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._unraisable_unless_interrupt
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
+            interrupt = signal.getsignal(signal.SIGINT)  # left alone where it is ignored (a job in the background)
+            self._previous = (signal.signal(signal.SIGTERM, self._note),
+                              signal.signal(signal.SIGINT, self._interrupt) if interrupt is signal.default_int_handler
+                              else interrupt)
 
     def _note(self, signum, frame) -> None:
         self.signalled = True
+
+    def _interrupt(self, signum, frame) -> None:
+        """Ctrl-C: KeyboardInterrupt, as by default; noted too, because one raised while a
+        finalizer runs (the activation meter's, as autograd frees saved tensors) is printed and
+        ignored by Python, and the run went on: check_interrupt raises it again at the step's end."""
+        global _INTERRUPTED
+        self.interrupted = _INTERRUPTED = True
+        raise KeyboardInterrupt
+
+    def check_interrupt(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def _unraisable_unless_interrupt(self, unraisable) -> None:
+        """Python's report of an exception a finalizer raised, but for the Ctrl-C that
+        check_interrupt raises again: no "Exception ignored" traceback before "aborted"."""
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self._unraisable(unraisable)
 
     def stop_after(self, step: int) -> bool:
         """Every rank calls this after finishing ``step``: True when all ranks stop now."""
@@ -160,8 +198,10 @@ class StopRequest:
         return store.check([self.key]) and step >= int(store.get(self.key))
 
     def close(self) -> None:
+        sys.unraisablehook = self._unraisable
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            signal.signal(signal.SIGTERM, self._previous[0])
+            signal.signal(signal.SIGINT, self._previous[1])
             self._previous = None
 
 

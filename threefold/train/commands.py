@@ -67,6 +67,10 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
     except CommError as err:
         # The group is broken: tearing it down would wait out every collective still in flight with
         # a rank that is gone or stuck (parallel.timeout_s each). Say why and leave at once.
+        from threefold.distributed.launch import interrupted
+
+        if interrupted():  # Ctrl-C reached every rank, and another stopped first: rank 0 says "aborted"
+            os._exit(130)
         click.echo(f"error: {err}", err=True)
         sys.stderr.flush()
         os._exit(1)

@@ -268,6 +268,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             if main and not progress and (step + 1) % t.log_every == 0:  # the bar's line, for logs (--no-progress)
                 console.print(f"step {step + 1}/{t.steps}: loss {loss:.4f}, lr {lr:.3g}, grad norm {grad_norm:.3g}, "
                               f"{record['tokens_per_s']:,.0f} tok/s", markup=False, highlight=False, soft_wrap=True)
+            stop.check_interrupt()
             stopping = step + 1 < t.steps and stop.stop_after(step + 1)  # every rank decides the same
             if stopping:
                 engine.discard_pipeline_carry()  # 2bw, pipedream: the next step's forwards will not run
