@@ -287,6 +287,10 @@ def test_the_json_shape(capsys):
     assert main(["dryrun", *overrides, "--world-size", "2", "--rank", "1", "--compare", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["rank"] == 1 and record["steps_run"] == 1
+    # the title's layout names every axis over 1, so that it multiplies to the world size
+    from threefold.config import ParallelConfig
+
+    assert ParallelConfig(dp=2, cp=2, ep=2).sizes_text() == "dp=2 × tp=1 × pp=1 × cp=2 × ep=2"
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
     assert set(record["predicted"]) == {"memory", "comm_bytes"}
     assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]

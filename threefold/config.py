@@ -184,6 +184,11 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True  # reduce each gradient bucket as soon as its last gradient is in
     timeout_s: float = 300.0  # collectives that wait longer than this fail instead of hanging
 
+    def sizes_text(self) -> str:
+        """``dp=2 × tp=1 × pp=1`` and cp, ep where they are over 1: the layout in a title."""
+        return " × ".join(f"{axis}={getattr(self, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep")
+                          if axis in ("dp", "tp", "pp") or getattr(self, axis) > 1)
+
     @property
     def world_size(self) -> int:
         if self.dp == AUTO:

@@ -154,7 +154,6 @@ class StopRequest:
 
     def __init__(self, attempt: int = 0):
         self.signalled = False
-        self.interrupted = False
         self.key = f"threefold/attempt{attempt}/stop-after-step"
         self._posted = False
         self._previous = None
@@ -174,11 +173,11 @@ class StopRequest:
         finalizer runs (the activation meter's, as autograd frees saved tensors) is printed and
         ignored by Python, and the run went on: check_interrupt raises it again at the step's end."""
         global _INTERRUPTED
-        self.interrupted = _INTERRUPTED = True
+        _INTERRUPTED = True
         raise KeyboardInterrupt
 
     def check_interrupt(self) -> None:
-        if self.interrupted:
+        if _INTERRUPTED:
             raise KeyboardInterrupt
 
     def _unraisable_unless_interrupt(self, unraisable) -> None:

@@ -381,8 +381,7 @@ def compare(config_path, overrides, metrics_file, as_json):
     from rich.console import Console
 
     p = cfg.parallel
-    axes = " × ".join(f"{a}={getattr(p, a)}" for a in ("dp", "tp", "pp", "cp", "ep") if a in ("dp", "tp", "pp")
-                      or getattr(p, a) > 1)
+    axes = p.sizes_text()
     records = read_records(metrics_file, "--metrics-file")
     warmups = len(records) - len(steady(records))
     measured = ("its one step, warm-up included" if not warmups else "median of steps after the first"

@@ -260,9 +260,7 @@ def result_table(cfg: Config, result: dict):
 
     p = cfg.parallel
     where = " ".join(f"{a}={c}" for a, c in result["coords"].items())
-    sizes = " × ".join(f"{axis}={getattr(p, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep")
-                       if axis in ("dp", "tp", "pp") or getattr(p, axis) > 1)
-    title = (f"rank {result['rank']} of {p.world_size} ({sizes}; {where or 'one rank'}), "
+    title = (f"rank {result['rank']} of {p.world_size} ({p.sizes_text()}; {where or 'one rank'}), "
              + (f"one step in {result['seconds']:.1f} s" if result["steps_run"] == 1 else
                 f"{result['steps_run']} steps in {result['seconds']:.1f} s, the last (a steady one) shown"))
     predicted = result.get("predicted")
