@@ -272,6 +272,17 @@ def test_from_runs_refuses_bad_runs_in_one_line(tmp_path, capsys, runs, message)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_compare_refuses_a_config_of_another_pipeline(tmp_path, capsys, monkeypatch):
+    """pp-1f1b's metrics (a pipeline of 2, its timeline says) with its config file as it is on
+    disk (pp 4; the manifest's --set makes it 2): one line naming both pipelines, where compare
+    had failed on parallel.stage_layers, a key the user never set."""
+    monkeypatch.setenv("THREEFOLD_HOME", str(RUNS))
+    code = cli.main(["compare", "--config", str(RUNS / "pp-1f1b.toml"), "--metrics-file", str(RUNS / "pp-1f1b.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "was written by another layout: its pipeline had pp=2 with 1 chunk(s) a rank, this config pp=4" in err
+
+
 def test_targets_of_another_vocabulary_are_read_apart_from_the_fit(tmp_path):
     """bench/planner_runs.py predicts the demo (4,608 tokens) from a fit on runs of 4,096: it reads
     every run without the one-model rule and checks the rule on the runs it fits."""

@@ -185,7 +185,8 @@ def test_compare_refuses_another_runs_metrics(tmp_path, corpus, capsys, monkeypa
     train(load_config(None, overrides), str(metrics), progress=False)
     assert _compare_cli(capsys, tmp_path, overrides, metrics)[0] == 0
     for extra, message in ((["parallel.dp=2"], "its run sent nothing on the dp axis, this config has dp=2"),
-                           (["model.hidden=128"], "was written by another model or layout")):
+                           (["model.hidden=128"], "was written by another model or layout"),
+                           (["train.global_batch=8"], "was written by a run of another batch: its steps trained ")):
         code, _, err = _compare_cli(capsys, tmp_path, overrides + extra, metrics)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
