@@ -93,13 +93,13 @@ def test_cli_refuses_in_one_line(workspace, sets, needle):
 
 
 def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monkeypatch):
-    monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (0.8 * 2**30, 0, "available here"))
+    monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (0.5 * 2**30, 0, "available here"))
     sets = ["model.seq_len=16384", "train.micro_batch=4", "train.global_batch=4", "model.vocab_size=320"]
     with pytest.raises(ConfigError) as err:
         check_run(load_config(None, base(workspace) + sets))
     line = str(err.value)
-    assert line.startswith("memory: each rank needs about 1.4 GiB (") and "activations 1.4" in line and "\n" not in line
-    assert ", but 0.8 GiB are available here; a layout that fits: --set " in line
+    assert line.startswith("memory: each rank needs about 0.8 GiB (") and "activations 0.8" in line and "\n" not in line
+    assert ", but 0.5 GiB are available here; a layout that fits: --set " in line
     advice = line.split("a layout that fits: --set ")[1].split(" (about")[0].split(" --set ")
     assert advice and all(a.startswith(("parallel.", "train.")) for a in advice)
     check_run(load_config(None, base(workspace) + sets + advice))  # the advice holds

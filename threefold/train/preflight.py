@@ -1,7 +1,7 @@
 """What ``threefold train`` checks before any process starts: every input it can refuse in one
 line (a planner-only model, a checkpoint_dir that is one checkpoint, a damaged checkpoint to
 resume, a corpus that is not text, a file that is not a tokenizer), and whether the run fits in
-this machine's memory, by the planner's cost model, with a layout that would fit when it does not.
+this machine's memory, by the engine's memory model, with a layout that would fit when it does not.
 """
 from __future__ import annotations
 
@@ -91,25 +91,16 @@ def tokenizer_vocab(cfg: Config) -> int:
 
 # --- memory ------------------------------------------------------------------------------------
 def rank_memory(cfg: Config) -> dict[str, float]:
-    """Bytes one rank needs, by the planner's model of the fuller pipeline stage (threefold.plan.costs):
-    fp32 states (the planner's 16-bit weights + fp32 master copy come to the same within 2 bytes a
-    parameter), activations scaled to the run's dtype, and the sampler's batch of token ids."""
-    from threefold.plan import costs
-    from threefold.plan.hardware import CATALOG
+    """Bytes the fullest rank needs, by the engine's own memory model (plan/dryrun_predict.py, which
+    ``threefold dryrun`` holds to the bytes the engine allocates: fp32 states, the activations of
+    the run's dtype and schedule), plus the sampler's batch of token ids. Under pp the stages
+    differ: the rank whose stage needs the most counts."""
+    from threefold.plan.dryrun_predict import predict_rank
 
     p, t = cfg.parallel, cfg.train
-    layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, cp_method=p.cp_method, tp=p.tp,
-                                pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
-                                zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
-                                sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard)
-    est = costs.estimate(costs.Workload(cfg.model, t.global_batch, grad_bytes=4), layout, CATALOG["a100-80gb"])
-    scale = (4 if t.dtype == "float32" else 2) / costs.ACTIVATION_BYTES
-    # The engine keeps fp32 weights, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes a
-    # parameter, where the planner counts 2 + 4 + 12; ZeRO shards both alike.
-    parts = {"params": est["params_bytes"] * 4 / costs.PARAM_BYTES, "grads": est["grads_bytes"],
-             "optimizer": est["optimizer_bytes"] * 8 / costs.OPTIMIZER_BYTES,
-             "activations": est["activations_bytes"] * scale,
-             "batch": t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN}
+    stages = [predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"] for pp_rank in range(p.pp)]
+    parts = max(stages, key=lambda memory: sum(memory.values()))
+    parts["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
     return {k: float(v) for k, v in parts.items()}
 
 
@@ -155,7 +146,7 @@ def check_memory(cfg: Config) -> None:
               f"no layout on {world} rank{'s' if world > 1 else ''} fits, not even with ZeRO-3, full recomputation "
               "and micro_batch 1: use a smaller model or more memory")
     raise ConfigError(f"memory: each rank needs about {sum(need.values()) / GiB:,.1f} GiB ({parts} GiB, by the "
-                      f"planner's model){total}, but {available / GiB:.1f} GiB are {where}; {advice}")
+                      f"engine's memory model){total}, but {available / GiB:.1f} GiB are {where}; {advice}")
 
 
 def fitting_layout(cfg: Config, budget: float) -> str | None:
