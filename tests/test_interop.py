@@ -564,3 +564,72 @@ def test_inspect_takes_the_tensor_names_it_shows_and_suggests_the_closest(tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --tensor: ") and \
         err.rstrip().endswith("(did you mean 'blocks.0.attn.wq.weight'?)"), err
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_import_suggests_the_generate_command_that_suits_the_model(tmp_path, tokenizer, cli, capsys):
+    """The command import prints works as printed (a path with a space is quoted), and asks a chat
+    model, whose checkpoint carries a chat template, through it with --chat."""
+    import shlex
+
+    save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    settings = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    for chat in (False, True):
+        if chat:
+            (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                               "chat_template": CHAT_TEMPLATE}))
+        out = tmp_path / f"my model {chat}"
+        assert cli(["import", str(tmp_path / "hf"), "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        suggested = shlex.split(printed.rstrip("\n").partition("; try: ")[2])
+        assert suggested[:4] == ["threefold", "generate", "--checkpoint", str(out)]
+        assert ("--chat" in suggested) == chat
+        assert cli([*suggested[1:], "--tokens", "4"]) == 0, capsys.readouterr().err
+
+
+def test_import_and_export_name_each_step_on_a_terminal_only(tmp_path, tokenizer, cli, capsys, monkeypatch):
+    cfg = tiny_config(tokenizer, tie=False)
+    model, _ = save_checkpoint(tmp_path / "run", cfg, tokenizer)
+    write_gguf(tmp_path / "tiny.gguf", cfg, hf.to_hf_tensors(cfg, model.state_dict(), "test"), tokenizer)
+    seen = []
+    import_model(tmp_path / "tiny.gguf", tmp_path / "from-gguf", seen.append)
+    tensors = 2 + 9 * cfg.layers + (not cfg.tie_embeddings)
+    assert seen == [f"reading {tmp_path / 'tiny.gguf'}",
+                    *(f"dequantising tensor {i} of {tensors}" for i in range(1, tensors + 1)),
+                    "building the model", f"writing {tmp_path / 'from-gguf'}"]
+
+    seen.clear()
+    export_checkpoint(tmp_path / "run", tmp_path / "hf", seen.append)
+    assert seen == [f"reading {tmp_path / 'run'}", f"writing {tmp_path / 'hf'}"]
+    seen.clear()
+    import_model(tmp_path / "hf", tmp_path / "from-hf", seen.append)
+    assert seen[:2] == [f"reading {tmp_path / 'hf'}", "reading model.safetensors"]
+
+    capsys.readouterr()
+    argvs = [["import", str(tmp_path / "hf"), "--out"], ["export", "--checkpoint", str(tmp_path / "run"), "--out"]]
+    for i, argv in enumerate(argvs):  # off a terminal (pytest's capture): nothing but the result
+        assert cli([*argv, str(tmp_path / f"quiet{i}")]) == 0
+        assert capsys.readouterr().err == ""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich then takes stderr for a terminal
+    for i, argv in enumerate(argvs):
+        assert cli([*argv, str(tmp_path / f"shown{i}")]) == 0
+        assert f"writing {tmp_path / f'shown{i}'}" in capsys.readouterr().err  # the last step, drawn as it ends
+        assert cli([*argv, str(tmp_path / f"hidden{i}"), "--no-progress"]) == 0
+        assert capsys.readouterr().err == ""
+
+
+def test_import_and_export_say_which_path_to_give(tmp_path, tokenizer, cli, capsys):
+    save_checkpoint(tmp_path / "run", tiny_config(tokenizer, tie=True), tokenizer)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    out = ["--out", str(tmp_path / "out")]
+    assert_refused(cli, capsys, tmp_path, ["import", "", *out], "import: SOURCE is empty")
+    assert_refused(cli, capsys, tmp_path, ["import", str(tmp_path / "hf" / "model.safetensors"), *out],
+                   f"is one file of a Hugging Face folder; give the folder, {str(tmp_path / 'hf')!r}")
+    assert_refused(cli, capsys, tmp_path, ["export", "--checkpoint", str(tmp_path / "hf"), *out],
+                   f"export: {str(tmp_path / 'hf')!r} is a Hugging Face folder already")
+    assert_refused(cli, capsys, tmp_path, ["export", "--checkpoint", str(tmp_path / "run"), "--out", ""],
+                   "--out: '' is not a new folder")

@@ -89,11 +89,12 @@ def _reason(err: Exception, limit: int = 100) -> str:
     return text[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " …"
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, our full fp32 state dict and the tokenizer of a GGUF Llama."""
+def read_gguf(path: str | Path, on_step=None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, our full fp32 state dict and the tokenizer of a GGUF Llama; ``on_step``: as
+    ``gguf_state_dict``'s."""
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, str(path))
-    return cfg, gguf_state_dict(reader, cfg, str(path)), gguf_tokenizer(reader, str(path))
+    return cfg, gguf_state_dict(reader, cfg, str(path), on_step), gguf_tokenizer(reader, str(path))
 
 
 _KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
@@ -167,14 +168,17 @@ def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
-def gguf_state_dict(reader: gguf.GGUFReader, cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised to fp32, under our names (``head.weight`` is ``embed.weight`` when tied)."""
+def gguf_state_dict(reader: gguf.GGUFReader, cfg: ModelConfig, where: str, on_step=None) -> dict[str, torch.Tensor]:
+    """Every tensor dequantised to fp32, under our names (``head.weight`` is ``embed.weight`` when tied).
+    ``on_step(description)`` is called before each tensor, for a progress display (SmolLM2's 272 take ~5 s)."""
     names = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "head.weight"}
     for i in range(cfg.layers):
         names.update({f"blk.{i}.{theirs}.weight": f"blocks.{i}.{ours}.weight" for theirs, ours in BLOCK_NAMES.items()})
     shapes = parameter_shapes(cfg)
     state = {}
-    for tensor in reader.tensors:
+    for i, tensor in enumerate(reader.tensors, 1):
+        if on_step is not None:
+            on_step(f"dequantising tensor {i} of {len(reader.tensors)}")
         ours = names.get(tensor.name)
         if ours is None:
             raise ConfigError(f"{where}: holds the tensor {tensor.name!r}, which a Llama of this config does not have")

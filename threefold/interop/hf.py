@@ -328,25 +328,28 @@ def readable(file: Path):
         raise ConfigError(f"{file}: not a readable safetensors file ({reason})") from None
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder."""
+def read_safetensors(folder: Path, on_step=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder; ``on_step(description)`` is called before each file, for a progress display."""
     tensors = {}
-    for file in safetensors_files(folder):
+    files = safetensors_files(folder)
+    for i, file in enumerate(files, 1):
+        if on_step is not None:
+            on_step(f"reading {file.name}" + (f" ({i} of {len(files)})" if len(files) > 1 else ""))
         with readable(file):
             tensors.update(load_file(file))
     return tensors
 
 
-def load_hf_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_weights(folder: str | Path, on_step=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and our full fp32 state dict from an HF ``LlamaForCausalLM`` folder.
 
-    ``Llama(cfg).load_state_dict(state)`` accepts the result as it is.
+    ``Llama(cfg).load_state_dict(state)`` accepts the result as it is. ``on_step``: as ``read_safetensors``'.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder (expected a Hugging Face folder with {CONFIG} and {WEIGHTS})")
     cfg = model_config_from_hf(read_json(folder / CONFIG), str(folder))
-    return cfg, from_hf_tensors(cfg, read_safetensors(folder), str(folder))
+    return cfg, from_hf_tensors(cfg, read_safetensors(folder, on_step), str(folder))
 
 
 # What must agree between a run's [model] and the folder it starts from; seq_len may differ.
@@ -446,9 +449,9 @@ def describe_init_from(source: str) -> str:
     return checkpoint.describe(found, checkpoint.read_meta(found)) if found else f"{source} (a Hugging Face folder)"
 
 
-def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def read_hf_folder(folder: str | Path, on_step=None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Config, weights and tokenizer of an HF folder (its tokenizer.json is required)."""
-    cfg, state = load_hf_weights(folder)
+    cfg, state = load_hf_weights(folder, on_step)
     tokenizer_file = Path(folder) / TOKENIZER
     if not tokenizer_file.is_file():
         raise ConfigError(f"{folder}: no {TOKENIZER}; the tokenizer is needed to use the model")
