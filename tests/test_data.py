@@ -270,3 +270,27 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, key, tmp_path, capsys):
     assert main(["data", "prepare", "--cache-dir", str(tmp_path / "cache"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {key}:") and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('the first turn must be the system') }}{% endif %}",
+     "failed: the first turn must be the system"),
+    ("{% for m in messages %}{{ m['content'] ", "failed: unexpected end of template"),
+])
+def test_a_chat_template_that_refuses_or_does_not_parse_is_one_line(template, said):
+    """Hugging Face templates call raise_exception (transformers defines it) to refuse a
+    conversation; that, or a template with a syntax error, is a ConfigError, not a traceback."""
+    tokenizer = gpt2_tokenizer()
+    tokenizer.chat_template = template
+    with pytest.raises(ConfigError) as err:
+        tokenizer.chat("Hi")
+    assert str(err.value).startswith("--chat: the chat template of 'gpt2' failed: ") and said in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_chat_template_may_break_out_of_its_loop():
+    """transformers renders with Jinja's loop controls; templates that use {% break %} need them."""
+    tokenizer = gpt2_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% break %}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert tokenizer.chat("Hi") == "<user>Hi<assistant>"

@@ -48,11 +48,20 @@ class Tokenizer:
         if not self.chat_template:
             raise ConfigError(f"--chat: the tokenizer {self.name!r} has no chat template (a chat model's checkpoint "
                               "imported from GGUF or a Hugging Face folder carries one)")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders templates with
 
-        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
-        return template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                               eos_token=self.eos, bos_token="")
+        def raise_exception(message):  # templates call it to refuse a conversation, as transformers defines it
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, eos_token=self.eos,
+                bos_token="")
+        except TemplateError as err:
+            raise ConfigError(f"--chat: the chat template of {self.name!r} failed: {err}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text).ids
