@@ -105,6 +105,25 @@ def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monk
     check_run(load_config(None, base(workspace) + sets + advice))  # the advice holds
 
 
+def test_the_layout_offered_when_memory_is_short_is_one_the_strategies_accept():
+    """fitting_layout had offered dp 1 · pp 2 for an MoE run at ep 2, which parallel.ep then
+    refused (and pricing it divided by zero): candidates pass check_layout as a run's config does."""
+    import warnings
+
+    from threefold.parallel.layout import check_layout
+    from threefold.train.preflight import fitting_layout
+
+    cfg = load_config("configs/moe.toml", ["parallel.dp=2", "parallel.ep=2", "model.seq_len=4096",
+                                           "model.vocab_size=4096"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning from pricing a layout that cannot run
+        assert fitting_layout(cfg, 0.15 * 2**30) is None  # on 2 ranks nothing that runs needs so little
+        advice = fitting_layout(cfg, 1.2 * 2**30)
+    sets = advice.split(" (about")[0].split(" --set ")
+    check_layout(load_config("configs/moe.toml", ["parallel.dp=2", "parallel.ep=2", "model.seq_len=4096",
+                                                  "model.vocab_size=4096"] + sets))
+
+
 def test_a_slow_step_is_announced_before_it_starts(workspace, monkeypatch):
     from threefold.plan.costs import model_flops_per_token
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from threefold.config import Config, ConfigError
+from threefold.parallel.layout import check_layout
 
 GiB = 2**30
 SLOW_STEP_S = 60.0  # warn up front when one step is predicted to take longer than this
@@ -191,7 +192,9 @@ def _with(cfg: Config, change: dict) -> Config | None:
     train = dataclasses.replace(cfg.train, recompute=change["recompute"], micro_batch=change["micro_batch"])
     candidate = dataclasses.replace(cfg, parallel=parallel, train=train)
     try:
-        return candidate.validate()
+        candidate = candidate.validate()
+        check_layout(candidate)  # what the strategies refuse (ep that does not divide dp, a pp the layers cannot fill)
+        return candidate
     except ConfigError:
         return None
 
