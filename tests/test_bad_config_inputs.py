@@ -90,7 +90,7 @@ def test_a_refused_config_gets_its_error_line_without_the_notes_it_earned(capsys
 
 @pytest.mark.parametrize("command, needle", [
     (["train", "--no-progress", "--nproc", "3"], "--nproc: 3 processes do not match"),
-    (["dryrun", "--world-size", "3"], "--world-size: the layout dp×tp×pp×cp = 1×1×1×1 = 1 ranks, not 3"),
+    (["dryrun", "--world-size", "3"], "--world-size: the layout dp×tp×pp×cp = 1×1×1×1 = 1 rank, not 3"),
 ])
 def test_a_run_refused_after_loading_gets_no_notes_either(capsys, command, needle):
     """The config loads (with a note: SP at tp 1), then the command's own check refuses it."""

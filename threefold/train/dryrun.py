@@ -72,8 +72,11 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--world-size: must be a positive integer, got {world_size}")
     p = cfg.parallel
     if p.dp != AUTO and p.world_size != world_size:
+        others = p.tp * p.pp * p.cp  # what dp = "auto" divides the world by
+        hint = (f'; parallel.dp = "auto" takes dp = {world_size // others} from the world size'
+                if world_size % others == 0 else "")
         raise ConfigError(f"--world-size: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
-                          f"{p.world_size} ranks, not {world_size}")
+                          f"{p.world_size} rank{'s' if p.world_size > 1 else ''}, not {world_size}{hint}")
     cfg = resolve_world(cfg, world_size)
     m = cfg.model
     if m.arch != "llama":
@@ -109,7 +112,8 @@ def too_large(err: RuntimeError) -> ConfigError | None:
 def check_ranks(ranks: tuple[int, ...], world_size: int) -> tuple[int, ...]:
     for rank in ranks:
         if not 0 <= rank < world_size:
-            raise ConfigError(f"--rank: {rank} is outside a world of {world_size} ranks (0 to {world_size - 1})")
+            raise ConfigError(f"--rank: {rank} is outside a world of {world_size} rank{'s' if world_size > 1 else ''} "
+                              f"(0 to {world_size - 1})")
     return ranks or (0,)
 
 
@@ -132,17 +136,25 @@ def fake_grouped_mm_in_fp32() -> None:
                           _create_grouped_mm_output_tensor(a, b, offs, out_dtype))
 
 
-def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
+def no_progress(description: str, done: int = 0, total: int | None = None) -> None:
+    pass
+
+
+def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progress) -> dict:
     """One training step of global ``rank`` on fake tensors and a fake process group: its memory
     (bytes of parameters, gradients, optimizer states, peak activations), its bytes per ledger
-    key, and the pipeline actions it executed (``[start_s, end_s, kind, micro-batch, stage]``)."""
+    key, and the pipeline actions it executed (``[start_s, end_s, kind, micro-batch, stage]``).
+
+    ``on_step(description, done, total)`` is told each phase, for a progress display: building
+    the rank's share, then forward and backward (``done`` of ``total`` block forwards, where a
+    large model's step spends its minutes), then the gradient norm and the optimizer step."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh, mesh_sizes
-    from threefold.models.llama import Llama
+    from threefold.models.llama import Block, Llama
     from threefold.train.engine import Engine, lr_at
     from threefold.train.metrics import ActivationMeter
     from threefold.train.trainer import split_micro_batches
@@ -151,6 +163,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
     if cfg.model.moe_experts:
         fake_grouped_mm_in_fp32()
     began = time.perf_counter()
+    on_step("building its share of the model")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
     try:
@@ -177,11 +190,27 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             # 2bw, pipedream: the first step of a run fills the pipeline; the second is one of its
             # steady steps (what it carries in, sends and holds), which is the one measured
             steps_run = 2 if engine.lookahead else 1
+            # Progress: each block of the rank runs forward once per micro-batch (its recomputation
+            # calls the block's inner function, not the block). A pipeline that never flushes also
+            # starts the next step's first forwards: hence min().
+            blocks = [m for part in engine.parts.values() for m in part.modules() if isinstance(m, Block)]
+            total = len(blocks) * cfg.microbatches * steps_run
+            forwards = 0
+
+            def forwarded(*_):
+                nonlocal forwards
+                forwards += 1
+                on_step("forward and backward", min(forwards, total), total)
+
+            for block in blocks:
+                block.register_forward_pre_hook(forwarded)  # saves nothing: the meters are unchanged
             for _ in range(steps_run):
+                on_step("forward and backward", min(forwards, total), total)
                 engine.comm_bytes()  # construction's or the first step's traffic is not the step's
                 meter.peak = meter.live
                 upcoming = [batch() for _ in range(engine.lookahead)]
                 engine.forward_backward(batch(), upcoming) if upcoming else engine.forward_backward(batch())
+                on_step("gradient norm and optimizer step")
                 engine.clip_grad_norm(t.grad_clip)
                 engine.optimizer_step(lr_at(0, cfg))
             memory = dict(engine.memory_bytes(), activations=meter.peak)
@@ -201,22 +230,39 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu") -> dict:
             "seconds": time.perf_counter() - began}
 
 
+def rank_progress(bar, name: str):
+    """``on_step`` for dry_run_rank: the rank's line of the Progress ``bar``, redrawn at once
+    when its phase changes (a block forward only moves the bar, at the next refresh)."""
+    task, shown = bar.add_task(name, total=None), name
+
+    def on_step(description: str, done: int = 0, total: int | None = None) -> None:
+        nonlocal shown
+        text = f"{name}: {description}"
+        bar.update(task, description=text, completed=done, total=total or None, refresh=text != shown)
+        shown = text
+
+    return on_step
+
+
 def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: str = "cpu",
-            progress: bool = True) -> list[dict]:
+            progress: bool = True, console=None) -> list[dict]:
     """``dry_run_rank`` of each of ``ranks`` (one after another, in this process), with the
-    planner's figures for it under ``predicted`` when ``compare``."""
+    planner's figures for it under ``predicted`` when ``compare``. ``progress``: a line per rank
+    on ``console`` (default: stderr) while they run, its phase and its block forwards, gone at
+    the end; only on a terminal."""
     from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     results = []
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
-    console = Console(stderr=True)  # off a terminal rich draws no bar, only a stray empty line: none then
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+               TimeElapsedColumn()]
+    console = console or Console(stderr=True)  # off a terminal rich draws no bar, only a stray empty line: none then
     with Progress(*columns, console=console, disable=not progress or not console.is_terminal, transient=True) as bar:
-        task = bar.add_task("")
-        for rank in ranks:
-            bar.update(task, description=f"dry run: rank {rank} of {cfg.parallel.world_size}")
+        for i, rank in enumerate(ranks):
+            on_step = rank_progress(bar, f"rank {rank} of {cfg.parallel.world_size:,}"
+                                    + (f" ({i + 1} of {len(ranks)})" if len(ranks) > 1 else ""))
             try:
-                result = dry_run_rank(cfg, rank, device)
+                result = dry_run_rank(cfg, rank, device, on_step)
             except RuntimeError as err:
                 error = too_large(err)
                 if error is None:
@@ -225,7 +271,9 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
             if compare:
                 from threefold.plan.dryrun_predict import predict_rank
 
+                on_step("the planner's figures")
                 result["predicted"] = predict_rank(cfg, rank)
+            on_step("done", 1, 1)  # its line stays while the next ranks run, its time stopped
             results.append(result)
     return results
 
@@ -294,12 +342,17 @@ def result_table(cfg: Config, result: dict):
 @click.option("--device", type=click.Choice(["cpu", "meta"]), default="cpu", show_default=True,
               help="Where the fake tensors live; meta catches tensors created on a fixed device.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per rank.")
-def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
-    """One training step of the real engine as rank R of a world of N, on fake tensors."""
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Show each rank's progress on stderr while it runs (on a terminal; never with --json).")
+def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, progress):
+    """One training step of the real engine as rank R of a world of N, on fake tensors.
+
+    Prints each rank's memory (parameters, gradients, optimizer states, peak activations) and the
+    bytes it sends per mesh axis in the step; a large model's rank can take a minute or more on a CPU."""
     ranks = check_ranks(ranks, world_size)
     with notes_after_checks():
         cfg = dry_run_config(load_config(config_path, overrides), world_size)
-    results = dry_run(cfg, ranks, compare, device, progress=not as_json)
+    results = dry_run(cfg, ranks, compare, device, progress=progress and not as_json)
     if as_json:
         for result in results:
             click.echo(json.dumps(result))
@@ -314,5 +367,6 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json):
     for result in results:
         console.print(result_table(cfg, result))
         if result["actions"]:
-            console.print(f"pipeline actions ({cfg.parallel.schedule}, {cfg.microbatches} micro-batches): "
+            m = cfg.microbatches
+            console.print(f"pipeline actions ({cfg.parallel.schedule}, {m} micro-batch{'es' if m > 1 else ''}): "
                           + actions_line(result["actions"]), soft_wrap=True)
