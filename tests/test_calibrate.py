@@ -552,23 +552,25 @@ def test_other_processes_counts_a_busy_neighbour():
     assert others.cores is not None and 0.5 < others.cores < calibrate.cpu_cores() + 0.5
 
 
-def test_a_profile_measured_beside_busy_processes_is_flagged(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("cores, busy, said", [(2, 1.9, "1.9 of the 2 cores busy"),
+                                               (1, 0.9, "0.9 of the 1 core busy")])  # was "1 cores"
+def test_a_profile_measured_beside_busy_processes_is_flagged(tmp_path, monkeypatch, capsys, cores, busy, said):
     class Busy:
         def __enter__(self):
             self.cores = None
             return self
 
         def __exit__(self, *exc):
-            self.cores = 1.9
+            self.cores = busy
 
     profile = {k: v for k, v in recorded_profile().items() if k not in calibrate.FITTED_KEYS}
-    monkeypatch.setattr(calibrate, "measure_profile", lambda settings, on_step: dict(profile))
+    monkeypatch.setattr(calibrate, "measure_profile", lambda settings, on_step: dict(profile, gpus_per_node=cores))
     monkeypatch.setattr(calibrate, "OtherProcesses", Busy)
     out = tmp_path / "profile.json"
     assert cli.main(["calibrate", "--quick", "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert f"warning: other processes kept 1.9 of the {profile['gpus_per_node']} cores busy" in err
-    assert calibrate.load_profile(out)["other_processes_cores"] == 1.9
+    assert f"warning: other processes kept {said}" in err
+    assert calibrate.load_profile(out)["other_processes_cores"] == busy
 
 
 @pytest.mark.parametrize("at_end, warned", [(0.85, True), (1.15, True), (0.95, False), (None, False)])
@@ -602,3 +604,21 @@ def test_the_first_pipeline_rank_waits_while_the_others_compute():
     est = costs.estimate(costs.Workload(cfg, global_batch=16, precision="fp32"),
                          costs.Layout.named(pp=4, micro_batch=2, schedule="1f1b"), four)
     assert est["rank0_bubble_s"] == pytest.approx(est["bubble_s"] * four.bubble_speedup / (4 / 3))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_progress_says_1_thread_not_1_threads(monkeypatch):
+    """With a worker per core each measures on one thread: the spinner said "1 thread(s)"."""
+    steps = []
+
+    def stop(*args):
+        raise _Stop
+
+    monkeypatch.setattr(calibrate, "keep_large_blocks_in_the_heap", lambda: None)
+    monkeypatch.setattr(calibrate, "measure_matmul_flops", stop)
+    with pytest.raises(_Stop):
+        calibrate.measure_profile(calibrate.QUICK, steps.append)
+    assert steps == ["fp32 matmul, 1 thread"]

@@ -671,17 +671,19 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     """
     workers = cpu_cores()
     threads = cpu_cores() // workers
+    threads_text = f"{threads} thread{'s' if threads > 1 else ''}"  # one, with a worker per core
+    cores_text = f"{workers} core{'s' if workers > 1 else ''}"
     keep_large_blocks_in_the_heap()  # the engine's ranks do: time the work as they will run it
-    on_step(f"fp32 matmul, {threads} thread(s)")
+    on_step(f"fp32 matmul, {threads_text}")
     fp32 = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds)
-    on_step(f"bf16 matmul, {threads} thread(s)")
+    on_step(f"bf16 matmul, {threads_text}")
     bf16 = measure_matmul_flops(torch.bfloat16, threads, settings.matmul_size, settings.matmul_seconds)
     on_step("memory copy")
     memory_bw = measure_memory_bandwidth(threads, settings.copy_bytes, settings.copy_seconds)
-    on_step(f"attention (fp32 and bf16), {threads} thread(s)")
+    on_step(f"attention (fp32 and bf16), {threads_text}")
     attention_fp32 = measure_attention_flops(torch.float32, threads, seconds=settings.copy_seconds)
     attention_bf16 = measure_attention_flops(torch.bfloat16, threads, seconds=settings.copy_seconds)
-    on_step(f"memory-bound work of a 64-wide model, {threads} thread(s)")
+    on_step(f"memory-bound work of a 64-wide model, {threads_text}")
     # Interleaved rounds, quick or not: the fixed cost is the difference of timings, and short
     # or drifting ones leave it to noise (memory_bound_rounds).
     elementwise_bw, block_overhead, _ = memory_bound_rounds(threads, settings.matmul_size, attention_fp32, fp32,
@@ -689,13 +691,13 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     on_step(f"gloo all-reduce, {max(2, workers)} processes")
     gloo = measure_gloo(max(2, workers), settings.gloo_bytes, settings.gloo_reps, settings.gloo_timeout_s,
                         settings.curve_calls, settings.curve_rounds)
-    on_step(f"gloo collectives with 1, 2 and 4 processes per core, {workers} cores")
+    on_step(f"gloo collectives with 1, 2 and 4 processes per core, {cores_text}")
     waits = measure_oversubscribed_waits(workers, settings.wait_calls, settings.gloo_timeout_s)
-    on_step(f"a training step's compute alone, on every core, and with 2 and 4 processes per core, {workers} cores")
+    on_step(f"a training step's compute alone, on every core, and with 2 and 4 processes per core, {cores_text}")
     slowdown, shared_core = measure_shared_core_slowdown(workers, settings.shared_core_seconds,
                                                          settings.shared_core_rounds, settings.concurrent_rounds,
                                                          settings.gloo_timeout_s, settings.shared_core_warm_cpu_s)
-    on_step(f"fp32 matmul again, {threads} thread(s): did the machine's speed drift?")
+    on_step(f"fp32 matmul again, {threads_text}: did the machine's speed drift?")
     fp32_at_end = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds / 2)
     return {
         "name": "local",
@@ -848,6 +850,7 @@ def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, run
                    f"{profile['peak_flops_fp32_at_end'] / 1e9:,.1f} at the end, {drift:+.0%}): predictions from "
                    "this profile may be off by as much; run `threefold calibrate` again", err=True)
     if others.cores is not None and others.cores > BUSY_CORES * profile["gpus_per_node"]:
-        click.echo(f"warning: other processes kept {others.cores:.1f} of the {profile['gpus_per_node']} cores busy "
-                   f"while calibrate measured (fp32 matmul {profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s): the "
+        cores = profile["gpus_per_node"]
+        click.echo(f"warning: other processes kept {others.cores:.1f} of the {cores} core{'s' if cores > 1 else ''} "
+                   f"busy while calibrate measured (fp32 matmul {profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s): the "
                    "profile describes a busy machine; run `threefold calibrate` again when it is idle", err=True)
