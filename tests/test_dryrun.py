@@ -289,6 +289,8 @@ def test_values_read_from_fake_tensors_are_nan():
     (["--set", "parallel.tp=2", "--world-size", "2", "--rank", "2"], "--rank: 2 is outside a world of 2"),
     (["--set", "model.preset=llama3-9b", "--world-size", "1"], "model.preset: unknown preset 'llama3-9b'"),
     (["--set", "model.preset=gpt3-175b", "--world-size", "1"], "model.arch: 'gpt' is planner-only"),
+    (["--set", "model.preset=tiny-moe", "--set", "model.moe_capacity_factor=0.5", "--world-size", "1"],
+     "model.moe_capacity_factor: 0.5 drops tokens"),  # it had died in aten.bincount on fake tensors
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(["dryrun", *args]) == 2

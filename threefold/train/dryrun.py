@@ -87,6 +87,10 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         m = cfg.model
     if m.init_from:
         raise ConfigError("model.init_from: a dry run starts from the seed; it reads no weights")
+    if 0 < m.moe_capacity_factor < 1:  # which rows drop is a value, and fake tensors have none (nonzero's shape)
+        raise ConfigError(f"model.moe_capacity_factor: {m.moe_capacity_factor} drops tokens even of the dry run's "
+                          "round-robin routing, and fake tensors cannot say which; dry-run it at 1, which keeps every "
+                          "token: an upper bound of the memory and bytes")
     if cfg.microbatches > MAX_MICROBATCHES:
         t = cfg.train
         raise ConfigError(f"train.global_batch: {t.global_batch} sequences are {cfg.microbatches} micro-batches a step "
