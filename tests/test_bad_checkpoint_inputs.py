@@ -75,6 +75,7 @@ DAMAGES = {
     "sampler = 'x'": (lambda meta: dict(meta, sampler="x"), "has sampler='x'; expected an object with seed"),
     "sampler.step = -1": (lambda meta: dict(meta, sampler=dict(meta["sampler"], step=-1)),
                           "has sampler.step=-1; expected an integer of at least 0"),
+    "context = 0": (lambda meta: dict(meta, context=0), "has context=0; expected an integer of at least 1"),
 }
 
 

@@ -1,6 +1,8 @@
 """The single-process trainer end to end: metrics, checkpoints, exact resume, generation."""
 import importlib.util
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,7 +58,6 @@ def test_resume_is_bitwise_exact(tmp_path, corpus):
                  "train.checkpoint_every=3", "train.keep_checkpoints=2"), progress=False)
     # Keeps the last two: steps 6 and 8. Now resume from step 6 by deleting the last one.
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000006", "step_000008"]
-    import shutil
     shutil.rmtree(ckpt / "step_000008")
     resumed = train(config(tmp_path, corpus, "train.steps=8", f"train.checkpoint_dir={json.dumps(str(ckpt))}",
                            "train.resume=true"), progress=False)
@@ -202,14 +203,30 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, corpus, c
     train(config(tmp_path, corpus, "train.steps=3", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
     earlier = folder_contents(ckpt)
     train(config(tmp_path, corpus, "train.steps=2", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
-    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
-    assert "held an earlier run's checkpoints (latest step_000003): moved them to" in err
-    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002"]
+    err = capsys.readouterr().err
     (aside,) = ckpt.glob("earlier-*")
+    size = checkpoint.megabytes(checkpoint.folder_bytes(aside))
+    # one line: where they went, how large, and that they stay
+    assert (f"train.checkpoint_dir held an earlier run's checkpoints (latest step_000003): moved them to {aside} "
+            f"(1 checkpoint, {size}; nothing deletes it); train.resume=true continues a run instead"
+            ) in err.splitlines()
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002"]
     assert folder_contents(aside) == earlier  # nothing lost
-    empty = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'empty'))}"
-    train(config(tmp_path, corpus, "train.steps=1", empty, "train.resume=true"), progress=False)
-    assert "no checkpoint in" in " ".join(capsys.readouterr().err.split())
+    # each fresh start adds a folder: the line says what they all hold
+    train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
+    total = checkpoint.megabytes(sum(map(checkpoint.folder_bytes, ckpt.glob("earlier-*"))))
+    assert f"the 2 earlier-* folders there hold {total}, and nothing deletes them" in capsys.readouterr().err
+    # a resume that finds no checkpoint starts at 0, and says where a fresh start moved the earlier ones
+    shutil.rmtree(ckpt / "step_000001")
+    train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}",
+                 "train.resume=true"), progress=False)
+    latest = sorted(ckpt.glob("earlier-*"))[-1]
+    assert (f"no checkpoint in {ckpt} yet: starting at step 0 ({latest} holds an earlier run's checkpoints"
+            in capsys.readouterr().err)
+    shutil.rmtree(ckpt / "step_000001")
+    assert main(["generate", "--checkpoint", str(ckpt)]) == 2  # and so do generate, export, inspect
+    assert f"holds no threefold checkpoint (no step_*/trainer.json); an earlier run's are in {str(latest)!r}" in \
+        capsys.readouterr().err
 
 
 def test_no_progress_logs_a_line_every_log_every_steps(tmp_path, corpus, capsys):
@@ -218,3 +235,44 @@ def test_no_progress_logs_a_line_every_log_every_steps(tmp_path, corpus, capsys)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"]
     assert all(" loss " in line and " tok/s" in line for line in lines)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_save_says_so_in_one_line(tmp_path, corpus, capsys, background):
+    """A log (--no-progress, or off a terminal) shows every checkpoint: path, size, time."""
+    ckpt = tmp_path / "ckpt"
+    train(config(tmp_path, corpus, "train.steps=2", "train.checkpoint_every=1",
+                 f"train.checkpoint_dir={json.dumps(str(ckpt))}", f"train.async_checkpoint={str(background).lower()}"),
+          progress=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("saved checkpoint ")]
+    assert [line.split()[2] for line in lines] == [str(ckpt / "step_000001"), str(ckpt / "step_000002")]
+    size = checkpoint.megabytes(checkpoint.folder_bytes(ckpt / "step_000002"))
+    assert re.fullmatch(rf"saved checkpoint \S+ \({size}\) in [\d.]+ s" +
+                        (r", in the background \(training paused [\d.]+ s\)" if background else ""), lines[1]), lines[1]
+
+
+def test_a_fine_tune_keeps_the_context_of_the_model_it_starts_from(tmp_path, corpus):
+    """A run at seq_len 16 from a model made for 32 (a checkpoint, or its Hugging Face export)
+    trains at 16, and its checkpoints, resumed too, keep 32 for generate and export, as
+    transformers keeps max_position_embeddings."""
+    from threefold.interop.commands import export_checkpoint
+
+    dirs = {name: f"train.checkpoint_dir={json.dumps(str(tmp_path / name))}" for name in ("base", "tuned", "from-hf")}
+    train(config(tmp_path, corpus, "train.steps=1", dirs["base"]), progress=False)
+    export_checkpoint(tmp_path / "base", tmp_path / "hf")
+    for source, run in (("base", "tuned"), ("hf", "from-hf")):
+        train(config(tmp_path, corpus, "train.steps=1", "model.seq_len=16", dirs[run],
+                     f"model.init_from={json.dumps(str(tmp_path / source))}"), progress=False)
+        saved = checkpoint.resolve(tmp_path / run)
+        assert checkpoint.read_meta(saved)["config"]["model"]["seq_len"] == 16  # the sampler's, for a resume
+        assert checkpoint.read_model(saved)[0].seq_len == 32
+    train(config(tmp_path, corpus, "train.steps=2", "model.seq_len=16", dirs["tuned"], "train.resume=true"),
+          progress=False)
+    assert checkpoint.resolve(tmp_path / "tuned").name == "step_000002"
+    assert export_checkpoint(tmp_path / "tuned", tmp_path / "hf-tuned").seq_len == 32
+    assert json.loads((tmp_path / "hf-tuned" / "config.json").read_text())["max_position_embeddings"] == 32
+    # a run longer than what it starts from trains and keeps its own
+    train(config(tmp_path, corpus, "train.steps=1", "model.seq_len=48", dirs["base"],
+                 f"model.init_from={json.dumps(str(tmp_path / 'tuned'))}"), progress=False)
+    assert "context" not in checkpoint.read_meta(checkpoint.resolve(tmp_path / "base"))
+    assert checkpoint.read_model(checkpoint.resolve(tmp_path / "base"))[0].seq_len == 48

@@ -27,6 +27,7 @@ needed) stops the run on every rank with one line and removes the half-written f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import json
@@ -79,6 +80,32 @@ def move_aside(found: list[Path]) -> Path:
     return aside
 
 
+def aside_note(found: list[Path], aside: Path) -> str:
+    """What ``move_aside`` did, for the run's log: where the checkpoints went, how large they are
+    and, since nothing deletes these folders, what all of them there hold together."""
+    earlier = earlier_runs(aside.parent)
+    moved = f"{len(found)} checkpoint{'s' if len(found) > 1 else ''}, {megabytes(folder_bytes(aside))}"
+    if len(earlier) == 1:
+        return f"moved them to {aside} ({moved}; nothing deletes it)"
+    return (f"moved them to {aside} ({moved}); the {len(earlier)} earlier-* folders there hold "
+            f"{megabytes(sum(map(folder_bytes, earlier)))}, and nothing deletes them")
+
+
+def earlier_runs(root: str | Path) -> list[Path]:
+    """The ``earlier-*`` folders of ``root`` that move_aside made, oldest first."""
+    root = Path(root)
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("earlier-")) if root.is_dir() else []
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def megabytes(n: int) -> str:
+    """Decimal, as the docs count checkpoints: 48.0 MB is 48,000,000 bytes."""
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
 def check_root(root: str | Path) -> None:
     """Refuse a ``train.checkpoint_dir`` that is a file, or one checkpoint rather than their folder
     (saves would land inside it and a resume would not find it)."""
@@ -106,7 +133,9 @@ def resolve(path: str | Path) -> Path:
         read_meta(path)  # its trainer.json is missing: one line saying so
     latest = list_checkpoints(path)
     if not latest:
-        raise ConfigError(f"checkpoint: {str(path)!r} holds no threefold checkpoint (no step_*/trainer.json)")
+        earlier = earlier_runs(path)  # what a fresh run in this checkpoint_dir moved aside
+        hint = f"; an earlier run's are in {str(earlier[-1])!r}, name that folder" if earlier else ""
+        raise ConfigError(f"checkpoint: {str(path)!r} holds no threefold checkpoint (no step_*/trainer.json){hint}")
     return latest[-1]
 
 
@@ -138,6 +167,9 @@ def read_meta(path: Path) -> dict:
     for key in ("imported_from", *TOKENIZER_META_KEYS):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise ConfigError(f"checkpoint: {file} has {key}={meta[key]!r}; expected a string")
+    context = meta.get(CONTEXT_KEY)
+    if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
+        raise ConfigError(f"checkpoint: {file} has {CONTEXT_KEY}={context!r}; expected an integer of at least 1")
     if not meta.get("weights_only"):  # a training checkpoint: resuming reads where the sampler was
         _check_sampler(meta.get("sampler"), file)
     meta["config"] = _saved_config(meta, file)
@@ -203,6 +235,20 @@ def tokenizer_meta(meta: dict) -> dict:
     return {key: meta[key] for key in TOKENIZER_META_KEYS if meta.get(key) is not None}
 
 
+# A fine-tune trains at its own model.seq_len, often far shorter than the context its pretrained
+# model was made for (SmolLM2: 8,192). The checkpoint keeps that context apart, as transformers
+# keeps max_position_embeddings through a fine-tune; config.model.seq_len stays the training's,
+# which the sampler resumes with.
+CONTEXT_KEY = "context"
+
+
+def model_config(meta: dict) -> ModelConfig:
+    """The model a checkpoint holds, to use it (generate, export, init_from): its config, with the
+    context it keeps where that is longer than the sequences it was trained on."""
+    model = ModelConfig(**meta["config"]["model"])
+    return dataclasses.replace(model, seq_len=max(model.seq_len, meta.get(CONTEXT_KEY) or 0))
+
+
 def read_tokenizer(path: Path, meta: dict):
     """The checkpoint's tokenizer, with the end- and begin-of-text tokens and the chat template it
     was saved with."""
@@ -237,7 +283,8 @@ def _single_process_is_meant():
 def save(root: str | Path, step: int, engine, cfg: Config, sampler_state: dict, tokenizer=None,
          keep: int = 2, kept_meta: dict | None = None) -> Path | None:
     """Every rank calls this; rank 0 publishes the folder. Returns the folder on rank 0.
-    ``kept_meta``: tokenizer_meta of the checkpoint the run started from, saved again."""
+    ``kept_meta``: what the run keeps of the model it started from (tokenizer_meta, CONTEXT_KEY),
+    saved again."""
     tmp = _begin(root, step, engine)
     meta = _meta(step, engine, cfg, sampler_state, kept_meta)
     final = _write_and_publish(root, step, tmp, _this_ranks_shards(engine), meta, engine, tokenizer, keep, group=None)
@@ -252,8 +299,10 @@ class Checkpointer:
     whose DCP collectives run over a process group of their own so that they never interleave
     with the training's. One save is in flight at a time: the next waits for it."""
 
-    def __init__(self, engine, asynchronous: bool = False, timeout_s: float = 300.0, kept_meta: dict | None = None):
+    def __init__(self, engine, asynchronous: bool = False, timeout_s: float = 300.0, kept_meta: dict | None = None,
+                 say=None):
         self.engine, self.asynchronous, self.kept_meta = engine, asynchronous, kept_meta
+        self.say = say  # rank 0's log: one line per published checkpoint (a bar or --no-progress alike)
         self.group = None
         if asynchronous and not _no_dist():  # collective: every rank creates it, at the same point
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -263,15 +312,31 @@ class Checkpointer:
     def save(self, root, step: int, cfg: Config, sampler_state: dict, tokenizer=None, keep: int = 2):
         """Returns the published folder (rank 0, foreground) or the folder it will become."""
         if not self.asynchronous:
-            return save(root, step, self.engine, cfg, sampler_state, tokenizer, keep, self.kept_meta)
-        self.wait()
+            began = time.perf_counter()
+            final = save(root, step, self.engine, cfg, sampler_state, tokenizer, keep, self.kept_meta)
+            self._said(final, time.perf_counter() - began)
+            return final
+        stopped = time.perf_counter()
+        self.wait()  # the training waits for the save in flight too
+        began = time.perf_counter()
         tmp = _begin(root, step, self.engine)
         snapshot = [Shard(s.name, s.full_shape, s.offsets, s.tensor.to("cpu", copy=True))
                     for s in _this_ranks_shards(self.engine)]
         meta = _meta(step, self.engine, cfg, sampler_state, self.kept_meta)
-        self.pending = self.executor.submit(_write_and_publish, root, step, tmp, snapshot, meta, self.engine,
-                                            tokenizer, keep, self.group)
+        self.pending = self.executor.submit(self._in_background, began, time.perf_counter() - stopped, root, step,
+                                            tmp, snapshot, meta, self.engine, tokenizer, keep, self.group)
         return step_dir(root, step) if self.engine.is_main else None
+
+    def _in_background(self, began: float, paused: float, *write_and_publish) -> Path | None:
+        final = _write_and_publish(*write_and_publish)
+        self._said(final, time.perf_counter() - began, paused)
+        return final
+
+    def _said(self, final: Path | None, seconds: float, paused: float | None = None) -> None:
+        """``saved checkpoint runs/x/step_000100 (12.3 MB) in 0.41 s``, on rank 0, once it is published."""
+        if final is not None and self.say is not None:
+            background = f", in the background (training paused {paused:.2f} s)" if paused is not None else ""
+            self.say(f"saved checkpoint {final} ({megabytes(folder_bytes(final))}) in {seconds:.2f} s{background}")
 
     def wait(self) -> None:
         """Until the save in flight is complete (and published, on rank 0); raises its error."""
@@ -557,7 +622,7 @@ def read_model(path: Path):
     alone (export, generate)."""
     from threefold.models.llama import Llama
 
-    model_cfg = ModelConfig(**read_meta(path)["config"]["model"])
+    model_cfg = model_config(read_meta(path))
     model = Llama(model_cfg)
     _read(path, _by_name(_whole_weights(model)), no_dist=True)
     return model_cfg, model.state_dict()
@@ -567,7 +632,7 @@ def piece_reader(path: Path):
     """(the checkpoint's ModelConfig, a reader of pieces of its weights): each request, our key →
     (placement, local shape), is read as that box of the saved tensor, whatever layout saved it
     (DCP reads the stored pieces that overlap it, nothing else)."""
-    model_cfg = ModelConfig(**read_meta(path)["config"]["model"])
+    model_cfg = model_config(read_meta(path))
 
     def read(requests: dict[str, tuple[Placement, tuple]]) -> dict[str, torch.Tensor]:
         pieces = {key: torch.zeros(shape) for key, (_, shape) in requests.items()}  # padding stays zero

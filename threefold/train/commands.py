@@ -191,7 +191,7 @@ def inspect(checkpoint_path, key, as_json):
                   + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""))
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
     for file, info in summary["files"].items():
-        size = "missing" if info["bytes"] is None else f"{info['bytes'] / 2**20:.2f}"
+        size = "missing" if info["bytes"] is None else f"{info['bytes'] / 1e6:.2f}"  # decimal, as the docs count
         table.add_row(file, file.split("_")[2], size, str(info["pieces"]))
     console.print(table)
     if key:

@@ -96,19 +96,43 @@ def _check_tokenizers(cfg: Config, tokenizer, resumed) -> None:
             checkpoint.check_tokenizer(path, tokenizer, "model.init_from")
 
 
+def _started_from(cfg: Config, resumed) -> Path | None:
+    """The checkpoint resumed, or else the one model.init_from names (None: none, or a Hugging Face folder)."""
+    from threefold.interop.hf import init_from_checkpoint
+
+    return resumed or (init_from_checkpoint(cfg.model.init_from) if cfg.model.init_from else None)
+
+
 def _tokenizer_meta_to_keep(cfg: Config, resumed) -> dict:
     """What the checkpoint resumed, or else model.init_from, records of its tokenizer beyond
     tokenizer.json (checkpoint.tokenizer_meta; a Hugging Face folder's tokenizer_config.json):
     an imported chat model's turn-ending token and template, which this run's checkpoints keep."""
-    from threefold.interop.hf import chat_settings, init_from_checkpoint
+    from threefold.interop.hf import chat_settings
 
-    source = resumed or (init_from_checkpoint(cfg.model.init_from) if cfg.model.init_from else None)
+    source = _started_from(cfg, resumed)
     if source is not None:
         return checkpoint.tokenizer_meta(checkpoint.read_meta(source))
     if not cfg.model.init_from:
         return {}
     eos, template, bos = chat_settings(Path(cfg.model.init_from))
     return checkpoint.tokenizer_meta({"eos_token": eos, "bos_token": bos, "chat_template": template})
+
+
+def _context_to_keep(cfg: Config, resumed) -> dict:
+    """The context of the model the run resumed or started from (checkpoint.CONTEXT_KEY; a Hugging
+    Face folder's max_position_embeddings) where it is longer than this run's model.seq_len: a
+    fine-tune at sequence 64 of a model made for 8,192 saves 8,192 for generate and export."""
+    from threefold.interop.hf import CONFIG, model_config_from_hf, read_json
+
+    source = _started_from(cfg, resumed)
+    if source is not None:
+        context = checkpoint.model_config(checkpoint.read_meta(source)).seq_len
+    elif cfg.model.init_from:
+        folder = Path(cfg.model.init_from)
+        context = model_config_from_hf(read_json(folder / CONFIG), str(folder)).seq_len
+    else:
+        return {}
+    return {checkpoint.CONTEXT_KEY: context} if context > cfg.model.seq_len else {}
 
 
 @contextlib.contextmanager
@@ -154,13 +178,15 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
         aside = checkpoint.move_aside(found)
-        console.print(f"[yellow]train.checkpoint_dir held an earlier run's checkpoints (latest {found[-1].name}): "
-                      f"moved them to {aside}; train.resume=true continues a run instead")
+        console.print(f"train.checkpoint_dir held an earlier run's checkpoints (latest {found[-1].name}): "
+                      f"{checkpoint.aside_note(found, aside)}; train.resume=true continues a run instead",
+                      style="yellow", markup=False, highlight=False, soft_wrap=True)
     set_threads(cfg)
     keep_large_blocks_in_the_heap()
     torch.manual_seed(cfg.train.seed)
     dataset = prepare_dataset(cfg.data, cfg.model.seq_len, progress=progress and _is_main_process())
-    _check_tokenizers(cfg, dataset.tokenizer, found[-1] if resuming and found else None)
+    resumed = found[-1] if resuming and found else None
+    _check_tokenizers(cfg, dataset.tokenizer, resumed)
     cfg = resolve_vocab(cfg, dataset.tokenizer.vocab_size)
     t = cfg.train
 
@@ -201,10 +227,16 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                 console.print(f"resumed from {found[-1]} at step {start}{moved}", markup=False, highlight=False,
                               soft_wrap=True)  # one line, whatever the terminal's width
         elif main:
-            console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0")
+            earlier = checkpoint.earlier_runs(t.checkpoint_dir)  # a fresh start moved the run meant here aside?
+            hint = (f" ({earlier[-1]} holds an earlier run's checkpoints: move its step_* folders back to resume "
+                    "them)" if earlier else "")
+            console.print(f"no checkpoint in {t.checkpoint_dir} yet: starting at step 0{hint}", markup=False,
+                          highlight=False, soft_wrap=True)
 
+    say = (lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)) if main else None
     checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s,
-                                           _tokenizer_meta_to_keep(cfg, found[-1] if resuming and found else None))
+                                           {**_tokenizer_meta_to_keep(cfg, resumed), **_context_to_keep(cfg, resumed)},
+                                           say)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, resume_step=start)
     if main:
