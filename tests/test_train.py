@@ -212,6 +212,14 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, corpus, c
             ) in err.splitlines()
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002"]
     assert folder_contents(aside) == earlier  # nothing lost
+    # a fine-tune of the checkpoint it would move aside is refused, and moves nothing
+    from threefold.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.init_from: '.*step_000002' is a checkpoint of this run's "
+                                          r"train.checkpoint_dir, which a run that does not resume moves aside"):
+        train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}",
+                     f"model.init_from={json.dumps(str(ckpt))}"), progress=False)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step_000002"] and len(list(ckpt.glob("e*"))) == 1
     # each fresh start adds a folder: the line says what they all hold
     train(config(tmp_path, corpus, "train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}"), progress=False)
     total = checkpoint.megabytes(sum(map(checkpoint.folder_bytes, ckpt.glob("earlier-*"))))

@@ -10,7 +10,8 @@ A checkpoint is a folder ``<checkpoint_dir>/step_000120/`` holding
                              state, "rng/rank<r>"
     tokenizer.json           the tokenizer, so ``threefold generate`` needs nothing else
     trainer.json             step, Adam's step count, sampler state, config and the layout
-                             that saved it; written last
+                             that saved it, and what the run keeps of the model it started
+                             from (tokenizer settings, context); written last
 
 Every rank saves the pieces it holds (``Engine.checkpoint_shards``, views into its live
 states; DCP writes a piece held by several replicas once). Loading on another layout, each

@@ -135,6 +135,18 @@ def _context_to_keep(cfg: Config, resumed) -> dict:
     return {checkpoint.CONTEXT_KEY: context} if context > cfg.model.seq_len else {}
 
 
+def _check_init_from_stays(cfg: Config, found: list[Path]) -> None:
+    """Refuse a fresh run whose model.init_from is one of the checkpoints in its checkpoint_dir:
+    rank 0 moves them aside (checkpoint.move_aside) while the ranks would read it."""
+    from threefold.interop.hf import init_from_checkpoint
+
+    source = init_from_checkpoint(cfg.model.init_from)
+    if source is not None and source.resolve() in {path.resolve() for path in found}:
+        raise ConfigError(f"model.init_from: {str(source)!r} is a checkpoint of this run's train.checkpoint_dir, "
+                          "which a run that does not resume moves aside before it starts; give the new run a "
+                          "checkpoint_dir of its own (or set train.resume=true to continue that run)")
+
+
 @contextlib.contextmanager
 def _said_by_rank_0():
     """A refusal every rank reaches alike: rank 0 says it in one line, the others exit 2 quietly."""
@@ -174,6 +186,9 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                 console.print(f"train.steps = {t.steps}: {found[-1]} is at step {saved_step}, so nothing is left to "
                               "train (raise train.steps to go on)", markup=False, highlight=False, soft_wrap=True)
             return TrainResult()
+    if found and not resuming and cfg.model.init_from:
+        with _said_by_rank_0():
+            _check_init_from_stays(cfg, found)
     if found and not resuming and _is_main_process():
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
