@@ -86,17 +86,21 @@ def test_sequence_parallel_at_tp_1_is_predicted_as_the_engine_runs_it():
 def test_trains_memory_check_is_the_dry_runs_fullest_rank():
     """``threefold train`` refuses a run that will not fit by this model (train/preflight.py). It
     had scaled the planner's activations by dtype, 17.5 GiB where the dry run measures 29.8 for
-    llama3-8b dp2·cp4 bf16; now it is the fullest stage's measured bytes, plus the sampler's ids."""
-    from threefold.train.preflight import INPUT_BYTES_PER_TOKEN, rank_memory
+    llama3-8b dp2·cp4 bf16; now it is the fullest stage's measured bytes and its backward's working
+    set, plus the sampler's ids and the process itself."""
+    from threefold.train.preflight import INPUT_BYTES_PER_TOKEN, rank_memory, working_bytes
 
     cfg = dry_run_config(load(["model.preset=tiny", "model.vocab_size=512", "model.seq_len=64", "parallel.pp=2",
                                "parallel.cp=2", "parallel.dp=2", "parallel.zero=1", "train.dtype=bfloat16",
                                "train.global_batch=8", "train.micro_batch=1"]), 8)
-    measured = [dry_run_rank(cfg, rank)["memory"] for rank in (0, 7)]  # the first and the last stage
-    totals = [sum(memory[k] for k in ("params", "grads", "optimizer", "activations")) for memory in measured]
+    totals = []
+    for rank in (0, 7):  # the first and the last stage, whose backward also holds the loss's softmax
+        measured = dry_run_rank(cfg, rank)["memory"]
+        totals.append(sum(measured[k] for k in ("params", "grads", "optimizer", "activations"))
+                      + working_bytes(cfg, last_stage=rank == 7))
     assert totals[0] != totals[1]  # the stages differ: the fuller one counts
-    need = rank_memory(cfg)
-    assert need.pop("batch") == 8 // 2 * 64 * INPUT_BYTES_PER_TOKEN
+    need = rank_memory(cfg, process_bytes=1e6)
+    assert need.pop("batch") == 8 // 2 * 64 * INPUT_BYTES_PER_TOKEN and need.pop("process") == 1e6
     assert sum(need.values()) == max(totals)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import shutil
 import subprocess
 import time
@@ -17,6 +18,9 @@ from threefold.parallel.layout import check_layout
 
 GiB = 2**30
 SLOW_STEP_S = 60.0  # warn up front when one step is predicted to take longer than this
+# Peak RSS of one-process CPU runs over the engine's memory model (working set and process
+# included): 1.09–1.49× on the tiny model (docs/training.md); glibc's heap keeps what a step frees
+CPU_ALLOCATOR_SLACK = 1.5
 INPUT_BYTES_PER_TOKEN = 3 * 8  # the sampler's int64 windows, inputs and targets of this rank's rows
 
 
@@ -43,7 +47,7 @@ def check_run(cfg: Config, warn=print) -> None:
     find_corpus(cfg.data.corpus, cfg.data.allow_binary)
     vocab = cfg.model.vocab_size or tokenizer_vocab(cfg)
     sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    check_memory(sized)
+    check_memory(sized, warn)
     slow = slow_step_warning(sized)
     if slow:
         warn(slow)
@@ -91,18 +95,62 @@ def tokenizer_vocab(cfg: Config) -> int:
 
 
 # --- memory ------------------------------------------------------------------------------------
-def rank_memory(cfg: Config) -> dict[str, float]:
-    """Bytes the fullest rank needs, by the engine's own memory model (plan/dryrun_predict.py, which
-    ``threefold dryrun`` holds to the bytes the engine allocates: fp32 states, the activations of
-    the run's dtype and schedule), plus the sampler's batch of token ids. Under pp the stages
-    differ: the rank whose stage needs the most counts."""
-    from threefold.plan.dryrun_predict import predict_rank
+def rank_memory(cfg: Config, process_bytes: float | None = None) -> dict[str, float]:
+    """Bytes the fullest rank needs at its peak: what the engine keeps (plan/dryrun_predict.py,
+    which ``threefold dryrun`` holds to the bytes the engine allocates: fp32 states, the saved
+    activations of the run's dtype and schedule), the backward's working set beside them
+    (``working_bytes``), the sampler's batch of token ids, and the process itself
+    (``process_bytes``; default: this process's resident memory, torch imported, on CPUs, and
+    costs.RESERVED_BYTES on CUDA). Under pp the stages differ: the rank whose stage needs the
+    most counts."""
+    from threefold.plan.dryrun_predict import predict_rank, rank_share
 
     p, t = cfg.parallel, cfg.train
-    stages = [predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"] for pp_rank in range(p.pp)]
+    stages = []
+    for pp_rank in range(p.pp):
+        memory = predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"]
+        memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank).last_stage)
+        stages.append(memory)
     parts = max(stages, key=lambda memory: sum(memory.values()))
     parts["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
+    parts["process"] = process_memory() if process_bytes is None else process_bytes
     return {k: float(v) for k, v in parts.items()}
+
+
+def working_bytes(cfg: Config, last_stage: bool) -> float:
+    """What the backward allocates beside the saved activations, for one micro-batch: the
+    gradients of one block's activations as it runs (twice that under full recomputation, which
+    first rebuilds them), and on the stage with the head the loss's fp32 softmax and its
+    gradient, each the size of the logits. (Peak RSS of CPU runs still sits above the whole
+    model: CPU_ALLOCATOR_SLACK.)"""
+    from threefold.plan import costs
+
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    tokens = t.micro_batch * model.seq_len // p.cp
+    act_bytes, _ = costs.ENGINE_BYTES[t.dtype]
+    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel and p.tp > 1, "none",
+                                         dtype_bytes=act_bytes)
+    if model.moe_experts:
+        block += costs.moe_activation_bytes(model, tokens, p.tp, p.sequence_parallel and p.tp > 1, "none", act_bytes)
+    block *= 2 if t.recompute == "full" else 1
+    loss = 2 * tokens * 4 * -(-model.vocab_size // p.tp) if last_stage else 0
+    return float(block + loss)
+
+
+def process_memory() -> float:
+    """What a rank's process holds before the model: on CUDA the planner's reserve (context,
+    NCCL and cuBLAS workspaces), on CPUs this process's resident memory, torch imported, as
+    a rank's will be."""
+    import torch
+
+    from threefold.plan import costs
+
+    if torch.cuda.is_available():
+        return float(costs.RESERVED_BYTES)
+    try:
+        return float(int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def available_memory() -> tuple[float, int, str] | None:
@@ -129,20 +177,28 @@ def available_memory() -> tuple[float, int, str] | None:
     return None
 
 
-def check_memory(cfg: Config) -> None:
-    """Refuse, in one line with the numbers, a run whose ranks would not fit in memory."""
+def check_memory(cfg: Config, warn=print) -> None:
+    """Refuse, in one line with the numbers, a run whose ranks would not fit in memory; ``warn``
+    when they fit by the model but not with the slack CPU runs showed beyond it."""
     found = available_memory()
     if found is None:
         return
     available, sharing, where = found
     world = cfg.parallel.world_size
     ranks = world if sharing == 0 else sharing  # on one machine's RAM, every rank of it counts
-    need = rank_memory(cfg)
-    if ranks * sum(need.values()) <= available:
+    slack = CPU_ALLOCATOR_SLACK if sharing == 0 else 1.0  # on CUDA costs.RESERVED_BYTES is the slack
+    process = process_memory()
+    need = rank_memory(cfg, process)
+    together = ranks * sum(need.values())
+    total = f", {ranks} ranks {together / GiB:,.1f} GiB together" if ranks > 1 else ""
+    if together <= available:
+        if together * slack > available:
+            warn(f"warning: memory: each rank needs about {sum(need.values()) / GiB:,.1f} GiB by the engine's memory "
+                 f"model{total}, and runs on CPUs have peaked up to {slack}× their model: {available / GiB:.1f} GiB "
+                 f"are {where}, so the run may be stopped for memory")
         return
     parts = ", ".join(f"{k} {v / GiB:,.1f}" for k, v in need.items())
-    total = f", {ranks} ranks {ranks * sum(need.values()) / GiB:,.1f} GiB together" if ranks > 1 else ""
-    fit = fitting_layout(cfg, available / ranks)
+    fit = fitting_layout(cfg, available / ranks / slack, process)
     advice = (f"a layout that fits: --set {fit}" if fit else
               f"no layout on {world} rank{'s' if world > 1 else ''} fits, not even with ZeRO-3, full recomputation "
               "and micro_batch 1: use a smaller model or more memory")
@@ -150,9 +206,10 @@ def check_memory(cfg: Config) -> None:
                       f"engine's memory model){total}, but {available / GiB:.1f} GiB are {where}; {advice}")
 
 
-def fitting_layout(cfg: Config, budget: float) -> str | None:
-    """The layout of the same number of ranks that fits in ``budget`` bytes a rank and changes the
-    fewest keys of the run's (then needs the least memory), as ``key=value`` overrides."""
+def fitting_layout(cfg: Config, budget: float, process_bytes: float = 0.0) -> str | None:
+    """The layout of the same number of ranks that fits in ``budget`` bytes a rank (its process
+    ``process_bytes`` of them) and changes the fewest keys of the run's (then needs the least
+    memory), as ``key=value`` overrides."""
     p, t = cfg.parallel, cfg.train
     world = p.world_size // p.cp  # the run's cp stays: the search spreads the other ranks
     current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch,
@@ -169,7 +226,7 @@ def fitting_layout(cfg: Config, budget: float) -> str | None:
             if candidate is None:
                 continue
             change["dp_shard"] = candidate.parallel.dp_shard
-            need = sum(rank_memory(candidate).values())
+            need = sum(rank_memory(candidate, process_bytes).values())
             if need > budget:
                 continue
             key = (sum(change[k] != current[k] for k in change), need)
