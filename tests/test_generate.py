@@ -172,3 +172,76 @@ def test_smollm2_chat_answers_and_stops(tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
     back = read_hf_folder(tmp_path / "hf")[2]
     assert (back.eos, back.bos, back.chat_template) == ("<|im_end|>", "<|im_start|>", meta["chat_template"])
+
+
+# --- greedy decoding, top-k and top-p --------------------------------------------------------------
+@torch.no_grad()
+def lively_model(seed: int) -> Llama:
+    """Matrices large enough that greedy decoding does not repeat one token (as a fresh init's does)."""
+    model, gen = tiny_model(seed), torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0, 0.3, generator=gen)
+    return model
+
+
+def test_greedy_takes_the_argmax_of_the_logits_at_every_step():
+    """Temperature 0, checked against the model's own logits recomputed from scratch each step
+    (no cache), past seq_len = 48 where the window slides; no generator, nor its state, matters."""
+    model = lively_model(1)
+    prompt = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    greedy = model.generate(prompt, 32, temperature=0)
+    expected = prompt
+    with torch.no_grad():
+        for _ in range(32):
+            expected = torch.cat([expected, model(expected[:, -CFG.seq_len:])[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(greedy, expected)
+    for seed in (0, 7):
+        assert torch.equal(model.generate(prompt, 32, temperature=0, generator=torch.Generator().manual_seed(seed),
+                                          top_k=3, top_p=0.5), greedy)
+    assert len(set(greedy[0, 20:].tolist())) > 10  # not one token repeated: the test would prove little
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
+    model = lively_model(2)
+    prompt = torch.randint(0, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    greedy = model.generate(prompt, 20, temperature=0)
+    assert not torch.equal(model.generate(prompt, 20, temperature=1.5, generator=torch.Generator().manual_seed(0)),
+                           greedy)  # sampling differs, unless cut to the one most likely token:
+    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
+        sampled = model.generate(prompt, 20, temperature=1.5, top_k=top_k, top_p=top_p,
+                                 generator=torch.Generator().manual_seed(0))
+        assert torch.equal(sampled, greedy), (top_k, top_p)
+
+
+def test_sampling_probs_keep_the_top_k_then_the_nucleus():
+    from threefold.models.llama import sampling_probs
+
+    probs = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]])
+    logits = probs.log()
+    assert torch.allclose(sampling_probs(logits), probs)
+    assert torch.allclose(sampling_probs(logits, top_k=2), torch.tensor([[0, 4 / 7, 0, 3 / 7, 0]]))
+    # 0.4 + 0.3 = 0.7 reaches 0.7: the nucleus is those two; 0.71 needs the third, 0.15
+    assert torch.allclose(sampling_probs(logits, top_p=0.7), torch.tensor([[0, 4 / 7, 0, 3 / 7, 0]]))
+    assert torch.allclose(sampling_probs(logits, top_p=0.71), torch.tensor([[0, 0.4, 0, 0.3, 0.15]]) / 0.85)
+    assert torch.allclose(sampling_probs(logits, top_k=2, top_p=0.5), torch.tensor([[0.0, 1, 0, 0, 0]]))
+
+
+def test_generate_greedy_is_temperature_0_and_refuses_bad_sampling_values(trained, capsys):
+    root, _ = trained
+    run = ["generate", "--checkpoint", str(root / "ckpt"), "--tokens", "12"]
+    outputs = []
+    for extra in (["--greedy"], ["--greedy", "--seed", "5", "--top-k", "3"], ["--temperature", "0"],
+                  ["--top-k", "1", "--seed", "9"]):
+        assert main(run + extra) == 0
+        outputs.append(capsys.readouterr().out)
+    assert len(set(outputs)) == 1, outputs
+    assert main(run + ["--top-p", "0.9", "--top-k", "0", "--temperature", "1.2"]) == 0
+    capsys.readouterr()
+    for extra, message in ((["--top-k", "-1"], "--top-k"), (["--temperature", "-0.5"], "--temperature"),
+                           (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+                           (["--top-p", "nan"], "--top-p: must be a finite number"),
+                           (["--greedy", "--temperature", "0.7"], "--greedy: is --temperature 0")):
+        assert main(run + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

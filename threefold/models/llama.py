@@ -297,9 +297,15 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 50, generator: torch.Generator | None = None, eos_id: int | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+                 use_cache: bool = True, top_p: float = 1.0) -> torch.Tensor:
         """Sample up to ``new_tokens`` continuations of ``tokens`` (batch, seq), one at a time;
         stop early once every row has produced ``eos_id`` (kept as its last token).
+
+        ``temperature`` 0 is greedy decoding: each step takes the most likely token (the first,
+        on a tie), and ``top_k``, ``top_p`` and ``generator`` play no part. Otherwise the logits
+        are divided by ``temperature``, cut to the ``top_k`` most likely tokens (0 or None: all)
+        and then to the smallest set whose probability reaches ``top_p`` (1: all), as transformers'
+        warpers do, in that order.
 
         With ``use_cache`` each step feeds only the new token and reuses the keys and values of
         the earlier ones; once the context outgrows ``seq_len``, the window slides and is computed
@@ -314,17 +320,33 @@ class Llama(nn.Module):
                     cache = KVCache(len(self.blocks))
                 logits = self(tokens[:, fed:], cache=cache)
                 fed = tokens.shape[1]
-            logits = logits[:, -1, :].float() / max(temperature, 1e-5)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                chosen = logits.argmax(dim=-1, keepdim=True)
+            else:
+                chosen = torch.multinomial(sampling_probs(logits / temperature, top_k, top_p), 1, generator=generator)
+            tokens = torch.cat([tokens, chosen], dim=1)
             if eos_id is not None:
                 done |= tokens[:, -1] == eos_id
                 if bool(done.all()):
                     break
         return tokens
+
+
+def sampling_probs(logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax of (batch, vocab) ``logits`` over the ``top_k`` most likely tokens (0 or None: all;
+    ties at the k-th are kept), then over the smallest set of the most likely whose probability
+    reaches ``top_p`` (the most likely one always stays)."""
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # the probability of the tokens more likely than each
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)  # back in vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

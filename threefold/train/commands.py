@@ -78,7 +78,7 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
 
 # What ``threefold generate`` accepts: the window slides past the model's context, so --tokens is
 # bounded by time only (100,000 tokens take minutes on a CPU); a temperature of 100 already
-# samples the top 50 tokens about uniformly; a seed is bounded as train.seed is (63 bits).
+# samples the top-k tokens about uniformly; a seed is bounded as train.seed is (63 bits).
 MAX_NEW_TOKENS = 100_000
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
@@ -106,17 +106,33 @@ def _default_run(cfg) -> str:
               help="Text the sample continues (with --chat, the user's message).")
 @click.option("--tokens", "new_tokens", default=200, show_default=True, type=click.IntRange(1, MAX_NEW_TOKENS),
               help=f"Tokens to sample after the prompt (at most {MAX_NEW_TOKENS:,}).")
-@click.option("--temperature", default=0.8, show_default=True,
-              type=click.FloatRange(0.0, MAX_TEMPERATURE, min_open=True),
-              help=f"Above 0, at most {MAX_TEMPERATURE:g} (hotter is already uniform over the top 50 tokens).")
+@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(0.0, MAX_TEMPERATURE),
+              help=f"0 to {MAX_TEMPERATURE:g}; 0 is greedy decoding (hotter than {MAX_TEMPERATURE:g} is already "
+                   "uniform over the top-k tokens).")
+@click.option("--greedy", is_flag=True,
+              help="Take the most likely token at each step, the same as --temperature 0 (--top-k, --top-p and "
+                   "--seed then play no part).")
+@click.option("--top-k", default=50, show_default=True, type=click.IntRange(0), metavar="K",
+              help="Sample among the K most likely tokens only; 0: all of them.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True), metavar="P",
+              help="Then among the fewest most likely tokens whose probability reaches P (nucleus sampling); "
+                   "1: all of them.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED),
               help="Of the sampler: 0 to 2**63 - 1, as train.seed.")
 @click.option("--chat", is_flag=True, help="Put the prompt in the model's chat template (a chat model's checkpoint "
                                            "carries one) and print only the reply.")
-def generate(checkpoint_path, prompt, new_tokens, temperature, seed, chat):
-    """Generate text from a checkpoint; stops at the tokenizer's end-of-text token."""
-    if not math.isfinite(temperature):  # click's range lets NaN through: no comparison holds for it
-        raise ConfigError(f"--temperature: must be a finite number, got {temperature}")
+def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, top_p, seed, chat):
+    """Generate text from a checkpoint, sampled (temperature, top-k, top-p) or greedy; stops at the
+    tokenizer's end-of-text token."""
+    for name, value in (("--temperature", temperature), ("--top-p", top_p)):
+        if not math.isfinite(value):  # click's range lets NaN through: no comparison holds for it
+            raise ConfigError(f"{name}: must be a finite number, got {value}")
+    if greedy:
+        given = click.get_current_context().get_parameter_source("temperature") != click.core.ParameterSource.DEFAULT
+        if given and temperature != 0:
+            raise ConfigError(f"--greedy: is --temperature 0; --temperature {temperature:g} samples instead "
+                              "(give one of the two)")
+        temperature = 0.0
     import torch
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
@@ -132,7 +148,7 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, seed, chat):
     model.load_state_dict(state)
     click.echo(f"loaded {checkpoint.describe(path, meta)}", err=True)
     torch.set_num_threads(os.cpu_count() or 1)
-    click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat))
+    click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat, top_k, top_p))
 
 
 @click.command()

@@ -346,14 +346,15 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
 
 
 def sample_text(model: Llama, tokenizer, prompt: str, new_tokens: int, seed: int, temperature: float = 0.8,
-                chat: bool = False) -> str:
-    """The prompt and up to ``new_tokens`` sampled after it, ending before the tokenizer's end of
-    text. ``chat``: the prompt is put in the model's chat template, and only the reply returned."""
+                chat: bool = False, top_k: int | None = 50, top_p: float = 1.0) -> str:
+    """The prompt and up to ``new_tokens`` sampled after it (``Llama.generate``: temperature 0 is
+    greedy), ending before the tokenizer's end of text. ``chat``: the prompt is put in the model's
+    chat template, and only the reply returned."""
     text = tokenizer.chat(prompt) if chat else prompt
     ids = tokenizer.encode(text) or [tokenizer.eos_id]
     generator = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, generator=generator,
-                         eos_id=tokenizer.eos_id)[0].tolist()
+    out = model.generate(torch.tensor([ids]), new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         generator=generator, eos_id=tokenizer.eos_id)[0].tolist()
     if out[-1] == tokenizer.eos_id and len(out) > len(ids):
         out = out[:-1]
     return tokenizer.decode(out[len(ids):] if chat else out)
