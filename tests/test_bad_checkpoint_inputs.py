@@ -100,8 +100,8 @@ def test_an_intact_checkpoint_is_still_read(workspace, capsys):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--temperature", "nan"], "--temperature: must be a finite number, got nan"),
-    (["--temperature", "inf"], "'--temperature': inf is not in the range 0.0<x<=100.0"),
-    (["--temperature", "1e308"], "'--temperature': 1e+308 is not in the range 0.0<x<=100.0"),
+    (["--temperature", "inf"], "'--temperature': inf is not in the range 0.0<=x<=100.0"),  # 0: greedy
+    (["--temperature", "1e308"], "'--temperature': 1e+308 is not in the range 0.0<=x<=100.0"),
     (["--seed", str(10**30)], f"'--seed': {10**30} is not in the range 0<=x<={2**63 - 1}"),
     (["--seed", "-1"], "'--seed': -1 is not in the range"),
     (["--seed", str(2**63)], f"'--seed': {2**63} is not in the range"),
@@ -300,6 +300,16 @@ def test_data_prepare_refuses_nonsense(workspace, tmp_path, capsys, monkeypatch,
                             "--cache-dir", str(tmp_path / "cache"), *flags])
     assert line.startswith(needle), line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_says_1_process_and_1_step(workspace, capsys):
+    from threefold.train.commands import _default_run
+
+    line = refused(capsys, ["train", "--nproc", "1", *sum((["--set", s] for s in sets(workspace)), []),
+                            "--set", "parallel.dp=2"])
+    assert line == "error: --nproc: 1 process does not match the layout dp×tp×pp×cp = 2×1×1×1 = 2"
+    assert _default_run(load_config(None, ["model.layers=1", "train.steps=1"])).startswith("a model of 1 layer and ")
+    assert _default_run(load_config(None, ["model.layers=1", "train.steps=1"])).endswith(" for 1 step")
 
 
 def test_train_without_a_config_says_what_it_trains(capsys, monkeypatch):

@@ -92,6 +92,27 @@ def test_cli_refuses_in_one_line(workspace, sets, needle):
     assert_refused(workspace, sets, needle)
 
 
+def test_a_fresh_run_from_its_own_checkpoint_is_refused_before_the_ranks_start(workspace, monkeypatch, capsys):
+    """A run that does not resume moves its checkpoint_dir's checkpoints aside: model.init_from
+    naming one of them is the trainer's one line, said by the preflight, so that no rank starts."""
+    from threefold.cli import main
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr("threefold.distributed.launch.relaunch", launched)
+    before = snapshot(workspace)
+    ckpt = json.dumps(str(workspace / "ckpt"))
+    sets = base(workspace) + [f"train.checkpoint_dir={ckpt}", f"model.init_from={ckpt}", "parallel.dp=2"]
+    assert main(["train", "--no-progress", *sum((["--set", s] for s in sets), [])]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: model.init_from: {str(workspace / 'ckpt' / 'step_000001')!r} is a checkpoint of this "
+                     "run's train.checkpoint_dir, which a run that does not resume moves aside before it starts; "
+                     "give the new run a checkpoint_dir of its own (or set train.resume=true to continue that run)"]
+    assert snapshot(workspace) == before
+    check_run(load_config(None, sets + ["train.resume=true"]))  # resuming it is another matter
+
+
 def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monkeypatch):
     monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (1.2 * 2**30, 0, "available here"))
     monkeypatch.setattr("threefold.train.preflight.process_memory", lambda: 0.2 * 2**30)  # a rank's, not pytest's

@@ -1,11 +1,14 @@
 """The single-process trainer end to end: metrics, checkpoints, exact resume, generation."""
 import importlib.util
+import io
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from rich.control import strip_control_codes
 
 from threefold.cli import main
 from threefold.configure import load_config
@@ -237,6 +240,57 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, corpus, c
         capsys.readouterr().err
 
 
+def test_a_fresh_run_removes_an_earlier_runs_unfinished_saves(tmp_path, corpus, capsys):
+    """A crash mid-save leaves step_*.tmp: never a checkpoint, so a fresh run neither keeps it
+    beside its own checkpoints nor moves it aside with the earlier run's, but removes it, in one line."""
+    ckpt = tmp_path / "ckpt"
+    sets = ("train.steps=1", f"train.checkpoint_dir={json.dumps(str(ckpt))}")
+    train(config(tmp_path, corpus, *sets), progress=False)
+    for step in (4, 12):  # what two crashed saves leave
+        (ckpt / f"step_{step:06d}.tmp").mkdir()
+        (ckpt / f"step_{step:06d}.tmp" / "__0_0.distcp").write_bytes(b"x" * 500_000)
+    capsys.readouterr()
+    train(config(tmp_path, corpus, *sets), progress=False)
+    err = capsys.readouterr().err.splitlines()
+    assert ("train.checkpoint_dir held 2 unfinished saves of an earlier run (step_000004.tmp, step_000012.tmp; "
+            "1.0 MB; no command reads them): removed them") in err
+    (aside,) = ckpt.glob("earlier-*")
+    assert sorted(p.name for p in ckpt.iterdir()) == [aside.name, "step_000001"]
+    assert [p.name for p in aside.iterdir()] == ["step_000001"]
+    # alone, one is removed too, and no earlier-* folder is made for it
+    shutil.rmtree(ckpt / "step_000001")
+    (ckpt / "step_000003.tmp").mkdir()
+    train(config(tmp_path, corpus, *sets), progress=False)
+    assert ("train.checkpoint_dir held an unfinished save of an earlier run (step_000003.tmp, 0.0 MB; no command "
+            "reads it): removed it") in capsys.readouterr().err.splitlines()
+    assert sorted(p.name for p in ckpt.iterdir()) == [aside.name, "step_000001"]
+
+
+def test_status_lines_are_one_line_off_a_terminal(tmp_path, corpus):
+    """A log is not a terminal: rich would wrap at 80 columns what the run says in one line."""
+    log = Console(file=io.StringIO(), width=80)
+    prompt = "ROMEO: " + "and so " * 12  # 90 characters
+    result = train(config(tmp_path, corpus, "train.steps=1", "train.eval_every=1", "train.eval_batches=1",
+                          "train.sample_tokens=4", f"train.sample_prompt={json.dumps(prompt)}"),
+                   progress=False, console=log)
+    lines = log.file.getvalue().splitlines()
+    (model,) = [line for line in lines if line.startswith("model: ")]
+    assert model.endswith(" nats/token") and len(model) > 80
+    assert any(line.startswith("step 1: train loss ") and "validation loss" in line for line in lines)
+    assert strip_control_codes(result.sample) in log.file.getvalue()  # unwrapped (rich drops a bell, a CR)
+
+
+def test_a_count_of_one_is_singular(tmp_path, corpus, capsys):
+    """'1 layer' in the model's line, '1 rank' where a resume on parallel.dp = "auto" says its layout."""
+    ckpt = f"train.checkpoint_dir={json.dumps(str(tmp_path / 'ckpt'))}"
+    train(config(tmp_path, corpus, "model.layers=1", "train.steps=1", ckpt), progress=False)
+    assert ", 1 layer, hidden 64; data: " in capsys.readouterr().err
+    train(config(tmp_path, corpus, "model.layers=1", "train.steps=2", ckpt, "train.resume=true", 'parallel.dp="auto"',
+                 "parallel.zero=1"), progress=False)
+    assert ('(saved on dp=1 tp=1 pp=1 zero=0, resharded to dp=1 tp=1 pp=1 zero=1; parallel.dp = "auto" on 1 rank)'
+            in capsys.readouterr().err)
+
+
 def test_no_progress_logs_a_line_every_log_every_steps(tmp_path, corpus, capsys):
     """Without the bar (--no-progress, as in a batch job's log), the step's figures every log_every steps."""
     train(config(tmp_path, corpus, "train.steps=4", "train.log_every=2"), progress=False)
@@ -259,21 +313,38 @@ def test_each_save_says_so_in_one_line(tmp_path, corpus, capsys, background):
                         (r", in the background \(training paused [\d.]+ s\)" if background else ""), lines[1]), lines[1]
 
 
-def test_a_fine_tune_keeps_the_context_of_the_model_it_starts_from(tmp_path, corpus):
+def test_a_fine_tune_keeps_the_context_of_the_model_it_starts_from(tmp_path, corpus, capsys):
     """A run at seq_len 16 from a model made for 32 (a checkpoint, or its Hugging Face export)
     trains at 16, and its checkpoints, resumed too, keep 32 for generate and export, as
-    transformers keeps max_position_embeddings."""
+    transformers keeps max_position_embeddings; its sample is generate's, and inspect shows both."""
     from threefold.interop.commands import export_checkpoint
 
     dirs = {name: f"train.checkpoint_dir={json.dumps(str(tmp_path / name))}" for name in ("base", "tuned", "from-hf")}
     train(config(tmp_path, corpus, "train.steps=1", dirs["base"]), progress=False)
     export_checkpoint(tmp_path / "base", tmp_path / "hf")
+    results = {}
     for source, run in (("base", "tuned"), ("hf", "from-hf")):
-        train(config(tmp_path, corpus, "train.steps=1", "model.seq_len=16", dirs[run],
-                     f"model.init_from={json.dumps(str(tmp_path / source))}"), progress=False)
+        log = Console(file=io.StringIO(), width=80)  # off a terminal
+        sample = ("train.sample_tokens=24",) if run == "tuned" else ()
+        results[run] = train(config(tmp_path, corpus, "train.steps=1", "model.seq_len=16", dirs[run], *sample,
+                                    f"model.init_from={json.dumps(str(tmp_path / source))}"), progress=False,
+                             console=log)
         saved = checkpoint.resolve(tmp_path / run)
         assert checkpoint.read_meta(saved)["config"]["model"]["seq_len"] == 16  # the sampler's, for a resume
         assert checkpoint.read_model(saved)[0].seq_len == 32
+        assert f"model.init_from: loaded {tmp_path / source}" in log.file.getvalue()  # one line, however long
+    # the sample at the end is the one generate prints: its window is the context kept, 32, not 16
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "tuned"), "--tokens", "24", "--seed", "1234"]) == 0
+    assert capsys.readouterr().out == results["tuned"].sample + "\n"
+    # inspect shows the length it trained at and the context it keeps
+    assert main(["inspect", str(tmp_path / "tuned"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["seq_len"], shown["context"]) == (16, 32)
+    assert main(["inspect", str(tmp_path / "tuned")]) == 0
+    assert ", seq_len 16 (context 32); saved by 1 rank," in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "base")]) == 0
+    assert ", seq_len 32; saved by 1 rank," in capsys.readouterr().out
     train(config(tmp_path, corpus, "train.steps=2", "model.seq_len=16", dirs["tuned"], "train.resume=true"),
           progress=False)
     assert checkpoint.resolve(tmp_path / "tuned").name == "step_000002"

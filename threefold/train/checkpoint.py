@@ -68,6 +68,34 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def tmp_dir(root: str | Path, step: int) -> Path:
+    """Where the ranks write the checkpoint of ``step`` before rank 0 renames it to ``step_dir``."""
+    return step_dir(root, step).with_name(f"{step_dir(root, step).name}.tmp")
+
+
+def unfinished_saves(root: str | Path) -> list[Path]:
+    """The ``step_*.tmp`` folders under ``root``: saves cut short (a crash, a kill) before rank 0
+    published them, which no command reads. A resume writes over one when it saves that step again."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name.endswith(".tmp")
+             and p.name[5:-4].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:-4]))
+
+
+def remove_unfinished(found: list[Path]) -> str:
+    """Remove an earlier run's unfinished saves (a run that does not resume never saves into them,
+    and move_aside keeps checkpoints only); what went, for the run's log."""
+    size = megabytes(sum(map(folder_bytes, found)))
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    names = ", ".join(path.name for path in found)
+    if len(found) == 1:
+        return f"an unfinished save of an earlier run ({names}, {size}; no command reads it): removed it"
+    return f"{len(found)} unfinished saves of an earlier run ({names}; {size}; no command reads them): removed them"
+
+
 def move_aside(found: list[Path]) -> Path:
     """Move checkpoints of an earlier run into ``earlier-<time>/`` of their folder, where
     ``list_checkpoints`` does not look; returns that folder."""
@@ -356,7 +384,7 @@ class Checkpointer:
 
 def _begin(root, step: int, engine) -> Path:
     """The temporary folder the ranks write into (rank 0 makes it empty first)."""
-    tmp = step_dir(root, step).with_name(step_dir(root, step).name + ".tmp")
+    tmp = tmp_dir(root, step)
     if engine.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -41,7 +41,8 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
             resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
             p = resolved.parallel
             if nproc is not None and nproc != p.world_size:
-                raise ConfigError(f"--nproc: {nproc} processes do not match the layout dp×tp×pp×cp = "
+                raise ConfigError(f"--nproc: {nproc} process{'es' if nproc != 1 else ''} {'does' if nproc == 1 else 'do'} not match "
+                                  "the layout dp×tp×pp×cp = "
                                   f"{p.dp}×{p.tp}×{p.pp}×{p.cp} = {p.world_size}")
             from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
 
@@ -95,8 +96,8 @@ def _check_metrics_file(metrics_file: str) -> None:
 def _default_run(cfg) -> str:
     """The defaults' run in a few words: model, corpus and steps."""
     m = cfg.model
-    return (f"a model of {m.layers} layers and hidden {m.hidden} on the corpus {cfg.data.corpus!r} for "
-            f"{cfg.train.steps} steps")
+    return (f"a model of {m.layers} layer{'s' if m.layers != 1 else ''} and hidden {m.hidden} on the corpus {cfg.data.corpus!r} for "
+            f"{cfg.train.steps} step{'s' if cfg.train.steps != 1 else ''}")
 
 
 @click.command()
@@ -185,9 +186,11 @@ def inspect(checkpoint_path, key, as_json):
             raise ConfigError(f"--tensor: {str(path)!r} holds no tensor {key!r} ({hint})")
         stored = {n: stored[n] for n in names}
     parallel = meta["config"]["parallel"]
+    trained_at, context = meta["config"]["model"]["seq_len"], checkpoint.model_config(meta).seq_len
     files = Counter(piece["file"] for info in stored.values() for piece in info["pieces"])
     summary = {"checkpoint": str(path), "step": meta["step"], "adam_step": meta.get("adam_step"),
                "weights_only": bool(meta.get("weights_only")), "world_size": meta["world_size"],
+               "seq_len": trained_at, "context": context,  # a fine-tune's seq_len, and the longer context it kept
                "layout": {k: parallel.get(k, 0) for k in ("dp", "tp", "pp", "zero", "sequence_parallel", "dp_shard")},
                "parameters": sum(prod(i["shape"]) for n, i in stored.items() if n.startswith("model/")),
                "files": {f: {"bytes": _size(path / f), "pieces": n} for f, n in sorted(files.items())},
@@ -202,9 +205,11 @@ def inspect(checkpoint_path, key, as_json):
     console.print(f"[bold]{path}[/bold]: step {summary['step']}"
                   + (" (weights only)" if summary["weights_only"] else
                      f", Adam step {summary['adam_step']:.0f}" if summary["adam_step"] is not None else "")
-                  + f"; saved by {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''}, dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} "
-                  f"zero={layout['zero']}{' SP' if layout['sequence_parallel'] else ''}"
-                  + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""))
+                  + f", seq_len {trained_at}" + (f" (context {context})" if context != trained_at else "")
+                  + f"; saved by {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''}, "
+                  f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} zero={layout['zero']}"
+                  + (" SP" if layout["sequence_parallel"] else "")
+                  + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""), soft_wrap=True)  # a log's too
     table = Table("file", "rank", "MB", "pieces" + (f" of {key}" if key else ""))
     for file, info in summary["files"].items():
         size = "missing" if info["bytes"] is None else f"{info['bytes'] / 1e6:.2f}"  # decimal, as the docs count
@@ -218,8 +223,9 @@ def inspect(checkpoint_path, key, as_json):
                 table.add_row(str(piece["rank"]), str(tuple(piece["offsets"])), str(tuple(piece["sizes"])))
             console.print(table)
     else:
-        console.print(f"{summary['parameters']:,} parameters in {sum(n.startswith('model/') for n in stored)} tensors; "
-                      "--tensor KEY lists one tensor's pieces")
+        tensors = f"{sum(n.startswith('model/') for n in stored)} tensors"
+        console.print(f"{summary['parameters']:,} parameters in {tensors}; --tensor KEY lists one tensor's pieces",
+                      soft_wrap=True)
     if summary["damage"]:
         problem = summary["damage"].removeprefix("checkpoint: ")
         console.print(f"[bold red]damaged[/bold red]: {problem}", highlight=False, soft_wrap=True)

@@ -1,7 +1,8 @@
 """What ``threefold train`` checks before any process starts: every input it can refuse in one
 line (a planner-only model, a checkpoint_dir that is one checkpoint, a damaged checkpoint to
-resume, a corpus that is not text, a file that is not a tokenizer), and whether the run fits in
-this machine's memory, by the engine's memory model, with a layout that would fit when it does not.
+resume, an init_from the run would move aside, a corpus that is not text, a file that is not a
+tokenizer), and whether the run fits in this machine's memory, by the engine's memory model, with
+a layout that would fit when it does not.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def check_run(cfg: Config, warn=print) -> None:
             if problem:
                 raise ConfigError(problem)
     check_init_from(cfg.model.init_from)
+    if t.checkpoint_dir and not t.resume and found:
+        check_init_from_stays(cfg.model.init_from, found)  # else every rank would start, and rank 0 refuse it
     cache = Path(cfg.data.cache_dir)
     if cache.exists() and not cache.is_dir():
         raise ConfigError(f"data.cache_dir: {str(cache)!r} is a file, not a folder")
@@ -81,6 +84,22 @@ def check_init_from(source: str | None) -> None:
     if not ((path / "trainer.json").is_file() or checkpoint.list_checkpoints(path) or (path / "config.json").is_file()):
         raise ConfigError(f"model.init_from: {source!r} holds neither a threefold checkpoint (trainer.json, step_*/) "
                           "nor a Hugging Face model (config.json)")
+
+
+def check_init_from_stays(source: str | None, found: list[Path]) -> None:
+    """Refuse a fresh run whose ``model.init_from`` is one of ``found``, the checkpoints of its own
+    checkpoint_dir: a run that does not resume moves them aside (checkpoint.move_aside, rank 0)
+    while its ranks would read it. Checked here before any rank starts, and by the trainer (under
+    torchrun or SLURM no preflight runs)."""
+    if source is None:
+        return
+    from threefold.interop.hf import init_from_checkpoint
+
+    start = init_from_checkpoint(source)
+    if start is not None and start.resolve() in {path.resolve() for path in found}:
+        raise ConfigError(f"model.init_from: {str(start)!r} is a checkpoint of this run's train.checkpoint_dir, "
+                          "which a run that does not resume moves aside before it starts; give the new run a "
+                          "checkpoint_dir of its own (or set train.resume=true to continue that run)")
 
 
 def tokenizer_vocab(cfg: Config) -> int:

@@ -24,6 +24,7 @@ from threefold.models.llama import Llama
 from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
 from threefold.train.metrics import ActivationMeter, MetricsWriter, least_exposed
+from threefold.train.preflight import check_init_from_stays
 
 
 class TrainingError(RuntimeError):
@@ -135,18 +136,6 @@ def _context_to_keep(cfg: Config, resumed) -> dict:
     return {checkpoint.CONTEXT_KEY: context} if context > cfg.model.seq_len else {}
 
 
-def _check_init_from_stays(cfg: Config, found: list[Path]) -> None:
-    """Refuse a fresh run whose model.init_from is one of the checkpoints in its checkpoint_dir:
-    rank 0 moves them aside (checkpoint.move_aside) while the ranks would read it."""
-    from threefold.interop.hf import init_from_checkpoint
-
-    source = init_from_checkpoint(cfg.model.init_from)
-    if source is not None and source.resolve() in {path.resolve() for path in found}:
-        raise ConfigError(f"model.init_from: {str(source)!r} is a checkpoint of this run's train.checkpoint_dir, "
-                          "which a run that does not resume moves aside before it starts; give the new run a "
-                          "checkpoint_dir of its own (or set train.resume=true to continue that run)")
-
-
 @contextlib.contextmanager
 def _said_by_rank_0():
     """A refusal every rank reaches alike: rank 0 says it in one line, the others exit 2 quietly."""
@@ -188,7 +177,11 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             return TrainResult()
     if found and not resuming and cfg.model.init_from:
         with _said_by_rank_0():
-            _check_init_from_stays(cfg, found)
+            check_init_from_stays(cfg.model.init_from, found)  # the preflight's refusal, for torchrun's ranks
+    unfinished = checkpoint.unfinished_saves(t.checkpoint_dir) if t.checkpoint_dir and not resuming else []
+    if unfinished and _is_main_process():  # a crash mid-save left them: not checkpoints, nothing to keep
+        console.print(f"train.checkpoint_dir held {checkpoint.remove_unfinished(unfinished)}", style="yellow",
+                      markup=False, highlight=False, soft_wrap=True)
     if found and not resuming and _is_main_process():
         # Left there, an earlier run's higher steps would outrank this run's checkpoints: keep_checkpoints
         # would delete the new ones and a resume would pick the old. Moved aside, nothing is lost.
@@ -217,7 +210,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         from threefold.interop.hf import describe_init_from
 
         console.print(f"model.init_from: loaded {describe_init_from(cfg.model.init_from)}", markup=False,
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     engine.activation_meter = ActivationMeter(engine.parameter_storages)
     main = engine.is_main
     sampler = BatchSampler(dataset.train_tokens, cfg.model.seq_len, t.global_batch, t.seed)
@@ -234,10 +227,10 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
             start = meta["step"]
             if main and cfg.model.init_from:
                 console.print("model.init_from: its weights are replaced by the checkpoint the run resumes from",
-                              markup=False, highlight=False)
+                              markup=False, highlight=False, soft_wrap=True)
             if main:
                 saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
-                derived = f"; parallel.dp = \"auto\" on {engine.world_size} ranks" if auto_dp else ""
+                derived = f"; parallel.dp = \"auto\" on {engine.world_size} rank{'s' if engine.world_size != 1 else ''}" if auto_dp else ""
                 moved = f" (saved on {saved}, resharded to {now}{derived})" if saved != now else ""
                 console.print(f"resumed from {found[-1]} at step {start}{moved}", markup=False, highlight=False,
                               soft_wrap=True)  # one line, whatever the terminal's width
@@ -249,15 +242,15 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                           highlight=False, soft_wrap=True)
 
     say = (lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)) if main else None
-    checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s,
-                                           {**_tokenizer_meta_to_keep(cfg, resumed), **_context_to_keep(cfg, resumed)},
-                                           say)
+    kept_meta = {**_tokenizer_meta_to_keep(cfg, resumed), **_context_to_keep(cfg, resumed)}
+    checkpointer = checkpoint.Checkpointer(engine, t.async_checkpoint, cfg.parallel.timeout_s, kept_meta, say)
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, resume_step=start)
-    if main:
-        console.print(f"model: {n_params / 1e6:.2f}M parameters, {cfg.model.layers} layers, hidden {cfg.model.hidden}; "
-                      f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
-                      f"unigram entropy {result.unigram_entropy:.3f} nats/token")
+    if main:  # a status line is one line, in a log too (rich wraps at 80 columns off a terminal)
+        layers = f"{cfg.model.layers} layer{'s' if cfg.model.layers != 1 else ''}"
+        say(f"model: {n_params / 1e6:.2f}M parameters, {layers}, hidden {cfg.model.hidden}; "
+            f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
+            f"unigram entropy {result.unigram_entropy:.3f} nats/token")
         if engine.stage_split():
             console.print(f"pipeline stages: {engine.stage_split()}", markup=False, highlight=False, soft_wrap=True)
     tokens_per_step = t.global_batch * cfg.model.seq_len
@@ -309,7 +302,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                 if main:
                     balance = f", max/mean tokens per expert {record['moe']['max_over_mean']:.2f}" if moe else ""
                     bar.console.print(f"step {step + 1}: train loss {loss:.4f}, validation loss "
-                                      f"{record['val_loss']:.4f}{balance}")
+                                      f"{record['val_loss']:.4f}{balance}", markup=False, highlight=False,
+                                      soft_wrap=True)
             writer.write(record)
             bar.update(task, completed=step + 1, loss=loss, tps=record["tokens_per_s"])
             if main and not progress and (step + 1) % t.log_every == 0:  # the bar's line, for logs (--no-progress)
@@ -336,11 +330,15 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     writer.close()
     result.seconds = time.perf_counter() - began
     if t.sample_tokens and result.stopped_at is None:
-        plain = engine.plain_model()  # a collective under ZeRO-3: every rank takes part
+        state = engine.model_state_dict()  # a collective under ZeRO-3: every rank takes part
         if main:
-            result.sample = sample_text(plain, dataset.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
+            # the model `threefold generate` reads from this run's checkpoint: a fine-tune's window is
+            # the context it keeps, not its shorter seq_len, so the sample is the one generate prints
+            plain = Llama(checkpoint.model_config({"config": cfg.to_dict(), **kept_meta})).to(engine.device)
+            plain.load_state_dict(state)
+            result.sample = sample_text(plain.eval(), dataset.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
             console.rule("sample")
-            console.print(result.sample, markup=False, highlight=False)
+            console.print(result.sample, markup=False, highlight=False, soft_wrap=True)  # as generate prints it
     engine.shutdown()
     return result
 
