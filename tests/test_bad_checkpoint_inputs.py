@@ -216,7 +216,7 @@ def test_gguf_metadata_of_the_wrong_type_is_one_line(tmp_path, capsys, change, n
     ({"tokenizer__ggml__merges": ["ab"]}, "tokenizer.ggml.merges holds 'ab'; expected two tokens and one space"),
     ({"tokenizer__ggml__merges": ["a c"]}, "holds 'a c'; expected two tokens and one space, each token and their "
                                            "join in the vocabulary"),  # the BPE builder panicked
-    ({"tokenizer__ggml__token_type": [1]}, "has 3 tokens but 1 token types"),
+    ({"tokenizer__ggml__token_type": [1]}, "has 3 tokens but 1 token type"),
     ({"tokenizer__ggml__eos_token_id": 7}, "tokenizer.ggml.eos_token_id is 7, outside its 3 tokens"),
 ])
 def test_a_gguf_tokenizer_that_cannot_be_built_is_one_line(tmp_path, change, needle):

@@ -280,7 +280,7 @@ def test_compare_refuses_a_config_of_another_pipeline(tmp_path, capsys, monkeypa
     code = cli.main(["compare", "--config", str(RUNS / "pp-1f1b.toml"), "--metrics-file", str(RUNS / "pp-1f1b.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "was written by another layout: its pipeline had pp=2 with 1 chunk(s) a rank, this config pp=4" in err
+    assert "was written by another layout: its pipeline had pp=2 with 1 chunk a rank, this config pp=4" in err
 
 
 def test_targets_of_another_vocabulary_are_read_apart_from_the_fit(tmp_path):

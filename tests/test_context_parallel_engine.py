@@ -70,7 +70,7 @@ def test_eval_loss_is_the_whole_sequences_mean(distributed, layout):
     (["parallel.cp=3", "model.seq_len=32"], r"^parallel\.cp: the zigzag split cuts model\.seq_len=32 into 2·cp = 6"),
     (["parallel.cp=4", "model.seq_len=36"], r"^parallel\.cp: .* 36 is not divisible by 8"),
     (["parallel.cp=2", "parallel.cp_method=ulysses", "model.heads=8", "model.kv_heads=1"],
-     r"^parallel\.cp_method: ulysses splits each rank's 8 heads and 1 key/value heads"),
+     r"^parallel\.cp_method: ulysses splits each rank's 8 heads and 1 key/value head "),
     (["parallel.cp=2", "parallel.tp=4", "parallel.cp_method=ulysses", "model.heads=8", "model.kv_heads=4"],
      r"^parallel\.cp_method: ulysses .* \(after tp=4\) over cp=2"),
     (["parallel.cp=2", "parallel.cp_method=tree"], r"^parallel\.cp_method: must be one of ring, allgather, ulysses"),

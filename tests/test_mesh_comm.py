@@ -225,7 +225,7 @@ def test_in_a_group_of_one_an_out_of_place_op_copies_its_input():
         assert torch.equal(out, torch.arange(6.0)), op.__name__
     assert comm.ledger.take() == {}  # nothing crossed a process boundary
     with pytest.raises(ValueError, match=r"^all_to_all over 'dp\+cp': input_split_sizes \[2, 4\] must have 1 "
-                                         r"entries summing to the input's 6 rows$"):
+                                         r"entry summing to the input's 6 rows$"):
         comm.all_to_all(torch.zeros(6), torch.zeros(6), ("dp", "cp"), input_split_sizes=[2, 4])
 
 

@@ -230,7 +230,7 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     assert report["mean_measured_idle"] == pytest.approx(report["measured_idle"]) and report["mean_steps"] == 1
     assert main(["schedule", "--from-metrics", str(metrics)]) == 0
     printed = capsys.readouterr().out
-    assert "over 1 step(s) after the first" in printed and "replayed at each action's measured time" in printed
+    assert "over 1 step after the first" in printed and "replayed at each action's measured time" in printed
     one = tmp_path / "one.jsonl"  # a run of one step: its only timeline pays the warm-up, and says so
     one.write_text(json.dumps({"step": 1, "timeline": timeline}) + "\n")
     assert main(["schedule", "--from-metrics", str(one)]) == 0
@@ -239,7 +239,7 @@ def test_schedule_from_metrics_draws_the_measured_timeline(distributed, tmp_path
     resumed.write_text("".join(json.dumps(record) + "\n" for record in records + [
         {"step": 2, "timeline": timeline, "warmup": True}, {"step": 3, "timeline": timeline}]))
     assert main(["schedule", "--from-metrics", str(resumed)]) == 0
-    assert "over 2 step(s), without each of its 2 launches' first" in capsys.readouterr().out
+    assert "over 2 steps, without each of its 2 launches' first" in capsys.readouterr().out
     assert all(0 <= idle < 1 for idle in report["mean_replayed_idle"])
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
@@ -315,12 +315,12 @@ def test_fewer_microbatches_than_stages_warns_with_the_bubble(distributed):
     assert "2 micro-batches for 4 pipeline ranks; 1f1b is predicted to idle 60% of the time" in warning
 
 
-def run_warning() -> str:
+def run_warning(pp: int = 4, m: int = 2) -> str:
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = new_engine(make_config(4, 2))
+        engine = new_engine(make_config(pp, m))
     engine.shutdown()
     return " ".join(str(w.message) for w in caught)
 

@@ -225,7 +225,7 @@ MIXTRAL_FLAGS = ["--model", "mixtral-8x7b", "--global-batch", "256", "--gpu", "h
     (["--dp", "4", "--ep", "0"], "--ep: must be a positive integer, got 0"),
     (["--dp", "4", "--moe-top-k", "9"], "--moe-top-k: must be between 1 and --moe-experts 8, got 9"),
     (["--tp", "8", "--cp", "2", "--cp-method", "ulysses"], "--cp-method ulysses: --cp 2 does not divide the 1 "
-                                                          "key/value heads of one tp rank"),
+                                                          "key/value head of one tp rank"),
     (["--cp", "3", "--seq-len", "4100"], "--cp: 3 does not divide half the sequence, 4100/2"),
 ])
 def test_bad_moe_and_cp_input_is_one_line_and_exit_2(capsys, args, message):

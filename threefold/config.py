@@ -125,7 +125,7 @@ class ModelConfig:
             raise ConfigError(f"model.moe_ffn: must be positive, got {self.moe_ffn}")
         if self.moe_first_dense >= self.layers:
             raise ConfigError(f"model.moe_first_dense: {self.moe_first_dense} leaves no MoE layer among the "
-                              f"{self.layers} layers")
+                              f"{self.layers} layer{'s' if self.layers != 1 else ''}")
         if self.moe_router not in ("softmax", "sigmoid"):
             raise ConfigError(f"model.moe_router: must be 'softmax' or 'sigmoid', got {self.moe_router!r}")
         for key in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate", "moe_router_z_loss_coef"):
@@ -383,7 +383,8 @@ class Config:
         if p.dp != AUTO:
             return self
         if world % p.ranks_per_replica:
-            raise ConfigError(f'parallel.dp: "auto" on {world} processes: not divisible by tp×pp×cp = '
+            processes = f"{world} process{'es' if world != 1 else ''}"  # config is a leaf: no threefold.words
+            raise ConfigError(f'parallel.dp: "auto" on {processes}: not divisible by tp×pp×cp = '
                               f"{p.tp}×{p.pp}×{p.cp} = {p.ranks_per_replica}")
         parallel = dataclasses.replace(p, dp=world // p.ranks_per_replica)
         return dataclasses.replace(self, parallel=parallel).validate()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from threefold.config import ConfigError
+from threefold.words import plural
 
 
 class BatchSampler:
@@ -26,7 +27,7 @@ class BatchSampler:
         if seed < 0:
             raise ConfigError(f"train.seed: must not be negative, got {seed}")
         if len(tokens) < seq_len + 1:
-            raise ConfigError(f"data.corpus: {len(tokens)} training tokens, fewer than seq_len + 1 = {seq_len + 1}")
+            raise ConfigError(f"data.corpus: {plural(len(tokens), 'training token')}, fewer than seq_len + 1 = {seq_len + 1}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -95,7 +96,7 @@ def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> tuple[to
     """(inputs, targets) of ``count`` fixed windows whose starts are spread evenly over the
     validation split: they depend on the split, ``seq_len`` and ``count`` alone, never on the layout."""
     if len(tokens) < seq_len + 1:
-        raise ConfigError(f"data.corpus: {len(tokens)} validation tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(f"data.corpus: {plural(len(tokens), 'validation token')}, fewer than seq_len + 1 = {seq_len + 1}")
     starts = np.linspace(0, len(tokens) - seq_len - 1, count).round().astype(np.int64)
     return _windows(tokens, starts, seq_len)
 

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Tr
 from threefold.config import ConfigError, DataConfig
 from threefold.data.corpus import Corpus, find_corpus
 from threefold.data.tokenizer import Tokenizer, gpt2_tokenizer, load_tokenizer, save_tokenizer, train_bpe
+from threefold.words import plural
 
 FORMAT_VERSION = 1  # bump when the text cleaning, tokenizer training or file layout changes
 # Documents are encoded in groups of about GROUP_CHARS characters (the unit of progress), each cut
@@ -69,7 +70,7 @@ def prepare_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = True) -
     for split in ("train", "val"):
         if meta[f"{split}_tokens"] < seq_len + 1:
             raise ConfigError(
-                f"data.corpus: {data_cfg.corpus!r} gives {meta[f'{split}_tokens']} {split} tokens, fewer than one "
+                f"data.corpus: {data_cfg.corpus!r} gives {plural(meta[f'{split}_tokens'], f'{split} token')}, fewer than one "
                 f"sequence of model.seq_len + 1 = {seq_len + 1}; use a larger corpus or a smaller seq_len")
     dtype = np.dtype(meta["dtype"])
     return Dataset(

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor  # a dry run's tensors
 
 from threefold.distributed.mesh import ParallelMesh
+from threefold.words import agree, plural
 
 ROLL_CALL_S = 5.0  # after a failed collective, how long survivors wait for each other to check in
 
@@ -207,7 +208,7 @@ class Comm:
             rows = tensor.shape[0] if tensor.dim() else 1
             if splits is not None and (len(splits) != n or sum(splits) != rows):
                 raise ValueError(f"all_to_all over {self.mesh.label(*axes)!r}: {name}_split_sizes {list(splits)} "
-                                 f"must have {n} entries summing to the {name}'s {rows} rows")
+                                 f"must have {plural(n, 'entry', 'entries')} summing to the {name}'s {plural(rows, 'row')}")
         if input_split_sizes is None:
             sent = ring_bytes("all_to_all", _nbytes(input), n)
         else:
@@ -288,7 +289,7 @@ class Comm:
             return ""
         if not missing:
             return "; every rank of the group reached it"
-        return (f"; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of the group "
+        return (f"; {agree(len(missing), 'rank')} {', '.join(map(str, missing))} of the group "
                 f"{list(record.group)} did not reach it (dead, or stuck elsewhere)")
 
     def _run(self, op: str, axis: Axes, tag: str | None, nbytes: int, async_op: bool, call,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.config import ConfigError, ParallelConfig
+from threefold.words import plural
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # the config's axes, outermost first
 GRID = ("pp", "dpr", "dps", "ep", "cp", "tp")  # the grid's dimensions in this order: dp is dpr × dps × ep
@@ -122,7 +123,8 @@ class ParallelMesh:
         if world != parallel.world_size:
             p = parallel
             raise ConfigError(f"parallel: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
-                              f"{p.world_size} ranks, but {world} processes are running")
+                              f"{plural(p.world_size, 'rank')}, but {plural(world, 'process')} "
+                              f"{'is' if world == 1 else 'are'} running")
         rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(mesh_sizes(parallel), rank, parallel.timeout_s, device=device, owns_process_group=owns)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from threefold.config import Config, ConfigError, ModelConfig, check_output_path
+from threefold.words import plural
 
 
 def check_out(out: str | Path) -> None:
@@ -154,10 +155,10 @@ def describe(cfg: ModelConfig) -> str:
     from threefold.models.sizes import moe_parameter_counts
 
     total, active = moe_parameter_counts(cfg)
-    experts = (f", {cfg.moe_experts} experts of {cfg.moe_ffn_hidden} (top-{cfg.moe_top_k_experts}, "
+    experts = (f", {plural(cfg.moe_experts, 'expert')} of {cfg.moe_ffn_hidden} (top-{cfg.moe_top_k_experts}, "
                f"{active / 1e6:.1f}M active)" if cfg.moe_experts else "")
-    return (f"{total / 1e6:.1f}M parameters: {cfg.layers} layers, hidden {cfg.hidden}, "
-            f"{cfg.heads} heads ({cfg.n_kv_heads} kv), ffn {cfg.ffn_hidden}{experts}, vocabulary {cfg.vocab_size}, "
+    return (f"{total / 1e6:.1f}M parameters: {plural(cfg.layers, 'layer')}, hidden {cfg.hidden}, "
+            f"{plural(cfg.heads, 'head')} ({cfg.n_kv_heads} kv), ffn {cfg.ffn_hidden}{experts}, vocabulary {cfg.vocab_size}, "
             f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings")
 
 

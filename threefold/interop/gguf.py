@@ -28,6 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from threefold.config import ConfigError, ModelConfig
 from threefold.data.tokenizer import EOS, Tokenizer
 from threefold.interop.hf import parameter_shapes
+from threefold.words import plural
 
 # GGUF's names inside blk.{i} → ours inside blocks.{i}.
 BLOCK_NAMES = {
@@ -221,7 +222,7 @@ def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
             raise ConfigError(f"{where}: the GGUF metadata's tokenizer.ggml.merges holds {' '.join(merge)!r}; "
                               f"expected two tokens and one space, each token and their join in the vocabulary")
     if len(kinds) != len(tokens):
-        raise ConfigError(f"{where}: the GGUF metadata has {len(tokens):,} tokens but {len(kinds):,} token types")
+        raise ConfigError(f"{where}: the GGUF metadata has {plural(len(tokens), 'token')} but {plural(len(kinds), 'token type')}")
     hf = HFTokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
     hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
     hf.decoder = decoders.ByteLevel()
@@ -233,7 +234,7 @@ def gguf_tokenizer(reader: gguf.GGUFReader, where: str) -> Tokenizer:
     eos_id = _metadata(reader, "tokenizer.ggml.eos_token_id", where, int, -1)  # -1: none (llama.cpp's null token)
     if not -1 <= eos_id < len(tokens):
         raise ConfigError(f"{where}: the GGUF metadata's tokenizer.ggml.eos_token_id is {eos_id}, outside its "
-                          f"{len(tokens):,} tokens")
+                          f"{plural(len(tokens), 'token')}")
     bos_id = _metadata(reader, "tokenizer.ggml.bos_token_id", where, int, -1)
     return Tokenizer(hf, _metadata(reader, "general.basename", where, str, Path(where).stem),
                      eos=EOS if eos_id == -1 else tokens[eos_id],

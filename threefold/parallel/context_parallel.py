@@ -67,6 +67,7 @@ from threefold.distributed.comm import Comm, all_to_all_autograd, ring_pass
 from threefold.distributed.mesh import ParallelMesh
 from threefold.models.llama import Llama, attention_core
 from threefold.models.moe import MoE, MicroBatch, capacity_keep, expert_capacity
+from threefold.words import plural
 
 METHODS = CP_METHODS  # ring, allgather, ulysses
 LAYOUTS = ("zigzag", "contiguous")  # contiguous is the unbalanced split, kept to show why not
@@ -88,7 +89,7 @@ def chunk_ids(cp: int, rank: int, layout: str = "zigzag") -> tuple[int, int]:
 def split_positions(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
     """Positions in the sequence of the tokens ``rank`` holds, in the order it holds them."""
     if seq_len % (2 * cp):
-        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2·cp = {2 * cp} equal chunks")
+        raise ValueError(f"a sequence of {plural(seq_len, 'token')} does not split into 2·cp = {2 * cp} equal chunks")
     size = seq_len // (2 * cp)
     return torch.cat([torch.arange(i * size, (i + 1) * size) for i in chunk_ids(cp, rank, layout)])
 
@@ -251,7 +252,7 @@ class ContextParallelCore(nn.Module):
         # the batch with context_parallel_batch, which gives this rank the zigzag positions.
         if isinstance(positions, range) or positions.shape[-1] != q.shape[-2]:
             raise ValueError(f"{self.method} attention on cp rank {self.rank} expects the {self.layout} split's "
-                             f"{q.shape[-2]} positions; pass the batch through context_parallel_batch")
+                             f"{plural(q.shape[-2], 'position')}; pass the batch through context_parallel_batch")
         return self.attend(q, k, v)
 
     def attend(self, q, k, v):
@@ -484,7 +485,7 @@ def check_context_parallel(model: Llama, cp: int, method: str) -> None:
         heads, kv_heads = attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim
         if heads % cp or kv_heads % cp:
             raise ConfigError(f"parallel.cp_method: ulysses splits the heads over cp={cp}, but this rank has "
-                              f"{heads} heads and {kv_heads} key/value heads")
+                              f"{plural(heads, 'head')} and {plural(kv_heads, 'key/value head')}")
 
 
 def apply_cp(model: Llama, comm: Comm, method: str = "ring", layout: str = "zigzag") -> Llama:

@@ -60,6 +60,7 @@ from torch import nn
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
 from threefold.parallel.placements import MOMENTS, Placement, Shard, flat_layout_shards, whole_shards
+from threefold.words import plural
 
 
 def decay_first(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -271,7 +272,8 @@ class BucketGradSync:
         the gradient of the global mean)."""
         unreduced = [b for b in self.buckets if b.pending is None or b.ready]
         if unreduced:
-            raise RuntimeError(f"{len(unreduced)} gradient buckets were not reduced in the last micro-batch: "
+            raise RuntimeError(f"{plural(len(unreduced), 'gradient bucket')} {'was' if len(unreduced) == 1 else 'were'} "
+                               "not reduced in the last micro-batch: "
                                f"data parallelism needs every parameter to receive a gradient")
         for bucket in self.buckets:
             if bucket.pending == "after backward":

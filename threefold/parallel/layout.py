@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from threefold.config import AUTO, Config, ConfigError, ModelConfig, ParallelConfig
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule, stage_counts
+from threefold.words import plural
 
 
 def check_layout(cfg: Config) -> None:
@@ -30,8 +31,8 @@ def check_hybrid_sharding(p: ParallelConfig) -> None:
     if not p.dp_shard:
         return
     if p.zero != 3:
-        raise ConfigError(f"parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of {p.dp_shard} "
-                          f"dp ranks; it needs parallel.zero = 3, got zero={p.zero}")
+        raise ConfigError(f"parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of "
+                          f"{plural(p.dp_shard, 'dp rank')}; it needs parallel.zero = 3, got zero={p.zero}")
     if p.dp_shard < 2 or p.dp % p.dp_shard:
         raise ConfigError(f"parallel.dp_shard: must divide parallel.dp={p.dp} and be at least 2 (a group of one "
                           f"rank shards nothing), got {p.dp_shard}")
@@ -61,12 +62,12 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"parallel.tp: {t} does not divide model.heads={model.heads} "
                           "(each rank computes whole heads)")
     if model.n_kv_heads % t:
-        raise ConfigError(f"parallel.tp: {t} does not divide the {model.n_kv_heads} key/value heads (model.kv_heads); "
-                          "tensor parallelism splits them, it does not replicate them")
+        raise ConfigError(f"parallel.tp: {t} does not divide the {plural(model.n_kv_heads, 'key/value head')} "
+                          "(model.kv_heads); tensor parallelism splits them, it does not replicate them")
     if model.ffn_hidden % t:
         raise ConfigError(f"parallel.tp: {t} does not divide the FFN width {model.ffn_hidden} (model.ffn)")
     if model.vocab_size is not None and model.vocab_size < t:
-        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {model.vocab_size} tokens "
+        raise ConfigError(f"parallel.tp: {t} ranks cannot share a vocabulary of {plural(model.vocab_size, 'token')} "
                           "(model.vocab_size)")
     if parallel.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"parallel.sequence_parallel: tp={t} does not divide model.seq_len={model.seq_len}")
@@ -86,8 +87,9 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
                           f"tokens each cp rank holds (model.seq_len / parallel.cp)")
     heads, kv_heads = model.heads // parallel.tp, model.n_kv_heads // parallel.tp
     if parallel.cp_method == "ulysses" and (heads % cp or kv_heads % cp):
-        raise ConfigError(f"parallel.cp_method: ulysses splits each rank's {heads} heads and {kv_heads} key/value "
-                          f"heads (after tp={parallel.tp}) over cp={cp}; they are not divisible by {cp}")
+        raise ConfigError(f"parallel.cp_method: ulysses splits each rank's {plural(heads, 'head')} and "
+                          f"{plural(kv_heads, 'key/value head')} (after tp={parallel.tp}) over cp={cp}; they are not "
+                          f"divisible by {cp}")
 
 
 def check_pipeline(cfg: Config) -> None:

@@ -77,6 +77,7 @@ from threefold.distributed.comm import Comm, ring_pass, ring_reduce_scatter
 from threefold.models.llama import Llama
 from threefold.models.moe import MoE
 from threefold.parallel.placements import Placement
+from threefold.words import plural
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def reduce_scatter_sequence(full: torch.Tensor, tp: TensorParallelGroup, tag: st
     """(b, s, …) partial sums on each rank → (b, s/t, …): this rank's positions, summed over ranks."""
     b, s = full.shape[:2]
     if s % tp.size:
-        raise ConfigError(f"parallel.sequence_parallel: a sequence of {s} tokens does not split over tp={tp.size}")
+        raise ConfigError(f"parallel.sequence_parallel: a sequence of {plural(s, 'token')} does not split over tp={tp.size}")
     piece = (s // tp.size, *full.shape[2:])
     # Rank-major and flat, as gloo wants the input: rank r's part of every sequence is block r.
     parts = full.reshape(b, tp.size, *piece).movedim(1, 0).reshape(tp.size * b, *piece)

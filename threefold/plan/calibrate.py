@@ -31,6 +31,7 @@ from rich.table import Table
 from threefold.config import ConfigError, check_output_path
 from threefold.distributed.launch import keep_large_blocks_in_the_heap
 from threefold.plan.profile import FITTED_KEYS, PROFILE_KEYS, load_profile, profile_path, save_profile  # noqa: F401
+from threefold.words import plural
 
 # CPU seconds each shared-core worker computes, untimed, before the phases are timed. One warm
 # micro-batch is not its steady state: timed from there, the first two phases of 8 workers on 2
@@ -671,8 +672,8 @@ def measure_profile(settings: Settings, on_step=lambda description: None) -> dic
     """
     workers = cpu_cores()
     threads = cpu_cores() // workers
-    threads_text = f"{threads} thread{'s' if threads > 1 else ''}"  # one, with a worker per core
-    cores_text = f"{workers} core{'s' if workers > 1 else ''}"
+    threads_text = plural(threads, "thread")  # one, with a worker per core
+    cores_text = plural(workers, "core")
     keep_large_blocks_in_the_heap()  # the engine's ranks do: time the work as they will run it
     on_step(f"fp32 matmul, {threads_text}")
     fp32 = measure_matmul_flops(torch.float32, threads, settings.matmul_size, settings.matmul_seconds)
@@ -851,6 +852,6 @@ def calibrate(out: Path | None, quick: bool, as_json: bool, from_runs: bool, run
                    "this profile may be off by as much; run `threefold calibrate` again", err=True)
     if others.cores is not None and others.cores > BUSY_CORES * profile["gpus_per_node"]:
         cores = profile["gpus_per_node"]
-        click.echo(f"warning: other processes kept {others.cores:.1f} of the {cores} core{'s' if cores > 1 else ''} "
+        click.echo(f"warning: other processes kept {others.cores:.1f} of the {plural(cores, 'core')} "
                    f"busy while calibrate measured (fp32 matmul {profile['peak_flops_fp32'] / 1e9:,.1f} GFLOP/s): the "
                    "profile describes a busy machine; run `threefold calibrate` again when it is idle", err=True)

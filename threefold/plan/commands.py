@@ -20,6 +20,7 @@ from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 from threefold.plan import costs, report, search
 from threefold.plan.hardware import CATALOG, DTYPES, compute_dtype, get_gpu, load_cluster
 from threefold.plan.pictures import check_picture_path, draw_breakdown
+from threefold.words import plural
 
 # Flag → ModelConfig field, for the model's shape.
 MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
@@ -275,7 +276,7 @@ def stage_split(o: dict, work: costs.Workload, layout: costs.Layout) -> tuple[in
     if layout.pp == 1:
         raise ConfigError("--stage-layers: needs a pipeline (--pp 2 or more)")
     if len(split) != layout.pp * chunks or sum(split) != work.model.layers:
-        raise ConfigError(f"--stage-layers: {','.join(map(str, split))} does not split {work.model.layers} blocks "
+        raise ConfigError(f"--stage-layers: {','.join(map(str, split))} does not split {plural(work.model.layers, 'block')} "
                           f"over {layout.pp * chunks} stages (pp {layout.pp} × {chunks} per rank)")
     return split
 
@@ -502,13 +503,13 @@ def plan(as_json, top, out, config_out, **options):
         return
     console = Console()
     given = _flags(fixed)
-    console.print(f"Evaluated {found.count:,} layouts{f' with {given}' if given else ''} in {found.seconds:.3f} s "
+    console.print(f"Evaluated {plural(found.count, 'layout')}{f' with {given}' if given else ''} in {found.seconds:.3f} s "
                   f"({found.rate:,.0f} layouts/s); {found.fitting:,} fit in {report.capacity_gib(gpu.hbm_bytes)} GiB.")
     if not best:
         raise ConfigError(_nothing_fits(found, work, gpu, num_gpus, fixed))
     if len(best) < min(top, found.fitting):
-        console.print(f"The {found.fitting:,} layouts that fit use {found.meshes()} mesh"
-                      f"{'es' if found.meshes() > 1 else ''} (tp × pp × dp × cp × ep); the table shows the fastest of each "
+        console.print(f"The {found.fitting:,} layouts that fit use {plural(found.meshes(), 'mesh')} "
+                      "(tp × pp × dp × cp × ep); the table shows the fastest of each "
                       "(the others differ in ZeRO stage, hybrid sharding, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
                                     _title(options, work, num_gpus, gpu)))
@@ -523,8 +524,9 @@ def plan(as_json, top, out, config_out, **options):
         row, own = found.table_row(written["index"], top)
         where = ("not in the table" if row is None else f"#{row} in the table" if own
                  else f"a variant of #{row} in the table")
-        skipped = (f"; the {written['rank'] - 1:,} faster layouts, counting every variant, do not run on the engine "
-                   f"(the fastest: {written['why']})" if written["rank"] > 1 else "")
+        faster = written["rank"] - 1
+        skipped = (f"; the {plural(faster, 'faster layout')}, counting every variant, {'does' if faster == 1 else 'do'} "
+                   f"not run on the engine (the fastest: {written['why']})" if faster else "")
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
                       f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
@@ -579,15 +581,17 @@ def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:
         if len(np.atleast_1d(search.candidate_layouts(work, num_gpus, {knob: value}).tp)):
             continue
         if knob == "dp_shard":  # checked before the search: what is left is that no dp takes it
-            return f"--dp-shard {value}: no ZeRO-3 layout of this model on {num_gpus} GPUs has a dp that {value} divides"
+            return (f"--dp-shard {value}: no ZeRO-3 layout of this model on {plural(num_gpus, 'GPU')} has a dp that "
+                    f"{value} divides")
         try:  # the layout check's own words: "--tp: 3 does not divide the 32 heads …"
             layout = costs.Layout.named(**{knob: value})
             costs.check_layout(work.model, layout, work.global_batch,
                                int(layout.tp * layout.pp * layout.dp * layout.cp))
         except ConfigError as err:
             return str(err)
-        return f"--{knob.replace('_', '-')} {value}: no layout of this model on {num_gpus} GPUs takes it"
-    return f"{_flags(given)}: each is possible alone, but together they leave no layout of this model on {num_gpus} GPUs"
+        return f"--{knob.replace('_', '-')} {value}: no layout of this model on {plural(num_gpus, 'GPU')} takes it"
+    return (f"{_flags(given)}: each is possible alone, but together they leave no layout of this model on "
+            f"{plural(num_gpus, 'GPU')}")
 
 
 def _smallest_that_fits(work: costs.Workload, gpu, num_gpus: int, fixed: dict) -> str:

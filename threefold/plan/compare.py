@@ -26,6 +26,7 @@ from threefold.configure import load_config
 from threefold.plan import costs
 from threefold.plan.dryrun_predict import RankShare, predict_rank, rank_share
 from threefold.plan.records import is_number, read_records, steady
+from threefold.words import plural
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def read_steps(metrics_path: str | Path, flag: str = "--metrics-file") -> list[d
 def _layout_words(cfg: Config) -> str:
     p = cfg.parallel
     return (f"dp={p.dp} tp={p.tp} pp={p.pp}{f' cp={p.cp}' if p.cp > 1 else ''} zero={p.zero}, "
-            f"{cfg.model.layers} layers of {cfg.model.hidden}")
+            f"{plural(cfg.model.layers, 'layer')} of {cfg.model.hidden}")
 
 
 def check_same_run(cfg: Config, want: dict, steps: list[dict], metrics_path) -> None:
@@ -131,7 +132,7 @@ def with_run_split(cfg: Config, steps: list[dict], metrics_path="--metrics-file"
     p = cfg.parallel
     if timeline and (timeline["pp"], timeline["virtual_stages"]) != (p.pp, p.virtual_stages):
         raise ConfigError(f"--config: {metrics_path} was written by another layout: its pipeline had "
-                          f"pp={timeline['pp']} with {timeline['virtual_stages']} chunk(s) a rank, this config "
+                          f"pp={timeline['pp']} with {plural(timeline['virtual_stages'], 'chunk')} a rank, this config "
                           f"pp={p.pp} with {p.virtual_stages} ({_layout_words(cfg)})")
     if timeline and timeline.get("stage_layers"):
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_layers=timeline["stage_layers"]))
@@ -179,10 +180,10 @@ def bytes_formulas(cfg: Config, share: RankShare) -> dict[str, str]:
                    else grads + " over dp"),
             "dp+cp": grads + " over dp × cp" + (", less the all-reduce between the shard groups" if hsdp else ""),
             "cp": (grads + " over cp + " if p.dp == 1 else "") + f"context.cp_bytes_per_step ({p.cp_method}) "
-                  f"of its {share.blocks} blocks",
+                  f"of its {plural(share.blocks, 'block')}",
             "cp.routing": "context.moe_bytes_per_step: the routing statistics over the micro-batch",
             "ep": "ep_bytes_per_step: the experts' dispatch and combine",
-            "tp": f"tp_bytes_per_step, {share.blocks} blocks" + (", the embedding" if share.first_stage else "")
+            "tp": f"tp_bytes_per_step, {plural(share.blocks, 'block')}" + (", the embedding" if share.first_stage else "")
                   + (", the head" if share.last_stage else ""),
             "tp.loss": "tp_loss_bytes_per_step",
             "tp.scatter_gather": "scatter_gather_bytes_per_step: the stage boundary's tp scatter and gather",

@@ -19,6 +19,7 @@ from threefold.models.sizes import (attention_width, block_param_count, count_pa
 from threefold.parallel.pipeline.schedule import EQUAL_SHARES, SCHEDULE_REGISTRY, check_schedule, schedule_names
 from threefold.plan import context
 from threefold.plan.context import METHODS as CP_METHODS
+from threefold.words import plural
 
 SCHEDULES = schedule_names()  # the registry's order: Layout.schedule indexes it
 
@@ -481,7 +482,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
     if t * p * d * c != num_gpus:
         raise ConfigError(f"--tp × --pp × --dp × --cp = {t}×{p}×{d}×{c} = {t * p * d * c}, not --num-gpus {num_gpus}")
     if model.heads % t or model.n_kv_heads % t:
-        apart = [f"the {n} {kind}" for n, kind in ((model.heads, "heads"), (model.n_kv_heads, "kv heads")) if n % t]
+        apart = [f"the {plural(n, kind)}" for n, kind in ((model.heads, "head"), (model.n_kv_heads, "kv head")) if n % t]
         raise ConfigError(f"--tp: {t} does not divide {' or '.join(apart)} (tp splits whole heads)")
     if model.ffn_hidden % t:
         raise ConfigError(f"--tp: {t} does not divide the FFN width {model.ffn_hidden}")
@@ -491,8 +492,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
     method = CP_METHODS[int(layout.cp_method)]
     for heads, kind in ((model.heads // t, "query"), (model.n_kv_heads // t, "key/value")):
         if c > 1 and method == "ulysses" and heads % c:
-            raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {heads} {kind} heads of one tp "
-                              f"rank (Ulysses splits the heads over cp)")
+            raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {plural(heads, kind + ' head')} "
+                              f"of one tp rank (Ulysses splits the heads over cp)")
     check_experts(model, e, d)
     check_hybrid_sharding(int(layout.dp_shard), int(layout.zero), d, e)
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
@@ -513,7 +514,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         chunks = model_chunks(schedule, p, v)
         if chunks > model.layers:
             raise ConfigError(f"--pp: pp × virtual_stages = {p} × {chunks // p} = {chunks} stages, more than the "
-                              f"model's {model.layers} layers (each stage needs a block)")
+                              f"model's {plural(model.layers, 'layer')} (each stage needs a block)")
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
 
 
@@ -525,7 +526,7 @@ def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None
     if dp_shard < 0:
         raise ConfigError(f"--dp-shard: must not be negative (0: shard over all dp ranks), got {dp_shard}")
     if zero is not None and zero != 3:
-        raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {dp_shard} dp ranks; "
+        raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {plural(dp_shard, 'dp rank')}; "
                           f"it needs --zero 3, got {zero}")
     if dp_shard < 2 or (dp is not None and dp % dp_shard):
         raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
@@ -554,7 +555,7 @@ def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
     if not model.moe_experts:
         raise ConfigError(f"--ep: {ep} needs an MoE model (--moe-experts); this one is dense")
     if model.moe_experts % ep:
-        raise ConfigError(f"--ep: {ep} does not divide the {model.moe_experts} experts (--moe-experts)")
+        raise ConfigError(f"--ep: {ep} does not divide the {plural(model.moe_experts, 'expert')} (--moe-experts)")
     if dp % ep:
         raise ConfigError(f"--ep: {ep} does not divide --dp {dp} (the expert-parallel ranks are data-parallel ranks)")
 
@@ -1273,8 +1274,8 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
     schedule = build_schedule(spec, p, int(round(float(m))), chunks)
     split = [int(n) for n in stage_layers]
     if len(split) != schedule.num_stages or sum(split) != work.model.layers or min(split) < 1:
-        raise ConfigError(f"stage_layers: {split} does not split {work.model.layers} blocks over "
-                          f"{schedule.num_stages} stages, each at least one block")
+        raise ConfigError(f"stage_layers: {split} does not split {plural(work.model.layers, 'block')} over "
+                          f"{plural(schedule.num_stages, 'stage')}, each at least one block")
     per_block = (mb_s - head_s) / stage_layers_modelled
     compute_block = (compute_mb_s - head_s) / stage_layers_modelled
     last = schedule.num_stages - 1

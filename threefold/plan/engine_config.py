@@ -82,8 +82,9 @@ def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[
             first = first or str(err)
             continue
         return rank, keys, first
-    raise ConfigError(f"--config-out: none of the {min(len(order), TRIED):,} fastest layouts runs on threefold's "
-                      f"engine; the fastest: {first}")
+    tried = min(len(order), TRIED)
+    none = "the one layout that fits does not run" if tried == 1 else f"none of the {tried:,} fastest layouts runs"
+    raise ConfigError(f"--config-out: {none} on threefold's engine; the fastest: {first}")
 
 
 def not_carried(work: costs.Workload) -> list[str]:

@@ -42,6 +42,7 @@ from threefold.plan.compare import (check_same_run, load_run, measured_step_time
                                     with_run_split)
 from threefold.plan.dryrun_predict import predict_rank
 from threefold.plan.hardware import local_gpu
+from threefold.words import plural
 
 FRACTIONS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
 
@@ -111,7 +112,7 @@ def _block(cfg: Config) -> tuple:
 
 def _describe(cfg: Config) -> str:
     m = cfg.model
-    return f"hidden {m.hidden}, {m.heads} heads, ffn {m.ffn_hidden}, vocab {m.vocab_size}, seq {m.seq_len}"
+    return f"hidden {m.hidden}, {plural(m.heads, 'head')}, ffn {m.ffn_hidden}, vocab {m.vocab_size}, seq {m.seq_len}"
 
 
 def _run(name: str, config: Path, metrics: Path, overrides, given: str) -> Run:
@@ -230,7 +231,7 @@ def calibrate_from_runs(specs, out, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"step time: measured, predicted before and after fitting on {len(runs)} runs")
+    table = Table(title=f"step time: measured, predicted before and after fitting on {plural(len(runs), 'run')}")
     for column in ("run", "measured s", "plain profile", "fitted", "left out (cross-validated)"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for r in report["runs"]:

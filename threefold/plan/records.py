@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from threefold.config import ConfigError
+from threefold.words import plural
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, Kind, build_schedule, check_schedule, steps_ahead
 
 METRICS_KEYS = ("step", "step_time_s", "comm_bytes", "memory")
@@ -152,8 +153,8 @@ def timeline_problem(timeline) -> str | None:
     if not busy:
         return "its timeline's compute actions take no time"
     if not steady and len(measured) < 2 * stages * microbatches:  # a forward and a backward each: some are missing
-        return (f"its timeline holds {len(measured)} distinct compute actions, fewer than the forward and "
-                f"backward of each of {microbatches} micro-batches on {stages} stages")
+        return (f"its timeline holds {plural(len(measured), 'distinct compute action')}, fewer than the forward "
+                f"and backward of each of {plural(microbatches, 'micro-batch')} on {plural(stages, 'stage')}")
     flushed = () if steady else _built(name, pp, microbatches, virtual).actions
     for action in (a for rank in flushed for a in rank):
         if action.kind.is_compute and (action.kind, action.stage, action.microbatch) not in measured:
@@ -162,7 +163,7 @@ def timeline_problem(timeline) -> str | None:
     split = timeline.get("stage_layers")
     if split is not None and not (isinstance(split, list) and len(split) == stages and all(
             isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)):
-        return f"timeline['stage_layers'] is {split!r}, not a list of {stages} positive block counts"
+        return f"timeline['stage_layers'] is {split!r}, not a list of {plural(stages, 'positive block count')}"
     return None
 
 

@@ -19,6 +19,7 @@ from threefold.parallel.pipeline.schedule import (SCHEDULE_REGISTRY, build_sched
 from threefold.plan.commands import SCHEDULE_SYNONYMS, choice
 from threefold.plan.pictures import check_picture_path
 from threefold.plan.simulate import ActionCosts, SimResult, simulate
+from threefold.words import plural
 
 
 # what --from-metrics reads off the run: a flag for them beside it would be ignored
@@ -65,8 +66,8 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
         report = measured_vs_simulated(metrics_file, out)
         warmups = report["warmup_steps"]
         over = ("over its one step, warm-up included (a longer run gives a steadier figure)" if not warmups
-                else f"over {report['mean_steps']} step(s) after the first" if warmups == 1
-                else f"over {report['mean_steps']} step(s), without each of its {warmups} launches' first")
+                else f"over {plural(report['mean_steps'], 'step')} after the first" if warmups == 1
+                else f"over {plural(report['mean_steps'], 'step')}, without each of its {warmups} launches' first")
         click.echo(json.dumps(report) if as_json else "\n".join(
             [f"rank {rank}: idle {got:.1%} measured in the last step, {want:.1%} simulated on its costs; "
              f"{mean:.1%} {over}, {replayed:.1%} replayed at each "

@@ -18,6 +18,7 @@ from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, check_schedule
 from threefold.plan import costs, report
 from threefold.plan.costs import CP_METHODS, RECOMPUTE, SCHEDULES, Layout, Workload, recompute_policy
+from threefold.words import plural
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
@@ -211,16 +212,16 @@ class SearchResult:
     def _zero_phrase(lay: dict) -> str:
         """ZeRO-1 over 32 replicas; hybrid sharding: ZeRO-3 over 8 ranks, all-reduced between 4 groups."""
         if lay["dp_shard"]:
-            return (f"ZeRO-3 over {lay['dp_shard'] * lay['cp']} ranks, all-reduced between "
-                    f"{lay['dp'] // lay['dp_shard']} groups")
-        return f"ZeRO-{lay['zero']} over {lay['dp'] * lay['cp']} replicas"
+            return (f"ZeRO-3 over {plural(lay['dp_shard'] * lay['cp'], 'rank')}, all-reduced between "
+                    f"{plural(lay['dp'] // lay['dp_shard'], 'group')}")
+        return f"ZeRO-{lay['zero']} over {plural(lay['dp'] * lay['cp'], 'replica')}"
 
     def _phrase(self, part: str, i: int) -> str:
         """One clause saying what ``part`` of layout ``i``'s step time comes from."""
         lay = {f.name: int(np.asarray(getattr(self.layouts, f.name))[i]) for f in fields(Layout)}
         seconds = self._get(f"{part}_s", i)
         if part == "bubble":
-            return (f"PP={lay['pp']} with {int(self._get('microbatches', i))} micro-batches: "
+            return (f"PP={lay['pp']} with {plural(int(self._get('microbatches', i)), 'micro-batch')}: "
                     f"{self._get('bubble_fraction', i):.0%} bubble")
         if part == "tp_exposed":
             where = "crosses nodes" if lay["tp"] > self.gpu.gpus_per_node else "within a node"

@@ -26,6 +26,7 @@ import numpy as np
 
 from threefold.config import ConfigError
 from threefold.parallel.pipeline.schedule import Action, Kind, Schedule, play
+from threefold.words import plural
 
 # A drawn or measured timeline: per rank, (start, end, kind, micro-batch[, model chunk]) of each
 # compute action, kind being "F", "B" or "W" (a Kind's value) or the Kind itself.
@@ -56,7 +57,7 @@ class ActionCosts:
             value = getattr(self, name)
             stages = [float(value)] * num_stages if isinstance(value, (int, float)) else [float(x) for x in value]
             if len(stages) != num_stages:
-                raise ConfigError(f"costs.{name}: {len(stages)} values for {num_stages} stages")
+                raise ConfigError(f"costs.{name}: {plural(len(stages), 'value')} for {plural(num_stages, 'stage')}")
             if min(stages) < 0:
                 raise ConfigError(f"costs.{name}: must not be negative, got {min(stages)}")
             values[name] = stages

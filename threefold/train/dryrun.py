@@ -46,6 +46,7 @@ import torch
 
 from threefold.config import AUTO, Config, ConfigError, notes_after_checks
 from threefold.configure import load_config, resolve_world
+from threefold.words import plural
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
 # A dry run steps through every micro-batch of its rank one after another: beyond this many a step
@@ -76,7 +77,7 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         hint = (f'; parallel.dp = "auto" takes dp = {world_size // others} from the world size'
                 if world_size % others == 0 else "")
         raise ConfigError(f"--world-size: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
-                          f"{p.world_size} rank{'s' if p.world_size > 1 else ''}, not {world_size}{hint}")
+                          f"{plural(p.world_size, 'rank')}, not {world_size}{hint}")
     cfg = resolve_world(cfg, world_size)
     m = cfg.model
     if m.arch != "llama":
@@ -116,7 +117,7 @@ def too_large(err: RuntimeError) -> ConfigError | None:
 def check_ranks(ranks: tuple[int, ...], world_size: int) -> tuple[int, ...]:
     for rank in ranks:
         if not 0 <= rank < world_size:
-            raise ConfigError(f"--rank: {rank} is outside a world of {world_size} rank{'s' if world_size > 1 else ''} "
+            raise ConfigError(f"--rank: {rank} is outside a world of {plural(world_size, 'rank')} "
                               f"(0 to {world_size - 1})")
     return ranks or (0,)
 
@@ -371,6 +372,5 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, 
     for result in results:
         console.print(result_table(cfg, result))
         if result["actions"]:
-            m = cfg.microbatches
-            console.print(f"pipeline actions ({cfg.parallel.schedule}, {m} micro-batch{'es' if m > 1 else ''}): "
+            console.print(f"pipeline actions ({cfg.parallel.schedule}, {plural(cfg.microbatches, 'micro-batch')}): "
                           + actions_line(result["actions"]), soft_wrap=True)

@@ -70,6 +70,7 @@ from threefold.parallel.data_parallel import BucketGradSync, GradSyncs, LocalGra
 from threefold.parallel.expert_parallel import expert_keys
 from threefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from threefold.train.metrics import storage_key
+from threefold.words import plural
 from threefold.parallel.placements import Placement, Shard, full_tensors, grad_norm, key_of, local_piece, region, \
     sum_partial_grads, whole_shards
 
@@ -414,7 +415,8 @@ class Engine:
 
             chunk = 1.0 / self.schedule.virtual_stages
             bubble = simulate(self.schedule, ActionCosts(chunk, 2 * chunk, chunk)).bubble_fraction
-            warnings.warn(f"parallel.microbatches: {self.cfg.microbatches} micro-batches for {self.pp} pipeline "
+            microbatches = plural(self.cfg.microbatches, "micro-batch")
+            warnings.warn(f"parallel.microbatches: {microbatches} for {self.pp} pipeline "
                           f"ranks; {self.schedule.name} is predicted to idle {bubble:.0%} of the time "
                           f"(use at least {self.pp})", stacklevel=3)
 

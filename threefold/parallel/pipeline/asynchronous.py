@@ -47,6 +47,7 @@ from torch import nn
 from threefold.parallel.pipeline.runtime import PipelineRuntime, StepState, token_positions
 from threefold.parallel.placements import Placement, Shard, whole_shards
 from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY, Kind, RunStep, run_step, steps_ahead
+from threefold.words import plural
 
 
 class UseVersion(torch.autograd.Function):
@@ -156,7 +157,7 @@ class AsyncPipelineRuntime(PipelineRuntime):
         """One step: returns the sum of this step's micro-batches' losses and its timeline."""
         m = self.schedule.microbatches
         if len(micro_batches) != m or any(len(later) != m for later in upcoming):
-            raise ValueError(f"the schedule has {m} micro-batches per step")
+            raise ValueError(f"the schedule has {plural(m, 'micro-batch')} per step")
         ahead = min(len(upcoming), self.lookahead)
         window: RunStep = run_step(self.schedule.name, self.schedule.pp, m, self.behind, ahead)
         self.step_actions, self.actions = window.actions, window.actions[self.rank]

@@ -52,6 +52,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from threefold.distributed.comm import Comm, Pending
 from threefold.parallel.pipeline.schedule import Action, Kind, Schedule
+from threefold.words import plural
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ class PipelineRuntime:
         ``positions`` (None: 0, 1, …; a context-parallel rank's are its split's). Returns the sum
         of the micro-batches' losses (non-zero on the last stage's rank only) and the timeline."""
         if len(micro_batches) != self.schedule.microbatches:
-            raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
+            raise ValueError(f"the schedule has {plural(self.schedule.microbatches, 'micro-batch')}, "
                              f"the step brought {len(micro_batches)}")
         message_shape = self.wire.message_shape(activation_shape)
         self.step = StepState(micro_batches, token_positions(micro_batches[0][0], positions), activation_shape,

@@ -43,6 +43,7 @@ import numpy as np
 
 from threefold.config import ConfigError, ModelConfig
 from threefold.models.sizes import attention_width, block_param_count
+from threefold.words import plural
 
 
 class Kind(enum.Enum):
@@ -388,7 +389,7 @@ def validate(schedule: Schedule) -> None:
     receive matching the send it needs (``play``)."""
     p, last = schedule.pp, schedule.num_stages - 1
     if len(schedule.actions) != p:
-        raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for pp={p}")
+        raise ScheduleError(f"{schedule.name}: {plural(len(schedule.actions), 'action list')} for pp={p}")
     compute_count: dict[tuple[Kind, int, int], int] = defaultdict(int)
     for rank, actions in enumerate(schedule.actions):
         done: set[tuple[Kind, int, int]] = set()
@@ -535,7 +536,7 @@ def partition(cfg: ModelConfig, pp: int, virtual_stages: int = 1, stage_layers: 
     chunk costs."""
     num_stages = pp * virtual_stages
     if num_stages > cfg.layers:
-        raise ConfigError(f"parallel.pp: {num_stages} stages, more than the model's {cfg.layers} layers")
+        raise ConfigError(f"parallel.pp: {num_stages} stages, more than the model's {plural(cfg.layers, 'layer')}")
     if stage_layers is not None:
         counts = stage_counts(stage_layers, cfg.layers, num_stages)
     elif virtual_stages > 1:
@@ -568,7 +569,7 @@ def stage_counts(stage_layers: list, layers: int, num_stages: int) -> list[int]:
     if all(isinstance(x, int) and not isinstance(x, bool) for x in stage_layers):
         if min(stage_layers) < 1 or sum(stage_layers) != layers:
             raise ConfigError(f"{key}: {stage_layers} must give every stage at least one block and add up to the "
-                              f"model's {layers} layers (sum {sum(stage_layers)})")
+                              f"model's {plural(layers, 'layer')} (sum {sum(stage_layers)})")
         return list(stage_layers)
     if not all(isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
                for x in stage_layers):
@@ -612,8 +613,8 @@ def _balanced_split(costs: LayerCosts, stages: int, memory_limit, in_flight) -> 
                     layer[n] = candidate
         best.append(layer)
     if layers not in best[stages]:
-        raise ConfigError(f"parallel.pp: no split of the {layers} blocks over {stages} stages fits each stage "
-                          f"in {memory_limit / 2**30:.2f} GiB")
+        raise ConfigError(f"parallel.pp: no split of the {plural(layers, 'block')} over {plural(stages, 'stage')} "
+                          f"fits each stage in {memory_limit / 2**30:.2f} GiB")
     return best[stages][layers][2]
 
 
@@ -981,7 +982,7 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
             raise ConfigError(f"{flags[key]}: must be a positive integer, got {value}")
     if layers is not None and pp > 1 and pp * virtual_stages > layers:
         raise ConfigError(f"{flags['pp']}: pp × virtual_stages = {pp} × {virtual_stages} = {pp * virtual_stages} "
-                          f"stages, more than the model's {layers} layers (each stage needs a block)")
+                          f"stages, more than the model's {plural(layers, 'layer')} (each stage needs a block)")
     spec = SCHEDULE_REGISTRY[name]
     spec.constraints(flags, pp, microbatches, virtual_stages, layers, name)
     return spec
