@@ -16,12 +16,13 @@ from pathlib import Path
 
 from threefold.config import Config, ConfigError
 from threefold.parallel.layout import check_layout
+from threefold.words import plural
 
 GiB = 2**30
 SLOW_STEP_S = 60.0  # warn up front when one step is predicted to take longer than this
-# Peak RSS of one-process CPU runs over the engine's memory model (working set and process
-# included): 1.09–1.49× on the tiny model (docs/training.md); glibc's heap keeps what a step frees
-CPU_ALLOCATOR_SLACK = 1.5
+# Peak RSS of one-process CPU runs of the tiny model over this model (whose live peak MemTracker
+# confirms): 1.26–1.91× here (docs/training.md); glibc's heap keeps much of what a step frees
+CPU_ALLOCATOR_SLACK = 2.0
 INPUT_BYTES_PER_TOKEN = 3 * 8  # the sampler's int64 windows, inputs and targets of this rank's rows
 
 
@@ -137,23 +138,26 @@ def rank_memory(cfg: Config, process_bytes: float | None = None) -> dict[str, fl
 
 
 def working_bytes(cfg: Config, last_stage: bool) -> float:
-    """What the backward allocates beside the saved activations, for one micro-batch: the
-    gradients of one block's activations as it runs (twice that under full recomputation, which
-    first rebuilds them), and on the stage with the head the loss's fp32 softmax and its
-    gradient, each the size of the logits. (Peak RSS of CPU runs still sits above the whole
-    model: CPU_ALLOCATOR_SLACK.)"""
+    """What the backward holds beside the saved activations at its peak, for one micro-batch: on
+    the stage with the head, the loss's fp32 softmax and its gradient, each the size of the logits,
+    as the backward starts; under full recomputation the block it rebuilds (its activations, whose
+    gradients then take their place). Elsewhere a block's gradients take the place of the
+    activations its backward frees. PyTorch's MemTracker on one-process runs of the tiny model
+    (seq 1,024–4,096, vocabulary 64–16,384; none, selective and full) put the live tensors' peak
+    within 0.03 GiB of states + saved activations + this (docs/training.md)."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
     tokens = t.micro_batch * model.seq_len // p.cp
-    act_bytes, _ = costs.ENGINE_BYTES[t.dtype]
-    block = costs.block_activation_bytes(model, tokens, p.tp, p.sequence_parallel and p.tp > 1, "none",
-                                         dtype_bytes=act_bytes)
-    if model.moe_experts:
-        block += costs.moe_activation_bytes(model, tokens, p.tp, p.sequence_parallel and p.tp > 1, "none", act_bytes)
-    block *= 2 if t.recompute == "full" else 1
     loss = 2 * tokens * 4 * -(-model.vocab_size // p.tp) if last_stage else 0
-    return float(block + loss)
+    if t.recompute != "full":
+        return float(loss)
+    act_bytes, _ = costs.ENGINE_BYTES[t.dtype]
+    sp = p.sequence_parallel and p.tp > 1
+    block = costs.block_activation_bytes(model, tokens, p.tp, sp, "none", dtype_bytes=act_bytes)
+    if model.moe_experts:
+        block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes)
+    return float(max(block, loss))
 
 
 def process_memory() -> float:
@@ -219,7 +223,7 @@ def check_memory(cfg: Config, warn=print) -> None:
     parts = ", ".join(f"{k} {v / GiB:,.1f}" for k, v in need.items())
     fit = fitting_layout(cfg, available / ranks / slack, process)
     advice = (f"a layout that fits: --set {fit}" if fit else
-              f"no layout on {world} rank{'s' if world > 1 else ''} fits, not even with ZeRO-3, full recomputation "
+              f"no layout on {plural(world, 'rank')} fits, not even with ZeRO-3, full recomputation "
               "and micro_batch 1: use a smaller model or more memory")
     raise ConfigError(f"memory: each rank needs about {sum(need.values()) / GiB:,.1f} GiB ({parts} GiB, by the "
                       f"engine's memory model){total}, but {available / GiB:.1f} GiB are {where}; {advice}")
