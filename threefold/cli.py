@@ -58,7 +58,8 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="threefold")
 def cli():
-    """threefold: train Llama-style models with data, tensor and pipeline parallelism, and plan how."""
+    """threefold: train Llama-style models (dense and MoE) with data, tensor, pipeline, context and expert
+    parallelism, and plan how."""
 
 
 def main(argv=None) -> int:
