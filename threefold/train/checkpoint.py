@@ -46,6 +46,7 @@ from threefold.config import WEIGHT_DEFINING_KEYS, Config, ConfigError, ModelCon
 from threefold.data.tokenizer import EOS, load_tokenizer, save_tokenizer
 from threefold.models.sizes import count_parameters
 from threefold.parallel.placements import Placement, Shard, whole_shards
+from threefold.words import plural
 
 FORMAT = "threefold-checkpoint-2"
 
@@ -113,7 +114,7 @@ def aside_note(found: list[Path], aside: Path) -> str:
     """What ``move_aside`` did, for the run's log: where the checkpoints went, how large they are
     and, since nothing deletes these folders, what all of them there hold together."""
     earlier = earlier_runs(aside.parent)
-    moved = f"{len(found)} checkpoint{'s' if len(found) > 1 else ''}, {megabytes(folder_bytes(aside))}"
+    moved = f"{plural(len(found), 'checkpoint')}, {megabytes(folder_bytes(aside))}"
     if len(earlier) == 1:
         return f"moved them to {aside} ({moved}; nothing deletes it)"
     return (f"moved them to {aside} ({moved}); the {len(earlier)} earlier-* folders there hold "

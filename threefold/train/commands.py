@@ -9,6 +9,7 @@ import click
 
 from threefold.config import AUTO, ConfigError, check_output_path, notes_after_checks
 from threefold.configure import load_config, resolve_world
+from threefold.words import plural
 
 
 @click.command()
@@ -41,7 +42,7 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
             resolved = resolve_world(cfg, nproc) if cfg.parallel.dp == AUTO else cfg
             p = resolved.parallel
             if nproc is not None and nproc != p.world_size:
-                raise ConfigError(f"--nproc: {nproc} process{'es' if nproc != 1 else ''} {'does' if nproc == 1 else 'do'} not match "
+                raise ConfigError(f"--nproc: {plural(nproc, 'process')} {'does' if nproc == 1 else 'do'} not match "
                                   "the layout dp×tp×pp×cp = "
                                   f"{p.dp}×{p.tp}×{p.pp}×{p.cp} = {p.world_size}")
             from threefold.train.preflight import check_run  # refuse what would fail later, before any rank starts
@@ -96,8 +97,8 @@ def _check_metrics_file(metrics_file: str) -> None:
 def _default_run(cfg) -> str:
     """The defaults' run in a few words: model, corpus and steps."""
     m = cfg.model
-    return (f"a model of {m.layers} layer{'s' if m.layers != 1 else ''} and hidden {m.hidden} on the corpus {cfg.data.corpus!r} for "
-            f"{cfg.train.steps} step{'s' if cfg.train.steps != 1 else ''}")
+    return (f"a model of {plural(m.layers, 'layer')} and hidden {m.hidden} on the corpus {cfg.data.corpus!r} for "
+            f"{plural(cfg.train.steps, 'step')}")
 
 
 @click.command()
@@ -206,7 +207,7 @@ def inspect(checkpoint_path, key, as_json):
                   + (" (weights only)" if summary["weights_only"] else
                      f", Adam step {summary['adam_step']:.0f}" if summary["adam_step"] is not None else "")
                   + f", seq_len {trained_at}" + (f" (context {context})" if context != trained_at else "")
-                  + f"; saved by {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''}, "
+                  + f"; saved by {plural(summary['world_size'], 'rank')}, "
                   f"dp={layout['dp']} tp={layout['tp']} pp={layout['pp']} zero={layout['zero']}"
                   + (" SP" if layout["sequence_parallel"] else "")
                   + (f" dp_shard={layout['dp_shard']}" if layout["dp_shard"] else ""), soft_wrap=True)  # a log's too
@@ -223,7 +224,7 @@ def inspect(checkpoint_path, key, as_json):
                 table.add_row(str(piece["rank"]), str(tuple(piece["offsets"])), str(tuple(piece["sizes"])))
             console.print(table)
     else:
-        tensors = f"{sum(n.startswith('model/') for n in stored)} tensors"
+        tensors = plural(sum(n.startswith("model/") for n in stored), "tensor")
         console.print(f"{summary['parameters']:,} parameters in {tensors}; --tensor KEY lists one tensor's pieces",
                       soft_wrap=True)
     if summary["damage"]:

@@ -25,6 +25,7 @@ from threefold.train import checkpoint
 from threefold.train.engine import build_engine, lr_at
 from threefold.train.metrics import ActivationMeter, MetricsWriter, least_exposed
 from threefold.train.preflight import check_init_from_stays
+from threefold.words import plural
 
 
 class TrainingError(RuntimeError):
@@ -230,7 +231,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                               markup=False, highlight=False, soft_wrap=True)
             if main:
                 saved, now = _layout(meta["config"]["parallel"]), _layout(dataclasses.asdict(cfg.parallel))
-                derived = f"; parallel.dp = \"auto\" on {engine.world_size} rank{'s' if engine.world_size != 1 else ''}" if auto_dp else ""
+                derived = f"; parallel.dp = \"auto\" on {plural(engine.world_size, 'rank')}" if auto_dp else ""
                 moved = f" (saved on {saved}, resharded to {now}{derived})" if saved != now else ""
                 console.print(f"resumed from {found[-1]} at step {start}{moved}", markup=False, highlight=False,
                               soft_wrap=True)  # one line, whatever the terminal's width
@@ -247,8 +248,7 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
     result = TrainResult(unigram_entropy=dataset.meta.get("unigram_entropy"))
     writer = MetricsWriter(metrics_file if main else None, resume_step=start)
     if main:  # a status line is one line, in a log too (rich wraps at 80 columns off a terminal)
-        layers = f"{cfg.model.layers} layer{'s' if cfg.model.layers != 1 else ''}"
-        say(f"model: {n_params / 1e6:.2f}M parameters, {layers}, hidden {cfg.model.hidden}; "
+        say(f"model: {n_params / 1e6:.2f}M parameters, {plural(cfg.model.layers, 'layer')}, hidden {cfg.model.hidden}; "
             f"data: {dataset.meta.get('train_tokens', len(dataset.train_tokens)):,} training tokens, "
             f"unigram entropy {result.unigram_entropy:.3f} nats/token")
         if engine.stage_split():
