@@ -73,9 +73,8 @@ def dry_run_config(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--world-size: must be a positive integer, got {world_size}")
     p = cfg.parallel
     if p.dp != AUTO and p.world_size != world_size:
-        others = p.tp * p.pp * p.cp  # what dp = "auto" divides the world by
-        hint = (f'; parallel.dp = "auto" takes dp = {world_size // others} from the world size'
-                if world_size % others == 0 else "")
+        hint = (f'; parallel.dp = "auto" takes dp = {world_size // p.ranks_per_replica} from the world size'
+                if world_size % p.ranks_per_replica == 0 else "")
         raise ConfigError(f"--world-size: the layout dp×tp×pp×cp = {p.dp}×{p.tp}×{p.pp}×{p.cp} = "
                           f"{plural(p.world_size, 'rank')}, not {world_size}{hint}")
     cfg = resolve_world(cfg, world_size)
