@@ -208,7 +208,7 @@ class Comm:
             rows = tensor.shape[0] if tensor.dim() else 1
             if splits is not None and (len(splits) != n or sum(splits) != rows):
                 raise ValueError(f"all_to_all over {self.mesh.label(*axes)!r}: {name}_split_sizes {list(splits)} "
-                                 f"must have {plural(n, 'entry', 'entries')} summing to the {name}'s {plural(rows, 'row')}")
+                                 f"must have {plural(n, 'entry')} summing to the {name}'s {plural(rows, 'row')}")
         if input_split_sizes is None:
             sent = ring_bytes("all_to_all", _nbytes(input), n)
         else:
