@@ -151,6 +151,58 @@ def test_sharded_folders_are_read_whole(tmp_path, transformers):
     assert max_logit_difference(ours, theirs, tokens_for(64)) <= TOLERANCE
 
 
+def record_random_draws(monkeypatch) -> list[tuple]:
+    """The shapes of the real (not meta) tensors given random values, as nn.Linear's and
+    nn.Embedding's initialisers give them, from now on."""
+    drawn = []
+    for method in ("uniform_", "normal_"):
+        def recording(tensor, *args, _draw=getattr(torch.Tensor, method), **kwargs):
+            if not tensor.is_meta:
+                drawn.append(tuple(tensor.shape))
+            return _draw(tensor, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, recording)
+    return drawn
+
+
+@pytest.mark.parametrize("tie, experts", [(True, 0), (False, 0), (True, 4)])
+def test_a_model_built_from_a_state_dict_is_the_one_load_state_dict_gives(tokenizer, monkeypatch, tie, experts):
+    """Every parameter and buffer (the rotary tables __init__ computes, the MoE counters), the tie,
+    and the logits, as Llama(cfg).load_state_dict(state) gives them; no random value drawn."""
+    cfg = dataclasses.replace(tiny_config(tokenizer, tie), moe_experts=experts, moe_top_k=2 if experts else None)
+    reference = Llama(cfg)
+    randomize(reference, seed=4)
+    with torch.no_grad():
+        for layer in reference.moe_layers():
+            layer.expert_bias.normal_()  # saved with the weights: must come from the state, not zeros
+    drawn = record_random_draws(monkeypatch)
+    built = Llama.from_state_dict(cfg, reference.state_dict())
+    assert drawn == []
+    assert (built.head.weight is built.embed.weight) == tie
+    ours, theirs = dict(built.named_buffers()), dict(reference.named_buffers())
+    assert ours.keys() == theirs.keys() and {"rope_cos", "rope_sin"} <= ours.keys()
+    assert all(torch.equal(ours[name], theirs[name]) and ours[name].dtype == theirs[name].dtype for name in ours)
+    ours, theirs = dict(built.named_parameters()), dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) and ours[name].requires_grad for name in ours)
+    tokens = tokens_for(cfg.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(built.eval()(tokens), reference.eval()(tokens))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Llama.from_state_dict(cfg, {k: v for k, v in reference.state_dict().items() if k != "norm.weight"})
+
+
+def test_import_draws_no_random_weights(tmp_path, tokenizer, monkeypatch):
+    """The model import writes is built from the weights read, not initialised and then overwritten."""
+    cfg = tiny_config(tokenizer, tie=False)
+    model, _ = save_checkpoint(tmp_path / "run", cfg, tokenizer)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    drawn = record_random_draws(monkeypatch)
+    import_model(tmp_path / "hf", tmp_path / "back")
+    assert drawn == []
+    imported = checkpoint.read_model(tmp_path / "back")[1]
+    assert all(torch.equal(tensor, imported[name]) for name, tensor in model.state_dict().items())
+
+
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to q and k rows (its LlamaModel.permute)."""
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

@@ -125,8 +125,7 @@ def import_model(source: str | Path, out: str | Path, on_step=_no_step) -> Model
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
 
-    model = Llama(cfg)
-    model.load_state_dict(state)
+    model = Llama.from_state_dict(cfg, state)
     out = Path(out)
     config = Config(model=cfg).to_dict()
     # The model only understands its own tokenizer: name it by the file the checkpoint carries.

@@ -219,6 +219,29 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.moe_last_step: dict | None = None  # the statistics end_moe_step recorded
 
+    @classmethod
+    @torch.no_grad()
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> "Llama":
+        """``Llama(cfg)`` holding ``state`` (checked as strictly as ``load_state_dict``), without
+        drawing the random values the state replaces (SmolLM2-135M's took 2-3 s): built on the meta
+        device, given the state's tensors (in the parameters' dtypes), and the buffers the state
+        does not hold made as ``__init__`` makes them, on the state's device."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        dtypes = {key: tensor.dtype for key, tensor in model.state_dict().items()}
+        model.load_state_dict({key: value.to(dtypes[key]) if key in dtypes else value  # an unknown key: refused
+                               for key, value in state.items()}, assign=True)
+        if cfg.tie_embeddings:
+            model.head.weight = model.embed.weight  # assign gave each end a Parameter of its own
+        device = model.embed.weight.device
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_meta:  # the MoE step counters: zeros, as __init__ makes them
+                    module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Every parameter drawn as ``initial_value`` draws it (its own generator, seeded by the
