@@ -245,3 +245,40 @@ def test_generate_greedy_is_temperature_0_and_refuses_bad_sampling_values(traine
         assert main(run + extra) == 2, extra
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.fixture
+def torch_threads():
+    """The process's intra-op threads, restored after the test changes them."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_generate_takes_threads_from_the_option_then_omp_num_threads_then_every_core(trained, capsys, monkeypatch,
+                                                                                     torch_threads):
+    root, _ = trained
+    run = ["generate", "--checkpoint", str(root / "ckpt"), "--tokens", "2"]
+    cores = os.cpu_count()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for extra, environment, expected in (([], None, cores), ([], " 3 ", 3), ([], "2,1", 2),  # OpenMP's outer level
+                                         (["--threads", "1"], None, 1), (["--threads", "1"], "3", 1)):
+        if environment is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", environment)
+        torch.set_num_threads(cores + 4)  # none of the expected counts: each run must set its own
+        assert main(run + extra) == 0, capsys.readouterr().err
+        assert torch.get_num_threads() == expected, (extra, environment)
+    capsys.readouterr()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    for extra, environment, message in ((["--threads", "0"], None, "--threads: must be positive, got 0"),
+                                        (["--threads", "-2"], None, "--threads: must be positive, got -2"),
+                                        (["--threads", "two"], None, "'--threads': 'two' is not a valid integer"),
+                                        ([], "0", "OMP_NUM_THREADS: expected a positive number of threads, got '0'"),
+                                        ([], "many", "OMP_NUM_THREADS: expected a positive number")):
+        if environment is not None:
+            monkeypatch.setenv("OMP_NUM_THREADS", environment)
+        assert main(run + extra) == 2, (extra, environment)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

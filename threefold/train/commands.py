@@ -123,7 +123,10 @@ def _default_run(cfg) -> str:
               help="Of the sampler: 0 to 2**63 - 1, as train.seed.")
 @click.option("--chat", is_flag=True, help="Put the prompt in the model's chat template (a chat model's checkpoint "
                                            "carries one) and print only the reply.")
-def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, top_p, seed, chat):
+@click.option("--threads", type=int, metavar="N",
+              help="Intra-op threads to sample with (default: OMP_NUM_THREADS where it is set, else every core; "
+                   "a tiny model on a busy machine runs faster on fewer).")
+def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, top_p, seed, chat, threads):
     """Generate text from a checkpoint, sampled (temperature, top-k, top-p) or greedy; stops at the
     tokenizer's end-of-text token."""
     for name, value in (("--temperature", temperature), ("--top-p", top_p)):
@@ -135,6 +138,7 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, to
             raise ConfigError(f"--greedy: is --temperature 0; --temperature {temperature:g} samples instead "
                               "(give one of the two)")
         temperature = 0.0
+    threads = sampling_threads(threads)
     import torch
     from threefold.models.llama import Llama
     from threefold.train import checkpoint
@@ -149,8 +153,25 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, to
     model = Llama(model_cfg)
     model.load_state_dict(state)
     click.echo(f"loaded {checkpoint.describe(path, meta)}", err=True)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat, top_k, top_p))
+
+
+def sampling_threads(threads: int | None) -> int:
+    """``generate``'s intra-op threads: ``--threads``, else ``OMP_NUM_THREADS`` (its first level where
+    it lists several, as OpenMP reads it), else every core."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads: must be positive, got {threads}")
+        return threads
+    variable = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not variable:
+        return os.cpu_count() or 1
+    first = variable.split(",")[0].strip()
+    if not first.isdecimal() or int(first) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS: expected a positive number of threads, got {variable!r} "
+                          "(unset it, or give --threads N)")
+    return int(first)
 
 
 @click.command()
