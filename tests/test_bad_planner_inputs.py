@@ -156,3 +156,23 @@ def test_moe_experts_0_makes_an_moe_preset_dense(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "mixtral-8x7b", *args)
     moe = json.loads(out)["parameters"]
     assert code == 0 and dense["parameters"]["total"] == dense["parameters"]["active"] < moe["active"] < moe["total"]
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+@pytest.mark.parametrize("name, closest", [("MI300", "mi300x"), ("Local", "local"), ("h20", "h200"), ("B 100", "b200"),
+                                           ("v100", None), ("H100 PCIe", None)])  # a PCIe board: the --cluster hint
+def test_an_unknown_gpu_is_told_the_closest_known_name(capsys, command, name, closest):
+    args = ["--model", "llama3-8b", "--num-gpus", "8", "--global-batch", "16", "--gpu", name]
+    code, _, err = run(capsys, command, *args)
+    one_line_error(code, err, f"--gpu: unknown GPU {name!r} (known: a100-40gb, ")
+    assert err.rstrip().endswith(f"; did you mean {closest}?") == (closest is not None), err
+
+
+def test_an_unknown_stage_costs_gpu_is_told_the_closest_catalog_name():
+    from threefold.config import Config, ConfigError
+    from threefold.plan.stage_costs import planned_gpu
+
+    cfg = Config()
+    cfg.parallel.stage_costs_gpu = "H-200"
+    with pytest.raises(ConfigError, match=r"unknown GPU 'H-200' \(known: .*\); did you mean h200\?$"):
+        planned_gpu(cfg)

@@ -13,6 +13,7 @@ vendors' published nccl-tests / GEMM benchmarks, and are less certain.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import tomllib
@@ -328,10 +329,15 @@ _PART_MEMORY = {"a100": ({"40": "a100-40gb", "80": "a100-80gb"}, "a100-80gb"), "
 _OTHER_BOARDS = ("pcie", "nvl")
 
 
+def _spelling(name: str) -> str:
+    """``name`` lower-case, with spaces, underscores, slashes and brackets as single hyphens."""
+    return re.sub(r"[\s_/()]+", "-", name.strip().lower()).strip("-")
+
+
 def catalog_name(name: str) -> str | None:
     """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``,
     ``NVIDIA H100 80GB HBM3``), or None."""
-    key = re.sub(r"[\s_/()]+", "-", name.strip().lower()).strip("-")
+    key = _spelling(name)
     if key in CATALOG:
         return key
     part = re.search(r"(?<![a-z])(a100|h100|h200|b200|mi300x)", key)
@@ -342,9 +348,15 @@ def catalog_name(name: str) -> str | None:
     return default if memory is None else sizes.get(memory.group(1))
 
 
+def did_you_mean(name: str, known: list[str]) -> str:
+    """"; did you mean X?" for the name in ``known`` closest to ``name`` whatever its case, or ""."""
+    close = difflib.get_close_matches(_spelling(name), known, n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def get_gpu(name: str, dtype: str | None = None) -> GPU:
     """A catalog entry by name (or a vendor's spelling of it), or ``local``; ConfigError naming
-    the known ones otherwise."""
+    the known ones, and the closest of them, otherwise."""
     if name == "local":
         if compute_dtype(dtype) == "float8":
             raise ConfigError("--dtype: the engine trains in float32 or bfloat16 on a CPU; float8 products need a GPU "
@@ -352,9 +364,11 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
         return local_gpu(dtype)
     key = catalog_name(name)
     if key is None:
-        board = " (PCIe and NVL boards are not in the catalog: describe yours with --cluster FILE.toml)" \
-            if any(b in name.lower() for b in _OTHER_BOARDS) else ""
-        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join([*CATALOG, 'local'])}){board}")
+        known = [*CATALOG, "local"]
+        # Another board of a catalog chip: its closest name would be the catalog's board, which it is not.
+        hint = " (PCIe and NVL boards are not in the catalog: describe yours with --cluster FILE.toml)" \
+            if any(b in name.lower() for b in _OTHER_BOARDS) else did_you_mean(name, known)
+        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join(known)}){hint}")
     return CATALOG[key].with_dtype(dtype)
 
 

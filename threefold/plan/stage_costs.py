@@ -18,7 +18,7 @@ from threefold.config import Config, ConfigError
 from threefold.models.sizes import is_moe_layer
 from threefold.parallel.pipeline.schedule import LayerCosts
 from threefold.plan import costs
-from threefold.plan.hardware import CATALOG, GPU, catalog_name
+from threefold.plan.hardware import CATALOG, GPU, catalog_name, did_you_mean
 
 
 def planned_gpu(cfg: Config) -> GPU:
@@ -27,7 +27,8 @@ def planned_gpu(cfg: Config) -> GPU:
     given, dtype = cfg.parallel.stage_costs_gpu, cfg.train.dtype
     name = catalog_name(given)
     if name is None:
-        raise ConfigError(f"parallel.stage_costs_gpu: unknown GPU {given!r} (known: {', '.join(CATALOG)})")
+        raise ConfigError(f"parallel.stage_costs_gpu: unknown GPU {given!r} (known: {', '.join(CATALOG)})"
+                          + did_you_mean(given, list(CATALOG)))
     gpu = CATALOG[name]
     if dtype == "float32" and gpu.peak_flops_fp32 is None:
         raise ConfigError(f"parallel.stage_costs_gpu: the catalog has no float32 peak for {name} (train.dtype = "
