@@ -168,6 +168,25 @@ def test_an_unknown_gpu_is_told_the_closest_known_name(capsys, command, name, cl
     assert err.rstrip().endswith(f"; did you mean {closest}?") == (closest is not None), err
 
 
+@pytest.mark.parametrize("name", ["A100X", "RTX A1000", "H1000", "h100x", "mi300xx"])
+def test_a_gpu_name_that_only_starts_like_a_catalog_part_is_unknown(capsys, name):
+    """A100X and RTX A1000 were read as a100-80gb, H1000 as h100-sxm: the part had no end."""
+    from threefold.plan.hardware import CATALOG, did_you_mean
+
+    code, _, err = run(capsys, "estimate", *BASE[:-1], name)
+    one_line_error(code, err, f"--gpu: unknown GPU {name!r} (known: a100-40gb, ")
+    assert err.rstrip().endswith(f"local){did_you_mean(name, [*CATALOG, 'local'])}"), err
+
+
+@pytest.mark.parametrize("name, sizes", [("a100-60", "40 or 80 GB, not 60"), ("A100 24GB", "40 or 80 GB, not 24"),
+                                         ("h100 96", "80 GB, not 96"), ("H200-80GB", "141 or 144 GB, not 80")])
+def test_a_catalog_part_in_a_size_the_catalog_lacks_is_told_its_sizes(capsys, name, sizes):
+    """a100-60 was read as a100-80gb (a size without GB was not read); A100 24GB got "did you mean a100-40gb?"."""
+    code, _, err = run(capsys, "plan", *BASE[:-1], name)
+    one_line_error(code, err, f"--gpu: unknown GPU {name!r} (known: a100-40gb, ")
+    assert err.rstrip().endswith(f"; the catalog has the {name.split()[0].split('-')[0].upper()} in {sizes}"), err
+
+
 def test_an_unknown_stage_costs_gpu_is_told_the_closest_catalog_name():
     from threefold.config import Config, ConfigError
     from threefold.plan.stage_costs import planned_gpu
@@ -175,4 +194,16 @@ def test_an_unknown_stage_costs_gpu_is_told_the_closest_catalog_name():
     cfg = Config()
     cfg.parallel.stage_costs_gpu = "H-200"
     with pytest.raises(ConfigError, match=r"unknown GPU 'H-200' \(known: .*\); did you mean h200\?$"):
+        planned_gpu(cfg)
+
+
+def test_a_stage_costs_gpu_in_a_size_the_catalog_lacks_is_told_its_sizes():
+    """parallel.stage_costs_gpu = "a100-60" was planned on a100-80gb."""
+    from threefold.config import Config, ConfigError
+    from threefold.plan.stage_costs import planned_gpu
+
+    cfg = Config()
+    cfg.parallel.stage_costs_gpu = "a100-60"
+    with pytest.raises(ConfigError, match=r"unknown GPU 'a100-60' \(known: .*\); the catalog has the A100 in 40 or 80 GB, "
+                                          r"not 60$"):
         planned_gpu(cfg)

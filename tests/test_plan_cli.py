@@ -281,7 +281,8 @@ def test_choices_are_read_in_any_case(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("spelling, name", [("A100-SXM4-80GB", "a100-80gb"), ("a100_40gb", "a100-40gb"),
-                                            ("H100 SXM5 80GB", "h100-sxm"), ("H200", "h200")])
+                                            ("H100 SXM5 80GB", "h100-sxm"), ("H200", "h200"),
+                                            ("a100-40", "a100-40gb"), ("A100 40", "a100-40gb")])
 def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
     common = ["estimate", "--model", "gpt3-175b", "--global-batch", "64", "--num-gpus", "64", "--tp", "8", "--pp", "8",
               "--json"]
@@ -301,7 +302,12 @@ def test_the_gpu_may_be_named_as_vendors_print_it(capsys, spelling, name):
     ("a100-sxm4-40gb", "a100-40gb"), ("a100-sxm-40gb", "a100-40gb"), ("a100-sxm4-80gb", "a100-80gb"),
     ("a100-sxm-80gb", "a100-80gb"), ("h100", "h100-sxm"), ("h100-sxm5", "h100-sxm"), ("h100-sxm5-80gb", "h100-sxm"),
     ("h100-sxm-80gb", "h100-sxm"), ("h100-80gb", "h100-sxm"), ("h200-sxm", "h200"), ("h200-141gb", "h200"),
-    ("b200-180gb", "b200"), ("mi300x-192gb", "mi300x")])
+    ("b200-180gb", "b200"), ("mi300x-192gb", "mi300x"),
+    # a size with or without GB (a100-40 and "A100 40" were read as a100-80gb)
+    ("a100-40", "a100-40gb"), ("A100 40", "a100-40gb"), ("A100-40GB", "a100-40gb"), ("a100_80", "a100-80gb"),
+    ("a100 40g", "a100-40gb"), ("A100 40 GiB", "a100-40gb"), ("h200 144", "h200"), ("a100-60", None),
+    # a name that only starts like a part (these were read as a100-80gb and h100-sxm)
+    ("A100X", None), ("RTX A1000", None), ("H1000", None)])
 def test_catalog_names_read_part_and_memory_from_any_spelling(spelling, name):
     from threefold.plan.hardware import catalog_name
 

@@ -334,24 +334,53 @@ def _spelling(name: str) -> str:
     return re.sub(r"[\s_/()]+", "-", name.strip().lower()).strip("-")
 
 
+# A catalog part as a whole word (not the start of A100X, RTX A1000 or H1000), and after it a
+# memory size as a whole word, in GB or GiB or with no unit (80GB, 80-gb, 80g, 80; not sxm4's 4).
+_PART = re.compile(r"(?<![a-z])(a100|h100|h200|b200|mi300x)(?![a-z0-9])")
+_MEMORY = re.compile(r"(?<![a-z0-9])(\d+)(?:-?gi?b?)?(?![a-z0-9])")
+
+
+def _part_and_memory(name: str) -> tuple[str, str | None] | None:
+    """The catalog part ``name`` names and the memory size it gives (None where it gives none),
+    or None for another chip or board."""
+    key = _spelling(name)
+    part = _PART.search(key)
+    if part is None or any(board in key for board in _OTHER_BOARDS):
+        return None
+    memory = _MEMORY.search(key[part.end():])
+    return part.group(1), memory and memory.group(1)
+
+
 def catalog_name(name: str) -> str | None:
     """The catalog's name for ``name`` or a vendor's spelling of it (``A100-SXM4-80GB``,
-    ``NVIDIA H100 80GB HBM3``), or None."""
+    ``NVIDIA H100 80GB HBM3``, ``a100-40``), or None."""
     key = _spelling(name)
     if key in CATALOG:
         return key
-    part = re.search(r"(?<![a-z])(a100|h100|h200|b200|mi300x)", key)
-    if part is None or any(board in key for board in _OTHER_BOARDS):
+    read = _part_and_memory(key)
+    if read is None:
         return None
-    sizes, default = _PART_MEMORY[part.group(1)]
-    memory = re.search(r"(\d+)-?gi?b?(?![a-z0-9])", key[part.end():])
-    return default if memory is None else sizes.get(memory.group(1))
+    sizes, default = _PART_MEMORY[read[0]]
+    return default if read[1] is None else sizes.get(read[1])
 
 
 def did_you_mean(name: str, known: list[str]) -> str:
     """"; did you mean X?" for the name in ``known`` closest to ``name`` whatever its case, or ""."""
     close = difflib.get_close_matches(_spelling(name), known, n=1)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+def unknown_gpu_hint(name: str, known: list[str]) -> str:
+    """What to tell of a ``name`` that catalog_name does not know: the --cluster file for another
+    board of a catalog chip, the sizes the catalog has for a catalog part in another size (its
+    closest name would be the catalog's board, which it is not), else the closest known name."""
+    if any(board in name.lower() for board in _OTHER_BOARDS):
+        return " (PCIe and NVL boards are not in the catalog: describe yours with --cluster FILE.toml)"
+    read = _part_and_memory(name)
+    if read is not None and read[1] is not None:
+        part, memory = read
+        return f"; the catalog has the {part.upper()} in {' or '.join(_PART_MEMORY[part][0])} GB, not {memory}"
+    return did_you_mean(name, known)
 
 
 def get_gpu(name: str, dtype: str | None = None) -> GPU:
@@ -365,10 +394,7 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
     key = catalog_name(name)
     if key is None:
         known = [*CATALOG, "local"]
-        # Another board of a catalog chip: its closest name would be the catalog's board, which it is not.
-        hint = " (PCIe and NVL boards are not in the catalog: describe yours with --cluster FILE.toml)" \
-            if any(b in name.lower() for b in _OTHER_BOARDS) else did_you_mean(name, known)
-        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join(known)}){hint}")
+        raise ConfigError(f"--gpu: unknown GPU {name!r} (known: {', '.join(known)}){unknown_gpu_hint(name, known)}")
     return CATALOG[key].with_dtype(dtype)
 
 

@@ -18,7 +18,7 @@ from threefold.config import Config, ConfigError
 from threefold.models.sizes import is_moe_layer
 from threefold.parallel.pipeline.schedule import LayerCosts
 from threefold.plan import costs
-from threefold.plan.hardware import CATALOG, GPU, catalog_name, did_you_mean
+from threefold.plan.hardware import CATALOG, GPU, catalog_name, unknown_gpu_hint
 
 
 def planned_gpu(cfg: Config) -> GPU:
@@ -28,7 +28,7 @@ def planned_gpu(cfg: Config) -> GPU:
     name = catalog_name(given)
     if name is None:
         raise ConfigError(f"parallel.stage_costs_gpu: unknown GPU {given!r} (known: {', '.join(CATALOG)})"
-                          + did_you_mean(given, list(CATALOG)))
+                          + unknown_gpu_hint(given, list(CATALOG)))
     gpu = CATALOG[name]
     if dtype == "float32" and gpu.peak_flops_fp32 is None:
         raise ConfigError(f"parallel.stage_costs_gpu: the catalog has no float32 peak for {name} (train.dtype = "
