@@ -116,6 +116,8 @@ def test_a_fresh_run_from_its_own_checkpoint_is_refused_before_the_ranks_start(w
 def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monkeypatch):
     monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (1.0 * 2**30, 0, "available here"))
     monkeypatch.setattr("threefold.train.preflight.process_memory", lambda: 0.2 * 2**30)  # a rank's, not pytest's
+    # this machine's idle fp32 rate: under load the measured one fell 10×, and a slow-step warning came too
+    monkeypatch.setattr("threefold.train.preflight.matmul_rate", lambda: 2e11)
     sets = ["model.seq_len=16384", "train.micro_batch=4", "train.global_batch=4", "model.vocab_size=320"]
     with pytest.raises(ConfigError) as err:
         check_run(load_config(None, base(workspace) + sets))

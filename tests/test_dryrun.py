@@ -88,6 +88,7 @@ def test_trains_memory_check_is_the_dry_runs_fullest_rank():
     had scaled the planner's activations by dtype, 17.5 GiB where the dry run measures 29.8 for
     llama3-8b dp2·cp4 bf16; now it is the fullest stage's measured bytes and its backward's working
     set, plus the sampler's ids and the process itself."""
+    from threefold.plan.dryrun_predict import rank_share
     from threefold.train.preflight import INPUT_BYTES_PER_TOKEN, rank_memory, working_bytes
 
     cfg = dry_run_config(load(["model.preset=tiny", "model.vocab_size=512", "model.seq_len=64", "parallel.pp=2",
@@ -97,9 +98,9 @@ def test_trains_memory_check_is_the_dry_runs_fullest_rank():
     for rank in (0, 7):  # the first and the last stage, whose backward also holds the loss's softmax
         measured = dry_run_rank(cfg, rank)["memory"]
         totals.append(sum(measured[k] for k in ("params", "grads", "optimizer", "activations"))
-                      + working_bytes(cfg, last_stage=rank == 7))
+                      + working_bytes(cfg, rank_share(cfg, rank // 4), measured["activations"]))
     assert totals[0] != totals[1]  # the stages differ: the fuller one counts
-    need = rank_memory(cfg, process_bytes=1e6)
+    need = rank_memory(cfg, process_bytes=1e6, cuda=False)
     assert need.pop("batch") == 8 // 2 * 64 * INPUT_BYTES_PER_TOKEN and need.pop("process") == 1e6
     assert sum(need.values()) == max(totals)
 
@@ -315,7 +316,7 @@ def test_the_json_shape(capsys):
 
     assert ParallelConfig(dp=2, cp=2, ep=2).sizes_text() == "dp=2 × tp=1 × pp=1 × cp=2 × ep=2"
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
-    assert set(record["predicted"]) == {"memory", "comm_bytes"}
+    assert set(record["predicted"]) == {"memory", "comm_bytes", "live_peak"}
     assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]
 
 

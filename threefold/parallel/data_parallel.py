@@ -28,7 +28,9 @@ Layout. Each bucket is one flat fp32 buffer holding its parameters (the model's 
 become views into it) and one holding their gradients (zero 0 and 1: ``p.grad`` are views into
 it, so autograd accumulates straight into the buffer that is reduced; zero 2: each
 micro-batch's gradients are copied into a fresh buffer, which is dropped once its
-reduce-scatter is done, and autograd's own gradient is freed at once). A bucket
+reduce-scatter is done, and autograd's own gradient is freed at once; at most
+``REDUCTIONS_IN_FLIGHT`` buckets' reductions run at once, the oldest waited for when another
+starts, so that a rank holds a few buckets' full gradients, not the whole model's). A bucket
 is padded with zeros to a multiple of the dp size, so it splits into n equal chunks, chunk r
 belonging to rank r; the padding is the only difference from the planner's byte counts.
 
@@ -52,6 +54,7 @@ the same methods) through: ``start_step``, ``last_microbatch``, ``finish``, ``gr
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -162,6 +165,7 @@ class Bucket:
             self.grad_chunk = torch.zeros(self.layout.chunk, device=mesh.device)
         self.ready = 0  # gradients of this backward pass that have arrived
         self.pending = None  # the reduction in flight
+        self.launched = False  # its reduction of the step's last micro-batch has started (or will, after backward)
         self.in_flight: tuple[torch.Tensor, torch.Tensor] | None = None  # zero 2: (input, output) of it
         self._slots: dict[int, torch.Tensor] = {}
 
@@ -196,6 +200,14 @@ def bucket_groups(params: list[nn.Parameter], bucket_mb: float) -> list[list[nn.
     return groups
 
 
+# zero 2: a bucket's full gradient lives until its reduce-scatter is done. Waiting for the oldest
+# reduction when a third starts bounds them to two buckets (DeepSpeed's reduce bucket and the
+# one filling): without the bound each waited until the bucket's next reduction or the step's
+# end, and the last micro-batch's backward ended holding the whole model's full gradient (a
+# dry run's live peak of llama3-8b, dp8: 30 GiB of them, 0.5 GiB with it).
+REDUCTIONS_IN_FLIGHT = 2
+
+
 class BucketGradSync:
     """zero 0 (DDP), 1 and 2 over ``named_params`` (plain-model key, parameter), reduced over
     the group of mesh ``axes`` (dp; dp and cp under context parallelism, whose ranks hold the
@@ -219,6 +231,7 @@ class BucketGradSync:
         rest = [p for _, p in named_params if all(p is not q for q in isolated)]
         self.buckets = [Bucket(group, mesh, zero, self.axes) for group in bucket_groups(rest, bucket_mb)]
         self.buckets += [Bucket([p], mesh, zero, self.axes) for p in isolated]
+        self.reducing: collections.deque[Bucket] = collections.deque()  # zero 2: in launch order
         self.is_last = False
         for bucket in self.buckets:
             for p in bucket.params:
@@ -231,6 +244,8 @@ class BucketGradSync:
     def last_microbatch(self) -> None:
         """The next backward on these parameters is the step's last."""
         self.is_last = True
+        for bucket in self.buckets:
+            bucket.launched = False
 
     def _gradient_ready(self, bucket: Bucket, p: nn.Parameter) -> None:
         if self.zero < 2 and not self.is_last:
@@ -240,6 +255,7 @@ class BucketGradSync:
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0
+            bucket.launched = self.is_last
             if self.overlap or self.zero == 2:
                 self._launch(bucket)
             else:
@@ -255,7 +271,10 @@ class BucketGradSync:
             partial = torch.empty_like(bucket.grad_chunk)
             bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, self.axes, async_op=True)
             bucket.in_flight = (bucket.grad_flat, partial)
-            bucket.grad_flat = None  # the next micro-batch collects into a fresh buffer
+            bucket.grad_flat, bucket._slots = None, {}  # the next micro-batch collects into a fresh buffer
+            self.reducing.append(bucket)
+            while len(self.reducing) > REDUCTIONS_IN_FLIGHT:
+                self._wait(self.reducing.popleft())
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.pending is None:
@@ -270,7 +289,7 @@ class BucketGradSync:
         """Wait for every reduction of the step and turn the sums into means over the group (each
         rank's gradient is of its mean loss over equally many tokens: the mean of the means is
         the gradient of the global mean)."""
-        unreduced = [b for b in self.buckets if b.pending is None or b.ready]
+        unreduced = [b for b in self.buckets if not b.launched or b.ready]
         if unreduced:
             raise RuntimeError(f"{plural(len(unreduced), 'gradient bucket')} {'was' if len(unreduced) == 1 else 'were'} "
                                "not reduced in the last micro-batch: "
@@ -278,6 +297,7 @@ class BucketGradSync:
         for bucket in self.buckets:
             if bucket.pending == "after backward":
                 self._launch(bucket)
+        self.reducing.clear()
         for bucket in self.buckets:
             self._wait(bucket)
             bucket.reduced.div_(self.mean_over)  # n is a power of two in practice: exact

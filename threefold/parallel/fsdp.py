@@ -80,6 +80,8 @@ class ShardedUnit:
         self.uses = [uses[id(p)] for p in self.params]
         self.layout = FlatLayout([p.shape for p in self.params], mesh.size(*axes), mesh.coord(*axes))
         full = self.layout.pack(self.params, mesh.device)
+        for p in self.params:  # their values are in ``full`` now: kept, they would be a whole copy of the unit
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.chunk = self.layout.own(full).clone()  # fp32 master weights: all this rank keeps
         self.grad_chunk = torch.zeros_like(self.chunk)
         # The full buffer is a leaf of every graph: the weights are views of it, so autograd

@@ -12,7 +12,10 @@ step — with two things swapped underneath it:
 
 Every collective still goes through ``Comm``, so the ledger counts the bytes this rank would
 send on each mesh axis; the memory meters are the trainer's (``engine.memory_bytes``, the
-``ActivationMeter``). What fake tensors cannot do is read a value (the loss, the gradient
+``ActivationMeter``), and a third, ``LiveTensorMeter``, counts every tensor the step allocates,
+temporaries too: its peak is what a device would need (before its allocator's rounding and
+caching), and what ``threefold train``'s memory check (train/preflight.stage_memory) is held to.
+Fake tensors still have sizes, so it counts them as a device would. What fake tensors cannot do is read a value (the loss, the gradient
 norm): the engine's ``value_of``/``values_of`` return NaN/None for them, and nothing else in the
 engine knows it is a dry run.
 
@@ -37,9 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import itertools
 import json
 import re
 import time
+import warnings
 
 import click
 import torch
@@ -140,6 +146,29 @@ def fake_grouped_mm_in_fp32() -> None:
                           _create_grouped_mm_output_tensor(a, b, offs, out_dtype))
 
 
+def tensors_of(device: str) -> list[torch.Tensor]:
+    """Every tensor of the dry run's kind alive in this process: fake, or meta on ``device`` "meta"."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    kind = (lambda o: o.is_meta) if device == "meta" else (lambda o: isinstance(o, FakeTensor))
+    with warnings.catch_warnings():  # isinstance on torch.distributed.reduce_op warns it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and kind(o)]
+
+
+def rank_tensors(device: str, earlier, model: torch.nn.Module, parts) -> list[torch.Tensor]:
+    """The tensors of this rank's state as its engine built it: those of the dry run's kind alive
+    now, but the ``earlier`` ones (an earlier rank's engine, which its hooks' reference cycles
+    through autograd keep alive) and the full ``model``'s that none of the rank's ``parts`` holds
+    (other stages' weights, never materialised)."""
+    def ids(module):
+        return {id(q) for q in itertools.chain(module.parameters(), module.buffers())}
+
+    elsewhere = ids(model).difference(*(ids(part) for part in parts))
+    return [o for o in tensors_of(device) if o not in earlier and id(o) not in elsewhere]
+
+
 def no_progress(description: str, done: int = 0, total: int | None = None) -> None:
     pass
 
@@ -155,12 +184,13 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.weak import WeakIdKeyDictionary
 
     from threefold.distributed.comm import Comm
     from threefold.distributed.mesh import ParallelMesh, mesh_sizes
     from threefold.models.llama import Block, Llama
     from threefold.train.engine import Engine, lr_at
-    from threefold.train.metrics import ActivationMeter
+    from threefold.train.metrics import ActivationMeter, LiveTensorMeter
     from threefold.train.trainer import split_micro_batches
 
     p, t = cfg.parallel, cfg.train
@@ -168,6 +198,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
         fake_grouped_mm_in_fp32()
     began = time.perf_counter()
     on_step("building its share of the model")
+    earlier = WeakIdKeyDictionary(dict.fromkeys(tensors_of(device)))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
     try:
@@ -183,6 +214,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
             if engine.lookahead:  # every weight version the schedule keeps exists by the run's middle
                 engine.set_adam_step(float(p.pp))
             meter = engine.activation_meter = ActivationMeter(engine.parameter_storages)
+            engine.moment_shards()  # Adam's moments, as a steady step starts with them (zeros until the step)
+            live = LiveTensorMeter(rank_tensors(device, earlier, model, engine.parts.values()), engine.gathered_buffers())
 
             def batch():
                 """The rank's inputs and targets of a step, two tensors as the sampler makes them
@@ -208,15 +241,16 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
 
             for block in blocks:
                 block.register_forward_pre_hook(forwarded)  # saves nothing: the meters are unchanged
-            for _ in range(steps_run):
-                on_step("forward and backward", min(forwards, total), total)
-                engine.comm_bytes()  # construction's or the first step's traffic is not the step's
-                meter.peak = meter.live
-                upcoming = [batch() for _ in range(engine.lookahead)]
-                engine.forward_backward(batch(), upcoming) if upcoming else engine.forward_backward(batch())
-                on_step("gradient norm and optimizer step")
-                engine.clip_grad_norm(t.grad_clip)
-                engine.optimizer_step(lr_at(0, cfg))
+            with live:
+                for _ in range(steps_run):
+                    on_step("forward and backward", min(forwards, total), total)
+                    engine.comm_bytes()  # construction's or the first step's traffic is not the step's
+                    meter.peak, live.peak = meter.live, live.live
+                    upcoming = [batch() for _ in range(engine.lookahead)]
+                    engine.forward_backward(batch(), upcoming) if upcoming else engine.forward_backward(batch())
+                    on_step("gradient norm and optimizer step")
+                    engine.clip_grad_norm(t.grad_clip)
+                    engine.optimizer_step(lr_at(0, cfg))
             memory = dict(engine.memory_bytes(), activations=meter.peak)
             comm_bytes = engine.comm_bytes()
             timeline = engine.step_timeline()
@@ -228,7 +262,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
     hybrid = mesh.sizes["dpr"] > 1  # dpr and dps are hybrid sharding's split of dp: shown only under it
     return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items()
                                      if mesh.sizes[a] > 1 and (hybrid or a not in ("dpr", "dps"))},
-            "memory": memory, "comm_bytes": comm_bytes,
+            "memory": memory, "live_peak": live.peak, "comm_bytes": comm_bytes,
             "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
             "stage_split": stage_split, "steps_run": steps_run,
             "seconds": time.perf_counter() - began}
@@ -274,9 +308,11 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
                 raise error from None
             if compare:
                 from threefold.plan.dryrun_predict import predict_rank
+                from threefold.train.preflight import stage_memory
 
                 on_step("the planner's figures")
                 result["predicted"] = predict_rank(cfg, rank)
+                result["predicted"]["live_peak"] = sum(stage_memory(cfg, result["coords"].get("pp", 0)).values())
             on_step("done", 1, 1)  # its line stays while the next ranks run, its time stopped
             results.append(result)
     return results
@@ -330,6 +366,8 @@ def result_table(cfg: Config, result: dict):
 
     for key in (*MEMORY_KEYS, *(["weight_versions"] if "weight_versions" in result["memory"] else [])):
         row(f"memory: {key} (B)", result["memory"][key], predicted and predicted["memory"].get(key))
+    # every tensor alive at once, temporaries too; beside it what `threefold train` checks memory by
+    row("memory: live peak (B)", result["live_peak"], predicted and predicted["live_peak"])
     keys = sorted(set(result["comm_bytes"]) | set(predicted["comm_bytes"] if predicted else ()))
     for key in keys:
         row(f"bytes/step: {key}", result["comm_bytes"].get(key, 0), predicted and predicted["comm_bytes"].get(key))
@@ -351,8 +389,8 @@ def result_table(cfg: Config, result: dict):
 def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, progress):
     """One training step of the real engine as rank R of a world of N, on fake tensors.
 
-    Prints each rank's memory (parameters, gradients, optimizer states, peak activations) and the
-    bytes it sends per mesh axis in the step; a large model's rank can take a minute or more on a CPU."""
+    Prints each rank's memory (parameters, gradients, optimizer states, peak activations, and the
+    live peak of every tensor, temporaries too) and the bytes it sends per mesh axis in the step; a large model's rank can take a minute or more on a CPU."""
     ranks = check_ranks(ranks, world_size)
     with notes_after_checks():
         cfg = dry_run_config(load_config(config_path, overrides), world_size)

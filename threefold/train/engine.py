@@ -446,9 +446,11 @@ class Engine:
         """Storages holding model state now: parameters (ZeRO-3: the gathered units) and buffers
         (the rotary tables, whose slices the blocks save); the activation meter leaves them out."""
         found = {storage_key(q) for q in itertools.chain(self.model.parameters(), self.model.buffers())}
-        for sync in self.syncs.values():
-            found |= {storage_key(t) for t in getattr(sync, "gathered_storages", list)()}
-        return found
+        return found | {storage_key(t) for t in self.gathered_buffers()}
+
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """ZeRO-3's full buffers, whose storages are allocated only while their units are gathered."""
+        return [t for sync in self.syncs.values() for t in getattr(sync, "gathered_storages", list)()]
 
     def forward_context(self):
         """Wrap each micro-batch's forward in this, so the activation meter sees it."""

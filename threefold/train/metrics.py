@@ -6,9 +6,11 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -81,6 +83,54 @@ class ActivationMeter:
         """Context for one micro-batch's forward pass."""
         self._params = self.parameter_storages()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Counts the bytes of every tensor storage alive while it is active: ``live`` now, and
+    ``peak``, the most at once since it was last reset. What a device's allocator would hold
+    without its rounding and caching: model state, saved activations and every temporary.
+
+    A storage counts once (views share it) from when an operator creates it, or from the start
+    for the ``existing`` tensors, until it is freed. ``resizable`` tensors' storages change size
+    without an operator (ZeRO-3 frees and regathers its full buffers): their sizes are read
+    again at each operator, before the peak is taken."""
+
+    def __init__(self, existing: Iterable[torch.Tensor] = (), resizable: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self.resizable = list(resizable)
+        self._bytes: dict[int, int] = {}  # storage key → bytes counted for it
+        self.live = 0
+        for tensor in existing:
+            self._count(tensor)
+        self.peak = self.live
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # storage_key
+        if key in self._bytes:
+            return
+        self._bytes[key] = storage.nbytes()
+        self.live += self._bytes[key]
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.live -= self._bytes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in self.resizable:
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._bytes:
+                self.live += storage.nbytes() - self._bytes[key]
+                self._bytes[key] = storage.nbytes()
+            else:
+                self._count(tensor)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor)
+        self.peak = max(self.peak, self.live)
+        return out
 
 
 # The groups whose bulk traffic has a balanced counterpart in the planner: (axes, ledger keys of

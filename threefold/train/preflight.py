@@ -115,49 +115,147 @@ def tokenizer_vocab(cfg: Config) -> int:
 
 
 # --- memory ------------------------------------------------------------------------------------
-def rank_memory(cfg: Config, process_bytes: float | None = None) -> dict[str, float]:
-    """Bytes the fullest rank needs at its peak: what the engine keeps (plan/dryrun_predict.py,
-    which ``threefold dryrun`` holds to the bytes the engine allocates: fp32 states, the saved
-    activations of the run's dtype and schedule), the backward's working set beside them
-    (``working_bytes``), the sampler's batch of token ids, and the process itself
-    (``process_bytes``; default: this process's resident memory, torch imported, on CPUs, and
-    costs.RESERVED_BYTES on CUDA). Under pp the stages differ: the rank whose stage needs the
-    most counts."""
+def rank_memory(cfg: Config, process_bytes: float | None = None, cuda: bool | None = None) -> dict[str, float]:
+    """Bytes the fullest rank needs at its peak: ``stage_memory`` of the pipeline coordinate that
+    needs the most (under pp the stages differ), and the process itself (``process_bytes``;
+    default: this process's resident memory, torch imported, on CPUs, and costs.RESERVED_BYTES on
+    CUDA). ``cuda``: whether the ranks run on CUDA (default: whether this machine has it)."""
+    cuda = on_cuda() if cuda is None else cuda
+    parts = max((stage_memory(cfg, pp_rank, cuda) for pp_rank in range(cfg.parallel.pp)),
+                key=lambda m: sum(m.values()))
+    parts["process"] = process_memory() if process_bytes is None else process_bytes
+    return parts
+
+
+def on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def stage_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> dict[str, float]:
+    """Bytes the ranks of pipeline coordinate ``pp_rank`` hold at their peak: what the engine keeps
+    (plan/dryrun_predict.py, which ``threefold dryrun`` holds to the bytes the engine allocates:
+    fp32 states, the saved activations of the run's dtype and schedule), what its step holds
+    beside them at its fullest (``working_bytes``) and the sampler's batch of token ids. A dry
+    run's live peak, every tensor counted, is held to their sum (tests/test_dryrun_live_peak.py)."""
     from threefold.plan.dryrun_predict import predict_rank, rank_share
 
     p, t = cfg.parallel, cfg.train
-    stages = []
-    for pp_rank in range(p.pp):
-        memory = predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"]
-        memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank).last_stage)
-        stages.append(memory)
-    parts = max(stages, key=lambda memory: sum(memory.values()))
-    parts["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
-    parts["process"] = process_memory() if process_bytes is None else process_bytes
-    return {k: float(v) for k, v in parts.items()}
+    memory = predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"]
+    memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank), memory["activations"], cuda)
+    memory["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
+    return {k: float(v) for k, v in memory.items()}
 
 
-def working_bytes(cfg: Config, last_stage: bool) -> float:
-    """What the backward holds beside the saved activations at its peak, for one micro-batch: on
-    the stage with the head, the loss's fp32 softmax and its gradient, each the size of the logits,
-    as the backward starts; under full recomputation the block it rebuilds (its activations, whose
-    gradients then take their place). Elsewhere a block's gradients take the place of the
-    activations its backward frees. PyTorch's MemTracker on one-process runs of the tiny model
-    (seq 1,024–4,096, vocabulary 64–16,384; none, selective and full) put the live tensors' peak
-    within 0.03 GiB of states + saved activations + this (docs/training.md)."""
+def working_bytes(cfg: Config, share, activations: float, cuda: bool = False) -> float:
+    """What a rank holds beside its states and saved activations at its fullest, the larger of
+    two moments of the step: its backward (``backward_working_bytes``) and its optimizer step
+    (``optimizer_working_bytes``), which runs once the backward has freed the ``activations``.
+    ``share``: the rank's plan/dryrun_predict.RankShare."""
+    return float(max(backward_working_bytes(cfg, share), optimizer_working_bytes(cfg, share, cuda) - activations))
+
+
+def backward_working_bytes(cfg: Config, share) -> float:
+    """What the backward holds beside the saved activations at its peak, for one micro-batch.
+
+    - On the stage with the head, the loss's fp32 softmax and its gradient, each the size of
+      the logits, as the backward starts; under full recomputation the block it rebuilds (its
+      activations, whose gradients then take their place), if larger. Elsewhere a block's
+      gradients take the place of the activations its backward frees. PyTorch's MemTracker on
+      one-process runs of the tiny model (seq 1,024–4,096, vocabulary 64–16,384; none,
+      selective and full) put the live tensors' peak within 0.03 GiB of states + saved
+      activations + this (docs/training.md).
+    - ZeRO-2 (over more than one rank): the largest parameter's gradient twice, autograd's and
+      the bucket's full one it is copied into before its reduce-scatter.
+    - ZeRO-3 (over more than one rank), fp32: the gathered units, the root (embedding, final norm,
+      head: gathered for the whole step, as FSDP's root) and a block with the next one prefetched;
+      and their full gradients, the root's (from the head's backward to the embedding's) and a
+      block's."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
     tokens = t.micro_batch * model.seq_len // p.cp
-    loss = 2 * tokens * 4 * -(-model.vocab_size // p.tp) if last_stage else 0
-    if t.recompute != "full":
-        return float(loss)
-    act_bytes, _ = costs.ENGINE_BYTES[t.dtype]
-    sp = p.sequence_parallel and p.tp > 1
-    block = costs.block_activation_bytes(model, tokens, p.tp, sp, "none", dtype_bytes=act_bytes)
-    if model.moe_experts:
-        block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes)
-    return float(max(block, loss))
+    working = 2 * tokens * 4 * -(-model.vocab_size // p.tp) if share.last_stage else 0
+    if t.recompute == "full":
+        act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
+        sp = p.sequence_parallel and p.tp > 1
+        block = costs.block_activation_bytes(model, tokens, p.tp, sp, "none", dtype_bytes=act_bytes)
+        if model.moe_experts:
+            block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes)
+        if act_bytes != residual_bytes:  # bf16 autocast casts the rebuilt block's weights again
+            block += act_bytes * largest_block(cfg, share)
+        working = max(block, working)
+    shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
+    if p.zero == 2 and shards > 1:
+        working += 2 * 4 * largest_parameter(cfg, share)
+    if p.zero == 3 and shards > 1:
+        root, block = zero3_units(cfg, share)
+        working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
+    return float(working)
+
+
+def zero3_units(cfg: Config, share) -> tuple[int, int]:
+    """Elements of ZeRO-3's units on this rank (parallel/fsdp.py), one tp shard: the root (what the
+    stage holds outside its blocks: the vocabulary tables, the final norm) and the largest block."""
+    from threefold.models.sizes import padded_vocab
+
+    p, model = cfg.parallel, cfg.model
+    table = padded_vocab(model.vocab_size, p.tp) // p.tp * model.hidden
+    root = (table if share.first_stage else 0) + (model.hidden + table if share.last_stage else 0)
+    if model.tie_embeddings and share.first_stage and share.last_stage:
+        root -= table  # one table for both ends
+    return root, largest_block(cfg, share)
+
+
+def largest_block(cfg: Config, share) -> int:
+    """Elements of this rank's largest block, one tp shard (an MoE block's routed experts apart)."""
+    from threefold.models.sizes import tp_block_param_count, tp_moe_block_param_count
+
+    block = tp_block_param_count(cfg.model, cfg.parallel.tp)
+    if share.moe_blocks:
+        block = max(block, tp_moe_block_param_count(cfg.model, cfg.parallel.tp))
+    return block
+
+
+def largest_parameter(cfg: Config, share) -> int:
+    """Elements of the largest parameter this rank holds: the vocabulary table's tp shard where it
+    holds an end of the model, a block's largest matrix shard, an MoE block's experts of one
+    matrix (E/ep of them, one tensor)."""
+    from threefold.models.sizes import attention_width, padded_vocab
+
+    p, model = cfg.parallel, cfg.model
+    h = model.hidden
+    q, _ = attention_width(model)
+    largest = max(h * model.ffn_hidden, h * q) // p.tp
+    if share.first_stage or share.last_stage:
+        largest = max(largest, padded_vocab(model.vocab_size, p.tp) // p.tp * h)
+    if share.moe_blocks:
+        largest = max(largest, model.moe_experts // p.ep * h * model.moe_ffn_hidden)
+    return largest
+
+
+def optimizer_working_bytes(cfg: Config, share, cuda: bool) -> float:
+    """AdamW's temporaries in its step, fp32. torch's AdamW on CPUs updates one tensor at a time,
+    making the square root of its second moment and that divided by the bias correction: twice
+    the largest tensor it updates (a parameter; under ZeRO-1/2 a bucket's chunk, under ZeRO-3 a
+    unit's). On CUDA its foreach form makes the square roots of all of them at once: once every
+    parameter element this rank updates."""
+    from threefold.models.sizes import rank_expert_param_count
+
+    p = cfg.parallel
+    shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
+    zero = p.zero if shards > 1 else 0
+    if cuda:
+        experts = share.moe_blocks * rank_expert_param_count(cfg.model, p.ep) if share.moe_blocks else 0
+        expert_shards = max(1, shards // p.ep)
+        return 4.0 * (share.numel / (shards if zero else 1) + experts / (expert_shards if zero else 1))
+    largest = largest_parameter(cfg, share)
+    if zero in (1, 2):  # buckets of up to bucket_mb, a larger parameter alone in its own
+        largest = max(largest, int(p.bucket_mb * 2**20 / 4))
+    if zero == 3:  # a unit: the root or a block
+        largest = max(zero3_units(cfg, share))
+    return 2 * 4.0 * (largest / shards if zero else largest)
 
 
 def process_memory() -> float:
