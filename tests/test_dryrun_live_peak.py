@@ -63,6 +63,7 @@ TINY = ["model.preset=tiny", "model.vocab_size=2048", "model.seq_len=256", "trai
     (["parallel.dp=2", "parallel.zero=2", "parallel.bucket_mb=0.5"], 2),
     (["parallel.dp=2", "parallel.zero=3"], 2),
     (["parallel.tp=2", "train.dtype=bfloat16"], 2),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "train.dtype=bfloat16"], 2),
     (["parallel.pp=2", "parallel.dp=2", "train.recompute=full"], 4),
     (["parallel.cp=2", "train.recompute=selective"], 2),
 ])

@@ -166,6 +166,11 @@ def backward_working_bytes(cfg: Config, share) -> float:
       one-process runs of the tiny model (seq 1,024–4,096, vocabulary 64–16,384; none,
       selective and full) put the live tensors' peak within 0.03 GiB of states + saved
       activations + this (docs/training.md).
+    - bf16 autocast under sequence parallelism: the column-parallel products save their fp32
+      weights (parameters), yet autocast casts them for the product and caches the casts until
+      the micro-batch's forward ends: at its loss, one bf16 copy of each (wq, wk, wv, w_gate,
+      w_up and the head's shard) per block of the rank (a dry run of llama3-8b at tp2 showed
+      4.5 GiB a rank of them, the activation meter none, as nothing saves them).
     - ZeRO-2 (over more than one rank): the largest parameter's gradient twice, autograd's and
       the bucket's full one it is copied into before its reduce-scatter.
     - ZeRO-3 (over more than one rank), fp32: the gathered units, the root (embedding, final norm,
@@ -176,16 +181,18 @@ def backward_working_bytes(cfg: Config, share) -> float:
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
     tokens = t.micro_batch * model.seq_len // p.cp
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
+    sp = p.sequence_parallel and p.tp > 1
     working = 2 * tokens * 4 * -(-model.vocab_size // p.tp) if share.last_stage else 0
     if t.recompute == "full":
-        act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
-        sp = p.sequence_parallel and p.tp > 1
         block = costs.block_activation_bytes(model, tokens, p.tp, sp, "none", dtype_bytes=act_bytes)
         if model.moe_experts:
             block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes)
         if act_bytes != residual_bytes:  # bf16 autocast casts the rebuilt block's weights again
             block += act_bytes * largest_block(cfg, share)
         working = max(block, working)
+    if act_bytes != residual_bytes and sp:
+        working += act_bytes * column_parallel_weights(cfg, share)
     shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
     if p.zero == 2 and shards > 1:
         working += 2 * 4 * largest_parameter(cfg, share)
@@ -193,6 +200,21 @@ def backward_working_bytes(cfg: Config, share) -> float:
         root, block = zero3_units(cfg, share)
         working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
     return float(working)
+
+
+def column_parallel_weights(cfg: Config, share) -> int:
+    """Elements of the column-parallel weights of the rank's blocks (wq, wk, wv, and a dense
+    block's w_gate and w_up), one tp shard, and of the head's shard where it holds the head."""
+    from threefold.models.sizes import attention_width, padded_vocab
+
+    p, model = cfg.parallel, cfg.model
+    h = model.hidden
+    q, kv = attention_width(model)
+    dense = share.blocks - share.moe_blocks
+    numel = (share.blocks * (q + 2 * kv) * h + dense * 2 * h * model.ffn_hidden) // p.tp
+    if share.last_stage:
+        numel += padded_vocab(model.vocab_size, p.tp) // p.tp * h
+    return numel
 
 
 def zero3_units(cfg: Config, share) -> tuple[int, int]:
