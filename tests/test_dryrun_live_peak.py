@@ -70,13 +70,13 @@ TINY = ["model.preset=tiny", "model.vocab_size=2048", "model.seq_len=256", "trai
 def test_trains_memory_model_is_the_dry_runs_live_peak(sets, world):
     """On the first and the last rank, what ``threefold train`` checks memory by (states + saved
     activations + the step's working set + the batch: stage_memory) against every tensor alive at
-    the step's peak: at most 8% under it (what it leaves out: the gradients a block's backward
+    the step's peak (the first and the last stage): at most 8% under it (what it leaves out: the gradients a block's backward
     makes beside the tensors it frees, here up to 7.7% on pp's first stage under full
     recomputation; within 2% elsewhere) and at most 12% over (it adds moments that need not
     coincide: ZeRO-2's two copies of the largest gradient, ZeRO-3's gathered root and block with
     their gradients, measured up to 10% over)."""
     cfg = load(TINY + sets, world)
-    for rank in sorted({0, world - 1}):
+    for rank in sorted({0, world - 1}) if cfg.parallel.pp > 1 else [0]:  # else every rank alike
         result = dry_run_rank(cfg, rank)
         model = sum(stage_memory(cfg, result["coords"].get("pp", 0)).values())
         assert 0.88 * model <= result["live_peak"] <= 1.08 * model, (sets, rank, result["live_peak"] / model)
