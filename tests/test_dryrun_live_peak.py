@@ -145,3 +145,15 @@ def test_zero2_holds_a_few_buckets_full_gradients_not_the_models():
     peaks = {zero: dry_run_rank(load(sets + [f"parallel.zero={zero}"], 2), 0)["live_peak"] for zero in (1, 2)}
     full_grads = dry_run_rank(load(sets + ["parallel.zero=0"], 2), 0)["memory"]["grads"]
     assert peaks[2] < peaks[1] - full_grads / 4
+
+
+def test_a_meta_device_run_says_why_its_live_peak_is_higher(capsys):
+    """On meta tensors PyTorch's SDPA falls back to its math kernel, which keeps the scores: the
+    tiny model's live peak on meta is above the fake-CPU one, and the output says why."""
+    sets = [x for o in TINY for x in ("--set", o)]
+    assert main(["dryrun", *sets, "--world-size", "1", "--json"]) == 0
+    fake = json.loads(capsys.readouterr().out)["live_peak"]
+    assert main(["dryrun", *sets, "--world-size", "1", "--device", "meta", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["live_peak"] > fake
+    assert main(["dryrun", *sets, "--world-size", "1", "--device", "meta"]) == 0
+    assert "on the meta device attention runs PyTorch's math kernel" in capsys.readouterr().out

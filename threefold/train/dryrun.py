@@ -411,3 +411,7 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, 
         if result["actions"]:
             console.print(f"pipeline actions ({cfg.parallel.schedule}, {plural(cfg.microbatches, 'micro-batch')}): "
                           + actions_line(result["actions"]), soft_wrap=True)
+    if device == "meta":
+        console.print("on the meta device attention runs PyTorch's math kernel, which materialises the scores: "
+                      "the live peak is above what a GPU's flash attention needs (fake CPU tensors, the default, "
+                      "run a flash kernel)", markup=False, highlight=False, soft_wrap=True)
