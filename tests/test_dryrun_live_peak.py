@@ -157,3 +157,27 @@ def test_a_meta_device_run_says_why_its_live_peak_is_higher(capsys):
     assert json.loads(capsys.readouterr().out)["live_peak"] > fake
     assert main(["dryrun", *sets, "--world-size", "1", "--device", "meta"]) == 0
     assert "on the meta device attention runs PyTorch's math kernel" in capsys.readouterr().out
+
+
+def test_the_trace_is_the_live_bytes_operator_by_operator():
+    cfg = load(TINY + ["parallel.pp=2"], 2)
+    result = dry_run_rank(cfg, 0, trace=True)
+    trace = result["live_trace"]
+    assert max(trace["bytes"]) == result["live_peak"]
+    # the step starts from the weights and Adam's moments (without dp, gradients come in the backward)
+    assert trace["bytes"][0] >= result["memory"]["params"] + result["memory"]["optimizer"]
+    assert [name for _, name in trace["phases"]] == ["forward and backward", "gradient norm and optimizer step"]
+    assert 0 < trace["phases"][1][0] < len(trace["bytes"])
+
+
+def test_memory_out_draws_the_ranks_and_keeps_the_json_short(capsys, tmp_path):
+    sets = [x for o in TINY + ["parallel.pp=2"] for x in ("--set", o)]
+    picture = tmp_path / "memory.png"
+    assert main(["dryrun", *sets, "--world-size", "2", "--rank", "0", "--rank", "1", "--compare", "--json",
+                 "--memory-out", str(picture)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["rank"] for r in records] == [0, 1] and all("live_trace" not in r for r in records)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["dryrun", *sets, "--world-size", "2", "--memory-out", str(tmp_path / "memory.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --memory-out: ") and "\n" not in err

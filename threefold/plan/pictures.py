@@ -1,4 +1,5 @@
-"""Pictures of the planner's estimates: ``threefold estimate --out`` and ``threefold plan --out``.
+"""Pictures of the planner's estimates: ``threefold estimate --out`` and ``threefold plan --out``;
+and of a dry run's memory, ``threefold dryrun --memory-out``.
 
 One horizontal bar per layout in each of two panels: where the step's time goes (compute,
 memory-bound work, exposed communication per axis, the pipeline bubble, the optimizer step;
@@ -63,12 +64,49 @@ def draw_breakdown(results: Sequence[dict], labels: Sequence[str], capacity_gib:
     return save_figure(fig, path)
 
 
-def save_figure(fig, path: str | Path) -> Path:
+def draw_live_memory(traces: Sequence[dict], labels: Sequence[str], states: Sequence[float],
+                     models: Sequence[float | None], path: str | Path, title: str) -> Path:
+    """Each dry-run rank's live bytes after every operator of its step (``traces``: the dry run's
+    ``live_trace``), over the step's operators, its peak marked; dashed, what it keeps between
+    steps (``states``: parameters, gradients, Adam's moments) and, where given, train's memory
+    model (``models``); dotted, where its optimizer step begins."""
+    from matplotlib.figure import Figure  # matplotlib only when drawing
+
+    top_bytes = max(max(t["bytes"]) for t in traces)
+    gib, unit = (2**30, "GiB") if top_bytes >= 2**30 else (2**20, "MiB")  # the tiny model's are MiB
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    ax = fig.subplots()
+    colours = ["#4c72b0", "#c44e52", "#55a868", "#8172b3", "#dd8452", "#937860"]
+    for i, (trace, label, kept, model) in enumerate(zip(traces, labels, states, models)):
+        colour = colours[i % len(colours)]
+        live = [b / gib for b in trace["bytes"]]
+        ax.plot(range(len(live)), live, color=colour, linewidth=1, label=label)
+        top = max(range(len(live)), key=live.__getitem__)
+        ax.plot([top], [live[top]], "o", color=colour)
+        ax.annotate(f"peak {live[top]:,.1f} {unit}", (top, live[top]), textcoords="offset points", xytext=(6, 4),
+                    color=colour, fontsize=8)
+        ax.axhline(kept / gib, color=colour, linestyle="--", linewidth=0.8, alpha=0.6,
+                   label=f"{label}: states {kept / gib:,.1f} {unit}")
+        if model is not None:
+            ax.axhline(model / gib, color=colour, linestyle="-.", linewidth=0.8,
+                       label=f"{label}: train's memory model {model / gib:,.1f} {unit}")
+        for start, name in trace["phases"]:
+            if name.startswith("gradient norm"):
+                ax.axvline(start, color=colour, linestyle=":", linewidth=0.8)
+    ax.set_xlabel("operators of the step, in order (dotted: the gradient norm and optimizer step begin)")
+    ax.set_ylabel(f"{unit} alive on the rank")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.suptitle(title)
+    return save_figure(fig, path, "--memory-out")
+
+
+def save_figure(fig, path: str | Path, flag: str = "--out") -> Path:
     """Save ``fig`` to ``path``, its folders made; a path this process cannot write is one line."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
     except OSError as err:  # a folder this process may not write to, a full disk, …
-        raise ConfigError(f"--out: cannot write {path} ({err.strerror or err})") from None
+        raise ConfigError(f"{flag}: cannot write {path} ({err.strerror or err})") from None
     return path

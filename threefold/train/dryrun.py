@@ -173,14 +173,16 @@ def no_progress(description: str, done: int = 0, total: int | None = None) -> No
     pass
 
 
-def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progress) -> dict:
+def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progress, trace: bool = False) -> dict:
     """One training step of global ``rank`` on fake tensors and a fake process group: its memory
     (bytes of parameters, gradients, optimizer states, peak activations), its bytes per ledger
     key, and the pipeline actions it executed (``[start_s, end_s, kind, micro-batch, stage]``).
 
     ``on_step(description, done, total)`` is told each phase, for a progress display: building
     the rank's share, then forward and backward (``done`` of ``total`` block forwards, where a
-    large model's step spends its minutes), then the gradient norm and the optimizer step."""
+    large model's step spends its minutes), then the gradient norm and the optimizer step.
+    ``trace``: also the measured step's live bytes after each operator, and where its phases
+    begin (``live_trace``: ``{"bytes": [...], "phases": [[operator index, phase], ...]}``)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -241,13 +243,23 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
 
             for block in blocks:
                 block.register_forward_pre_hook(forwarded)  # saves nothing: the meters are unchanged
+            phases = []
+
+            def phase(description):
+                if live.trace is not None:
+                    phases.append([len(live.trace), description])
+
             with live:
-                for _ in range(steps_run):
+                for step in range(steps_run):
+                    if trace and step == steps_run - 1:
+                        live.trace = [live.live]
+                    phase("forward and backward")
                     on_step("forward and backward", min(forwards, total), total)
                     engine.comm_bytes()  # construction's or the first step's traffic is not the step's
                     meter.peak, live.peak = meter.live, live.live
                     upcoming = [batch() for _ in range(engine.lookahead)]
                     engine.forward_backward(batch(), upcoming) if upcoming else engine.forward_backward(batch())
+                    phase("gradient norm and optimizer step")
                     on_step("gradient norm and optimizer step")
                     engine.clip_grad_norm(t.grad_clip)
                     engine.optimizer_step(lr_at(0, cfg))
@@ -263,6 +275,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
     return {"rank": rank, "coords": {a: c for a, c in mesh.coords.items()
                                      if mesh.sizes[a] > 1 and (hybrid or a not in ("dpr", "dps"))},
             "memory": memory, "live_peak": live.peak, "comm_bytes": comm_bytes,
+            **({"live_trace": {"bytes": live.trace, "phases": phases}} if trace else {}),
             "actions": timeline["ranks"][mesh.coords["pp"]] if timeline else [],
             "stage_split": stage_split, "steps_run": steps_run,
             "seconds": time.perf_counter() - began}
@@ -283,9 +296,10 @@ def rank_progress(bar, name: str):
 
 
 def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: str = "cpu",
-            progress: bool = True, console=None) -> list[dict]:
+            progress: bool = True, console=None, trace: bool = False) -> list[dict]:
     """``dry_run_rank`` of each of ``ranks`` (one after another, in this process), with the
-    planner's figures for it under ``predicted`` when ``compare``. ``progress``: a line per rank
+    planner's figures for it under ``predicted`` when ``compare`` (and its live bytes per operator
+    when ``trace``). ``progress``: a line per rank
     on ``console`` (default: stderr) while they run, its phase and its block forwards, gone at
     the end; only on a terminal."""
     from rich.console import Console
@@ -300,7 +314,7 @@ def dry_run(cfg: Config, ranks: tuple[int, ...], compare: bool = False, device: 
             on_step = rank_progress(bar, f"rank {rank} of {cfg.parallel.world_size:,}"
                                     + (f" ({i + 1} of {len(ranks)})" if len(ranks) > 1 else ""))
             try:
-                result = dry_run_rank(cfg, rank, device, on_step)
+                result = dry_run_rank(cfg, rank, device, on_step, trace)
             except RuntimeError as err:
                 error = too_large(err)
                 if error is None:
@@ -386,15 +400,30 @@ def result_table(cfg: Config, result: dict):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per rank.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show each rank's progress on stderr while it runs (on a terminal; never with --json).")
-def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, progress):
+@click.option("--memory-out", type=click.Path(dir_okay=False),
+              help="Draw each rank's live memory through its step to this picture (.png, .svg or .pdf).")
+def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, progress, memory_out):
     """One training step of the real engine as rank R of a world of N, on fake tensors.
 
     Prints each rank's memory (parameters, gradients, optimizer states, peak activations, and the
     live peak of every tensor, temporaries too) and the bytes it sends per mesh axis in the step; a large model's rank can take a minute or more on a CPU."""
+    from threefold.plan.pictures import check_picture_path, draw_live_memory
+
     ranks = check_ranks(ranks, world_size)
+    check_picture_path("--memory-out", memory_out)
     with notes_after_checks():
         cfg = dry_run_config(load_config(config_path, overrides), world_size)
-    results = dry_run(cfg, ranks, compare, device, progress=progress and not as_json)
+    results = dry_run(cfg, ranks, compare, device, progress=progress and not as_json, trace=memory_out is not None)
+    if memory_out:
+        traces = [result.pop("live_trace") for result in results]  # long: drawn, not printed
+        labels = [f"rank {r['rank']}" + (f" ({' '.join(f'{a}={c}' for a, c in r['coords'].items())})" if r["coords"] else "")
+                  for r in results]
+        states = [sum(r["memory"][k] for k in ("params", "grads", "optimizer")) for r in results]
+        models = [r["predicted"]["live_peak"] if compare else None for r in results]
+        drawn = draw_live_memory(traces, labels, states, models, memory_out,
+                                 f"live memory through one step, world {world_size:,} ({cfg.parallel.sizes_text()})")
+        if not as_json:
+            click.echo(f"drew {drawn}")
     if as_json:
         for result in results:
             click.echo(json.dumps(result))

@@ -100,6 +100,7 @@ class LiveTensorMeter(TorchDispatchMode):
         self.resizable = list(resizable)
         self._bytes: dict[int, int] = {}  # storage key → bytes counted for it
         self.live = 0
+        self.trace: list[int] | None = None  # a list: ``live`` after each operator, appended
         for tensor in existing:
             self._count(tensor)
         self.peak = self.live
@@ -130,6 +131,8 @@ class LiveTensorMeter(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor)
         self.peak = max(self.peak, self.live)
+        if self.trace is not None:
+            self.trace.append(self.live)
         return out
 
 
