@@ -95,7 +95,7 @@ def draw_live_memory(traces: Sequence[dict], labels: Sequence[str], states: Sequ
                 ax.axvline(start, color=colour, linestyle=":", linewidth=0.8)
     ax.set_xlabel("operators of the step, in order (dotted: the gradient norm and optimizer step begin)")
     ax.set_ylabel(f"{unit} alive on the rank")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.1 * max(top_bytes, *(m for m in models if m is not None)) / gib)  # room for the labels
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.suptitle(title)
     return save_figure(fig, path, "--memory-out")
