@@ -171,8 +171,7 @@ def backward_working_bytes(cfg: Config, share) -> float:
       the micro-batch's forward ends: at its loss, one bf16 copy of each (wq, wk, wv, w_gate,
       w_up and the head's shard) per block of the rank (a dry run of llama3-8b at tp2 showed
       4.5 GiB a rank of them, the activation meter none, as nothing saves them).
-    - ZeRO-2 (over more than one rank): the largest parameter's gradient twice, autograd's and
-      the bucket's full one it is copied into before its reduce-scatter.
+    - ZeRO-2 (over more than one rank): the gradient buffers of ``zero2_gradient_buffers``.
     - ZeRO-3 (over more than one rank), fp32: the gathered units, the root (embedding, final norm,
       head: gathered for the whole step, as FSDP's root) and a block with the next one prefetched;
       and their full gradients, the root's (from the head's backward to the embedding's) and a
@@ -195,7 +194,7 @@ def backward_working_bytes(cfg: Config, share) -> float:
         working += act_bytes * column_parallel_weights(cfg, share)
     shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
     if p.zero == 2 and shards > 1:
-        working += 2 * 4 * largest_parameter(cfg, share)
+        working += 4 * zero2_gradient_buffers(cfg, share, shards)
     if p.zero == 3 and shards > 1:
         root, block = zero3_units(cfg, share)
         working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
@@ -240,10 +239,34 @@ def largest_block(cfg: Config, share) -> int:
     return block
 
 
-def largest_parameter(cfg: Config, share) -> int:
+def zero2_gradient_buffers(cfg: Config, share, shards: int) -> float:
+    """Elements of ZeRO-2's gradients in flight at once (parallel/data_parallel.py): autograd's
+    gradient of the largest parameter, the bucket it is copied into (its own, if larger than
+    ``parallel.bucket_mb``), and the reductions still running beside it (REDUCTIONS_IN_FLIGHT
+    counts the one this bucket's will start), each a bucket's full gradient and the chunk it
+    receives (buckets of at most bucket_mb, or of the stage). The tiny model's dry runs: within
+    1% (one bucket for the whole model), llama3-8b's within 3%."""
+    from threefold.models.sizes import rank_expert_param_count
+    from threefold.parallel.data_parallel import REDUCTIONS_IN_FLIGHT
+
+    def buffers(largest, numel, shards):
+        bucket = min(cfg.parallel.bucket_mb * 2**20 / 4, numel)
+        return largest + max(largest, bucket) + (REDUCTIONS_IN_FLIGHT - 1) * bucket * (1 + 1 / shards)
+
+    p, model = cfg.parallel, cfg.model
+    found = buffers(largest_parameter(cfg, share, experts=False), share.numel, shards)
+    if share.moe_blocks:  # the routed experts' own synchronisation, over the ranks holding the same experts
+        experts = share.moe_blocks * rank_expert_param_count(model, p.ep)
+        expert_shards = shards // p.ep
+        if expert_shards > 1:
+            found += buffers(model.moe_experts // p.ep * model.hidden * model.moe_ffn_hidden, experts, expert_shards)
+    return found
+
+
+def largest_parameter(cfg: Config, share, experts: bool = True) -> int:
     """Elements of the largest parameter this rank holds: the vocabulary table's tp shard where it
     holds an end of the model, a block's largest matrix shard, an MoE block's experts of one
-    matrix (E/ep of them, one tensor)."""
+    matrix (E/ep of them, one tensor; left out without ``experts``)."""
     from threefold.models.sizes import attention_width, padded_vocab
 
     p, model = cfg.parallel, cfg.model
@@ -252,7 +275,7 @@ def largest_parameter(cfg: Config, share) -> int:
     largest = max(h * model.ffn_hidden, h * q) // p.tp
     if share.first_stage or share.last_stage:
         largest = max(largest, padded_vocab(model.vocab_size, p.tp) // p.tp * h)
-    if share.moe_blocks:
+    if share.moe_blocks and experts:
         largest = max(largest, model.moe_experts // p.ep * h * model.moe_ffn_hidden)
     return largest
 
@@ -273,8 +296,8 @@ def optimizer_working_bytes(cfg: Config, share, cuda: bool) -> float:
         expert_shards = max(1, shards // p.ep)
         return 4.0 * (share.numel / (shards if zero else 1) + experts / (expert_shards if zero else 1))
     largest = largest_parameter(cfg, share)
-    if zero in (1, 2):  # buckets of up to bucket_mb, a larger parameter alone in its own
-        largest = max(largest, int(p.bucket_mb * 2**20 / 4))
+    if zero in (1, 2):  # buckets of up to bucket_mb (or the stage's), a larger parameter alone in its own
+        largest = max(largest, min(int(p.bucket_mb * 2**20 / 4), share.numel))
     if zero == 3:  # a unit: the root or a block
         largest = max(zero3_units(cfg, share))
     return 2 * 4.0 * (largest / shards if zero else largest)
