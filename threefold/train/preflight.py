@@ -173,9 +173,9 @@ def backward_working_bytes(cfg: Config, share) -> float:
       4.5 GiB a rank of them, the activation meter none, as nothing saves them).
     - ZeRO-2 (over more than one rank): the gradient buffers of ``zero2_gradient_buffers``.
     - ZeRO-3 (over more than one rank), fp32: the gathered units, the root (embedding, final norm,
-      head: gathered for the whole step, as FSDP's root) and a block with the next one prefetched;
-      and their full gradients, the root's (from the head's backward to the embedding's) and a
-      block's."""
+      head: gathered for the whole step, as FSDP's root) and a block with the next one prefetched
+      (an MoE block's routed experts likewise, a unit of their own); and their full gradients,
+      the root's (from the head's backward to the embedding's) and a block's."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
@@ -198,6 +198,11 @@ def backward_working_bytes(cfg: Config, share) -> float:
     if p.zero == 3 and shards > 1:
         root, block = zero3_units(cfg, share)
         working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
+        if share.moe_blocks and shards // p.ep > 1:  # a block's routed experts: a unit of their own
+            from threefold.models.sizes import rank_expert_param_count
+
+            experts = rank_expert_param_count(model, p.ep)
+            working += 4 * (min(2, share.moe_blocks) * experts + experts)
     return float(working)
 
 
