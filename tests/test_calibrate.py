@@ -1,5 +1,6 @@
 """`threefold calibrate`: the measurements, the profile file and the command."""
 import dataclasses
+import functools
 import json
 import multiprocessing
 
@@ -13,10 +14,12 @@ from threefold.plan import calibrate, costs, fit
 from threefold.plan.hardware import CATALOG, local_gpu
 from threefold.plan.profile import MEASURED_SINCE_KEYS
 
-# Sizes small enough for a test.
+# Sizes small enough for a test: one round of each kind (QUICK's one concurrent round, and one of
+# the collective curves, whose median over rounds is then that round's).
 TINY = calibrate.Settings(matmul_size=256, matmul_seconds=0.05, copy_bytes=8 << 20, copy_seconds=0.05,
                           gloo_bytes=1 << 20, gloo_reps=2, gloo_timeout_s=60.0, wait_calls=5, curve_calls=2,
-                          shared_core_seconds=0.1, shared_core_rounds=1, shared_core_warm_cpu_s=0.05)
+                          curve_rounds=1, shared_core_seconds=0.1, shared_core_rounds=1,
+                          shared_core_warm_cpu_s=0.05, concurrent_rounds=1)
 
 
 def example_profile() -> dict:
@@ -75,8 +78,10 @@ def test_memory_bandwidth_is_plausible():
 
 
 def forked_from_a_server_with_torch():
+    """Forked from a server that has imported torch, the model, and torch._dynamo (which building
+    AdamW imports: 1.4 s of CPU in each of the eight shared-core workers otherwise)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["threefold.plan.calibrate"])
+    context.set_forkserver_preload(["threefold.plan.calibrate", "threefold.models.llama", "torch._dynamo"])
     return context
 
 
@@ -85,6 +90,11 @@ def test_command_quick_json_measures_and_saves(tmp_path, monkeypatch, capsys):
     torch, not spawned (calibrate.worker_context says why the command spawns them): 33 s, not 52."""
     monkeypatch.setattr(calibrate, "QUICK", TINY)
     monkeypatch.setattr(calibrate, "worker_context", forked_from_a_server_with_torch)
+    # The sizes Settings does not carry, at test sizes too: the attention on 1 × 128 tokens (4 ×
+    # 512 took 6 s in bf16), the memory-bound rounds and the block's fixed cost 0.05 s a timing.
+    for name, sizes in (("measure_attention_flops", dict(batch=1, seq=128)),
+                        ("memory_bound_rounds", dict(seconds=0.05)), ("dispatch_seconds_per_block", dict(seconds=0.05))):
+        monkeypatch.setattr(calibrate, name, functools.partial(getattr(calibrate, name), **sizes))
     out = tmp_path / "profile.json"
     assert cli.main(["calibrate", "--quick", "--json", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
