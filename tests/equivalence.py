@@ -244,3 +244,33 @@ CASES.update({
 
 def matrix_case(name: str) -> tuple[str, ...]:
     return tuple(TINY + CASES[name])
+
+
+# --- dry runs of the matrix's layouts -----------------------------------------------------------
+def dry_run_case(name: str):
+    """The layout ``name`` as a dry run (threefold/train/dryrun.py: one step of one rank on fake
+    tensors) takes it: 2 micro-batches a replica, 2 × pp with a pipeline (a warm-up, a steady
+    state and a cool-down on every stage), where the matrix trains on 2 to 8. A dry run's time
+    goes as its micro-batches (cp2-ring: 6.8 s on 8, 1.7 s on 2), and predict_rank, which it is
+    held to, counts them."""
+    from threefold.train.dryrun import dry_run_config
+
+    cfg = matrix_config(*CASES[name])
+    p = cfg.parallel
+    batch = p.dp * cfg.train.micro_batch * (2 * p.pp if p.pp > 1 else 2)
+    return dry_run_config(matrix_config(*CASES[name], f"train.global_batch={batch}"), p.world_size)
+
+
+_dry_runs: dict = {}
+
+
+def dry_run(cfg, rank: int) -> dict:
+    """``dry_run_rank(cfg, rank)`` (on CPU fake tensors), once per session for each config and
+    rank: the tests that check other figures of the same rank's step share it (they read it; none
+    changes it)."""
+    from threefold.train.dryrun import dry_run_rank
+
+    key = (repr(cfg), rank)
+    if key not in _dry_runs:
+        _dry_runs[key] = dry_run_rank(cfg, rank)
+    return _dry_runs[key]

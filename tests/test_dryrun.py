@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.equivalence import CASES, matrix_config
+from tests.equivalence import CASES, dry_run, dry_run_case, matrix_config
 from threefold.cli import main
 from threefold.distributed.comm import Comm
 from threefold.distributed.mesh import ParallelMesh
@@ -31,7 +31,7 @@ def test_meta_device_runs_every_layout_of_the_matrix(name):
     """On the meta device, a tensor the engine made on the CPU meets a meta one and fails. Each
     layout's states and bytes are also the planner's (predict_rank), exactly. (Not its
     activations: meta tensors have no storage for the meter to tell views apart by.)"""
-    cfg = dry_run_config(matrix_config(*CASES[name]), matrix_config(*CASES[name]).parallel.world_size)
+    cfg = dry_run_case(name)
     # the first and the last pipeline stage; without a pipeline every rank plays the same part
     for rank in sorted({0, cfg.parallel.world_size - 1}) if cfg.parallel.pp > 1 else [0]:
         result, want = dry_run_rank(cfg, rank, device="meta"), predict_rank(cfg, rank)
@@ -58,9 +58,9 @@ def test_a_layouts_activations_are_the_planners_to_the_byte(name):
     engine's token ids, masks and gathered rotary tables: bookkeeping_activation_bytes; before
     those the matrix measured 0.996–1.005 of the prediction, and the rotary buffers' views counted
     as activations)."""
-    cfg = dry_run_config(matrix_config(*CASES[name]), matrix_config(*CASES[name]).parallel.world_size)
+    cfg = dry_run_case(name)
     for rank in sorted({0, cfg.parallel.world_size - 1}) if cfg.parallel.pp > 1 else [0]:  # else all alike
-        assert dry_run_rank(cfg, rank)["memory"]["activations"] == predict_rank(cfg, rank)["memory"]["activations"]
+        assert dry_run(cfg, rank)["memory"]["activations"] == predict_rank(cfg, rank)["memory"]["activations"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -254,7 +254,7 @@ def test_a_bf16_step_equals_the_planner(overrides, world, ranks):
     stream and the weights' bf16 copies included (costs.autocast_activation_bytes)."""
     cfg = dry_run_config(load(overrides + ["train.dtype=bfloat16"]), world)
     for rank in ranks:
-        result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        result, want = dry_run(cfg, rank), predict_rank(cfg, rank)
         for key in ("params", "grads", "optimizer"):
             assert result["memory"][key] == want["memory"][key], key
         bulk = {key for key, value in result["comm_bytes"].items() if value and not key.endswith(UNMODELLED)}

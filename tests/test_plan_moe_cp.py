@@ -271,14 +271,12 @@ def test_batch_lines_take_the_moe_and_cp_keys(capsys, tmp_path):
 
 @pytest.mark.parametrize("name", ["cp2-ring", "pp2-cp2-ring", "cp2-ulysses-full"])  # tp2·cp2·dp2: test_dryrun.py
 def test_dry_run_of_a_cp_layout_equals_the_planner(name):
-    from tests.equivalence import CASES, matrix_config
+    from tests.equivalence import dry_run, dry_run_case
     from threefold.plan.dryrun_predict import predict_rank
-    from threefold.train.dryrun import dry_run_config, dry_run_rank
 
-    cfg = matrix_config(*CASES[name])
-    cfg = dry_run_config(cfg, cfg.parallel.world_size)
+    cfg = dry_run_case(name)  # the matrix's layout on fewer micro-batches, as test_dryrun.py runs it
     for rank in sorted({0, cfg.parallel.world_size - 1}):
-        result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+        result, want = dry_run(cfg, rank), predict_rank(cfg, rank)
         for key in ("params", "grads", "optimizer"):
             assert result["memory"][key] == want["memory"][key], key
         assert "cp" in want["comm_bytes"]
@@ -310,9 +308,10 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
     """States and bytes exact (dp, ep, tp, pp), activations within 0.5% in fp32 (0.3% at most: the
     routing's int64 bookkeeping is estimated, the rest counted to the byte); Mixtral 8x7B at
     ep8 in bf16 (its activations under autocast are above the planner's 16-bit count: not checked)."""
+    from tests.equivalence import dry_run
     from threefold.configure import load_config
     from threefold.plan.dryrun_predict import predict_rank
-    from threefold.train.dryrun import dry_run_config, dry_run_rank
+    from threefold.train.dryrun import dry_run_config
 
     sizes = {"dp": 1, "tp": 1, "pp": 1}
     for item in layout:
@@ -322,7 +321,7 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
     overrides = layout if layout[0].startswith("model.preset") else TINY_MOE + layout
     cfg = dry_run_config(load_config(None, overrides), sizes["dp"] * sizes["tp"] * sizes["pp"])
     assert cfg.model.preset != "mixtral-8x7b" or cfg.model.moe_ffn_hidden == 14336
-    result, want = dry_run_rank(cfg, rank), predict_rank(cfg, rank)
+    result, want = dry_run(cfg, rank), predict_rank(cfg, rank)  # Mixtral's: test_dryrun.py's bf16 step too
     for key in ("params", "grads", "optimizer"):
         assert result["memory"][key] == want["memory"][key], key
     if cfg.parallel.ep > 1:
