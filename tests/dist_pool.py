@@ -116,6 +116,14 @@ class WorkerPool:
             raise RankFailure(f"{what} failed on world {self.world}:\n" + "\n".join(report))
         return [_loaded(replies[r][1]) for r in range(self.world)]
 
+    def kill(self) -> None:
+        """End the workers at once: at the session's end nothing is left to do on the group, and
+        a graceful exit (each worker tears its group and torch down) cost 0.5-1 s of CPU a worker."""
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=2)
+
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
             if proc.is_alive():
@@ -148,5 +156,5 @@ class Pools:
 
     def close(self) -> None:
         for pool in self._pools.values():
-            pool.close()
+            pool.kill()
         self._pools.clear()
