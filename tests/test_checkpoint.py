@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from equivalence import global_batches, train_steps
-from test_train import TINY as TRAINER_TINY
 from test_train import config as trainer_config
 from test_train import corpus  # noqa: F401  (the corpus fixture)
 from threefold.config import ConfigError
@@ -165,23 +162,21 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoint.load(checkpoint.step_dir(tmp_path, 1), new_engine(cfg), cfg)
 
 
-def test_trainer_resumes_a_single_process_run_on_two_ranks(tmp_path, corpus):  # noqa: F811
+def test_trainer_resumes_a_single_process_run_on_two_ranks(distributed, tmp_path, corpus):  # noqa: F811
     """The whole trainer: step, learning-rate schedule (warm-up, cosine), sampler position and
-    Adam's step count continue on another layout (dp=2, ZeRO-3, under torchrun)."""
+    Adam's step count continue on another layout (dp=2, ZeRO-3: the two ranks a torchrun job
+    runs, on the session's gloo pool)."""
+    from test_train import train_rank
     from threefold.train.trainer import train
 
     ckpt = tmp_path / "ckpt"
     common = ["train.steps=6", "train.lr=1e-3", f"train.checkpoint_dir={json.dumps(str(ckpt))}"]
     whole = train(trainer_config(tmp_path, corpus, *common, "train.checkpoint_every=3"), progress=False)
     checkpoint.step_dir(ckpt, 6).rename(tmp_path / "step_6_moved")  # the run now stopped at step 3
-    sets = TRAINER_TINY + common + [f"data.corpus={json.dumps(str(corpus))}", "train.resume=true",
-                                    f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
-                                    "parallel.dp=2", "parallel.zero=3", "parallel.timeout_s=60"]
-    args = [sys.executable, "-m", "threefold.cli", "train", "--no-progress", "--metrics-file",
-            str(tmp_path / "resumed.jsonl")] + [a for s in sets for a in ("--set", s)]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    said = " ".join(run.stderr.split())  # rich wraps long lines
+    resume = trainer_config(tmp_path, corpus, *common, "train.resume=true", "parallel.dp=2", "parallel.zero=3",
+                            "parallel.timeout_s=60", "train.threads=1")  # torchrun's 1 thread a rank on 2 cores
+    said = distributed.run(2, train_rank, resume, str(tmp_path / "resumed.jsonl"), timeout=240)[0]
+    said = " ".join(said.split())  # rich wraps long lines
     assert "step_000003 at step 3 (saved on dp=1 tp=1 pp=1 zero=0, resharded to dp=2 tp=1 pp=1 zero=3)" in said
     records = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 5, 6]

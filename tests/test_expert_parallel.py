@@ -301,18 +301,12 @@ def test_a_checkpoint_resumes_on_another_expert_layout(distributed, tmp_path, sa
 
 
 # --- the trainer's metrics file under dp2·ep2 --------------------------------------------------
-def train_rank(cfg, metrics):
-    from threefold.train.trainer import train
-
-    train(cfg, metrics, progress=False)
-
-
 def test_training_dp2_ep2_writes_global_moe_metrics_and_ep_bytes(tmp_path, corpus, distributed):  # noqa: F811
     import json
 
     from threefold.data import prepare_dataset
 
-    from test_train import config
+    from test_train import config, train_rank
 
     cfg = config(tmp_path, corpus, "train.steps=3", "train.threads=1", *MOE, "model.moe_capacity_factor=1.0",
                  "model.moe_bias_rate=0.01", "parallel.dp=2", "parallel.ep=2")

@@ -35,6 +35,14 @@ def config(tmp_path, corpus, *extra):
                                      f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}", *extra])
 
 
+def train_rank(cfg, metrics: str | None = None) -> str:
+    """``train`` as each rank of a ``threefold train`` job under torchrun runs it, for the workers
+    of a gloo pool (``distributed.run(world, train_rank, cfg, metrics)``): what the rank said."""
+    log = Console(file=io.StringIO(), width=80)  # off a terminal, as a job's log
+    train(cfg, metrics, progress=False, console=log)
+    return log.file.getvalue()
+
+
 def test_metrics_and_learning(tmp_path, corpus):
     metrics = tmp_path / "m.jsonl"
     result = train(config(tmp_path, corpus, "train.steps=120", "train.eval_every=60"), str(metrics), progress=False)

@@ -2,7 +2,6 @@
 in equal batches, so that micro_batch and the parallel layout change only rounding."""
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,15 +45,15 @@ def test_validation_loss_is_the_same_whatever_the_micro_batch(data):
     assert losses[8][0][1] == pytest.approx(losses[1][0][1], rel=1e-5)
 
 
-def test_validation_loss_is_the_same_on_two_ranks(data, tmp_path):
-    """dp = 2 through the real CLI (torchrun): the metrics' val_loss is the single process's."""
+def test_validation_loss_is_the_same_on_two_ranks(data, tmp_path, distributed):
+    """dp = 2, the two ranks a torchrun job runs (on the session's gloo pool): the metrics'
+    val_loss is the single process's."""
+    from test_train import train_rank
+
     one = train(load_config(None, SETS + data + ["train.micro_batch=4"]), progress=False).val_losses[0][1]
-    args = [sys.executable, "-m", "threefold.cli", "train", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")]
-    for s in SETS + data + ["train.micro_batch=2", "parallel.dp=2", "parallel.timeout_s=120"]:
-        args += ["--set", s]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert run.returncode == 0, run.stderr[-2000:]
+    two = load_config(None, SETS + data + ["train.micro_batch=2", "parallel.dp=2", "parallel.timeout_s=120",
+                                           "train.threads=1"])  # torchrun's 1 thread a rank on 2 cores
+    distributed.run(2, train_rank, two, str(tmp_path / "m.jsonl"), timeout=240)
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert records[-1]["val_loss"] == pytest.approx(one, rel=1e-5)
 
