@@ -238,9 +238,17 @@ def test_a_slow_step_is_announced_before_it_starts(workspace, monkeypatch):
                         f"take about {hours:,.1f} hours at 0.00 TFLOP/s; the progress bar moves once a step"]
 
 
-def test_truncated_piece_file_resuming_on_8_ranks(workspace):
+def test_truncated_piece_file_resuming_on_8_ranks(workspace, capsys):
     """Resuming dp2 × tp2 × pp2 from a checkpoint with a cut .distcp: one line naming the file,
-    before the 8 ranks start; ``threefold inspect`` says what is wrong."""
+    before the 8 ranks start; ``threefold inspect`` (in this process) says what is wrong."""
+    from threefold.cli import main
+
+    def inspect(*args: str) -> tuple[int, str]:
+        """``threefold inspect``'s exit code and output; a damaged checkpoint exits 1."""
+        with pytest.raises(SystemExit) as exited:
+            main(["inspect", *args])
+        return exited.value.code, capsys.readouterr().out
+
     ckpt = workspace / "cut"
     train(load_config(None, base(workspace) + [f"train.checkpoint_dir={json.dumps(str(ckpt))}"]), progress=False)
     piece = sorted(checkpoint.resolve(ckpt).glob("*.distcp"))[0]
@@ -250,14 +258,14 @@ def test_truncated_piece_file_resuming_on_8_ranks(workspace):
                                           "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "train.steps=2"],
                               f"checkpoint: {str(piece)!r} is truncated: 1,000 bytes, its pieces need")
         assert line.endswith("remove step_000001 to use the checkpoint before it")
-        proc = run_cli(workspace, "inspect", str(ckpt))
-        said = " ".join(proc.stdout.split())  # rich may wrap the table's lines
-        assert proc.returncode == 1 and f"damaged: {str(piece)!r} is truncated: 1,000 bytes" in said
-        proc = run_cli(workspace, "inspect", "--json", str(ckpt))
-        assert "is truncated" in json.loads(proc.stdout)["damage"]
+        code, out = inspect(str(ckpt))
+        said = " ".join(out.split())  # rich may wrap the table's lines
+        assert code == 1 and f"damaged: {str(piece)!r} is truncated: 1,000 bytes" in said
+        code, out = inspect("--json", str(ckpt))
+        assert "is truncated" in json.loads(out)["damage"]
         piece.unlink()
-        proc = run_cli(workspace, "inspect", str(ckpt))
-        assert proc.returncode == 1 and f"damaged: {str(piece)!r} is missing" in " ".join(proc.stdout.split())
+        code, out = inspect(str(ckpt))
+        assert code == 1 and f"damaged: {str(piece)!r} is missing" in " ".join(out.split())
     finally:
         import shutil
 
