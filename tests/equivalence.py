@@ -256,9 +256,14 @@ def dry_run_case(name: str):
     from threefold.train.dryrun import dry_run_config
 
     cfg = matrix_config(*CASES[name])
+    return dry_run_config(matrix_config(*CASES[name], few_micro_batches(cfg)), cfg.parallel.world_size)
+
+
+def few_micro_batches(cfg) -> str:
+    """The ``train.global_batch`` override that gives ``cfg`` 2 micro-batches a replica, 2 × pp
+    with a pipeline (dry_run_case's)."""
     p = cfg.parallel
-    batch = p.dp * cfg.train.micro_batch * (2 * p.pp if p.pp > 1 else 2)
-    return dry_run_config(matrix_config(*CASES[name], f"train.global_batch={batch}"), p.world_size)
+    return f"train.global_batch={p.dp * cfg.train.micro_batch * (2 * p.pp if p.pp > 1 else 2)}"
 
 
 _dry_runs: dict = {}

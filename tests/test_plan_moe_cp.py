@@ -308,7 +308,7 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
     """States and bytes exact (dp, ep, tp, pp), activations within 0.5% in fp32 (0.3% at most: the
     routing's int64 bookkeeping is estimated, the rest counted to the byte); Mixtral 8x7B at
     ep8 in bf16 (its activations under autocast are above the planner's 16-bit count: not checked)."""
-    from tests.equivalence import dry_run
+    from tests.equivalence import dry_run, few_micro_batches
     from threefold.configure import load_config
     from threefold.plan.dryrun_predict import predict_rank
     from threefold.train.dryrun import dry_run_config
@@ -318,7 +318,11 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
         key, _, value = item.partition("=")
         if key in ("parallel.dp", "parallel.tp", "parallel.pp"):
             sizes[key.split(".")[1]] = int(value)
-    overrides = layout if layout[0].startswith("model.preset") else TINY_MOE + layout
+    if layout[0].startswith("model.preset"):
+        overrides = layout
+    else:  # the tiny MoE on 2 micro-batches a replica (2 × pp), as test_dryrun.py runs the matrix's layouts
+        overrides = TINY_MOE + layout
+        overrides.append(few_micro_batches(load_config(None, overrides)))
     cfg = dry_run_config(load_config(None, overrides), sizes["dp"] * sizes["tp"] * sizes["pp"])
     assert cfg.model.preset != "mixtral-8x7b" or cfg.model.moe_ffn_hidden == 14336
     result, want = dry_run(cfg, rank), predict_rank(cfg, rank)  # Mixtral's: test_dryrun.py's bf16 step too
