@@ -332,6 +332,17 @@ def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
     assert float(spec.head_in_flight(pp, m, v)) == held
 
 
+def test_a_split_backward_holds_what_b_captured_until_w():
+    """ZB-H1 on pp 2, 4 micro-batches: the last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3, so
+    it holds two micro-batches' activations at most, and with what each B keeps for W, two of each
+    at B1, B2 and B3; 1F1B frees both at B, so the gradients it makes are not held."""
+    ranks = build_schedule("zb-h1", 2, 4, 1).actions
+    assert peak_in_flight(ranks[1], True) == 2
+    assert peak_in_flight(ranks[1], True, captured=lambda a: 1) == 4
+    assert peak_in_flight(ranks[0], True, captured=lambda a: 1) == 3  # F0 F1 B0: two, and B0's
+    assert peak_in_flight(build_schedule("1f1b", 2, 4, 1).actions[1], False, captured=lambda a: 1) == 1
+
+
 def test_closed_forms_take_arrays_of_layouts():
     """The planner evaluates them over numpy arrays; element by element they equal the scalars."""
     import numpy as np

@@ -74,13 +74,7 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
         return RankShare(numel, model.layers, True, True, model.layers, moe)
-    spans = partition(model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers,
-                      modelled_layer_costs(cfg))  # the engine's split (a dry run times nothing)
-    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
-    if SCHEDULE_REGISTRY[p.schedule].steady is not None:
-        # 2bw, pipedream: 1F1B across steps, so a step in the middle of the run keeps what the run
-        # keeps (pipedream's stage s, pp − s micro-batches of one each): its peak, drained at the end
-        schedule = build_run(p.schedule, p.pp, cfg.microbatches, 2 * steps_ahead(p.pp, cfg.microbatches) + 1)
+    spans, schedule = stages_and_schedule(cfg)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)
@@ -94,6 +88,77 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
                      peak_in_flight(actions, schedule.split_backward),
                      peak_in_flight(actions, schedule.split_backward, head), peak_in_flight(actions, False, head),
                      peak_in_flight(actions, False, embedding))
+
+
+def stages_and_schedule(cfg: Config):
+    """The engine's stages (their spans of blocks: the registry's placement, split as a dry run
+    splits them) and the schedule whose actions each pipeline rank runs, for ``cfg`` at pp > 1."""
+    p = cfg.parallel
+    spans = partition(cfg.model, p.pp, stages_per_rank(p.schedule, p.virtual_stages), p.stage_layers,
+                      modelled_layer_costs(cfg))  # the engine's split (a dry run times nothing)
+    schedule = build_schedule(p.schedule, p.pp, cfg.microbatches, p.virtual_stages)
+    if SCHEDULE_REGISTRY[p.schedule].steady is not None:
+        # 2bw, pipedream: 1F1B across steps, so a step in the middle of the run keeps what the run
+        # keeps (pipedream's stage s, pp − s micro-batches of one each): its peak, drained at the end
+        schedule = build_run(p.schedule, p.pp, cfg.microbatches, 2 * steps_ahead(p.pp, cfg.microbatches) + 1)
+    return spans, schedule
+
+
+def split_backward_bytes(cfg: Config, pp_rank: int) -> float:
+    """What a schedule that splits the backward (ZB-H1, DualPipeV) holds at the rank's fullest
+    beyond the saved activations: the gradients B captures where each weight joins the input's
+    path, kept until W (parallel/pipeline/runtime.backward_input; autograd does not save them, so
+    the activation meter never sees them). Per micro-batch, ``captured_gradient_bytes``' for each
+    block, the head and the embedding of the stage; the peak of saved and captured bytes together
+    over the rank's actions (simulate.peak_in_flight), less the saved activations' own peak."""
+    p = cfg.parallel
+    if p.pp == 1 or not SCHEDULE_REGISTRY[p.schedule].split_backward:
+        return 0.0
+    spans, schedule = stages_and_schedule(cfg)
+    share = rank_share(cfg, pp_rank)
+    saved = saved_block_bytes(cfg, share)
+    block, head, embedding = captured_gradient_bytes(cfg, share)
+
+    def stage_saved(action):
+        return len(spans[action.stage].blocks) * saved
+
+    def stage_captured(action):
+        span = spans[action.stage]
+        return len(span.blocks) * block + span.last * head + span.first * embedding
+
+    actions = schedule.actions[pp_rank]
+    return float(peak_in_flight(actions, True, stage_saved, stage_captured) - peak_in_flight(actions, True, stage_saved))
+
+
+def captured_gradient_bytes(cfg: Config, share: RankShare) -> tuple[float, float, float]:
+    """Bytes of the gradients a split backward's B keeps for W in one micro-batch: for one of the
+    rank's blocks (its MoE blocks' share at theirs), for the head and for the embedding. At each
+    product, the gradient of its output, in the product's dtype: q, k, v, gate, up (their tp
+    shards of the whole sequence, gathered under SP), the attention's and the feed-forward's
+    output (a tp rank's partial sum); at each RMSNorm, its output's gradient in fp32 (the norm
+    multiplies in fp32), of the rank's tokens (1/tp of them under SP). An MoE block (replicated
+    over tp, on the whole sequence): the router's fp32 logits, and the gate, up and output rows of
+    its k routed and its shared experts. The head: the final norm's and the logits' (the
+    vocabulary's tp shard, padded); the embedding: its output's, the stage's input gradient."""
+    from threefold.models.sizes import attention_width, padded_vocab
+
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    sp = p.sequence_parallel and p.tp > 1
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
+    tokens = t.micro_batch * model.seq_len // p.cp
+    rank_tokens = tokens / p.tp if sp else tokens  # a norm's, and the stream's, under SP
+    h, (q, kv) = model.hidden, attention_width(model)
+    norms = 2 * rank_tokens * h * 4
+    attention = tokens * act_bytes * ((q + 2 * kv) / p.tp + h)
+    dense = tokens * act_bytes * (2 * model.ffn_hidden / p.tp + h)
+    moe = 0.0
+    if share.moe_blocks:
+        experts = model.moe_top_k_experts + model.moe_shared_experts
+        moe = tokens * (4 * model.moe_experts + act_bytes * experts * (2 * model.moe_ffn_hidden + h))
+    moe_share = share.moe_blocks / share.blocks
+    block = norms + attention + (1 - moe_share) * dense + moe_share * moe
+    head = rank_tokens * h * 4 + tokens * act_bytes * padded_vocab(model.vocab_size, p.tp) / p.tp
+    return float(block), float(head), float(rank_tokens * h * residual_bytes)
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:
@@ -157,6 +222,38 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     return scalars + ids_and_targets + tables + positions + share.blocks_in_flight * ulysses
 
 
+def saved_block_bytes(cfg: Config, share: RankShare) -> float:
+    """What one of the rank's blocks saves for backward in a micro-batch, its MoE blocks' share
+    counted at theirs: costs.block_activation_bytes of the rank's seq_len / cp tokens, each
+    context-parallel method's own saves, an MoE block's (costs.moe_activation_bytes) and bf16
+    autocast's (costs.autocast_activation_bytes)."""
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    sp = p.sequence_parallel and p.tp > 1  # the engine runs without it at tp 1 (configure.unused_settings)
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
+    tokens = t.micro_batch * model.seq_len // p.cp
+    block = costs.block_activation_bytes(model, tokens, p.tp, sp, t.recompute,
+                                         dtype_bytes=act_bytes)
+    q, kv = costs.attention_width(model)
+    if p.cp > 1 and p.cp_method in ("ring", "allgather") and t.recompute == "none":
+        # their attention function saves k and v as they come (parallel/context_parallel.py), not
+        # the grouped-query repeats that scaled_dot_product_attention saves (the core's 2(q − kv))
+        block -= tokens * act_bytes * 2 * (q - kv) / p.tp
+    if p.cp > 1 and p.cp_method == "ulysses" and t.recompute == "none":
+        # the attention's output twice: head-split where the core saves it, and back in sequence
+        # order where the output projection saves its input (the all-to-all's result is a new tensor)
+        block += tokens * act_bytes * q / p.tp
+    moe_share = share.moe_blocks / share.blocks
+    if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
+        block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, sp, t.recompute,
+                                                        act_bytes)
+    if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
+        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute,
+                                                    p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
+                    for moe in (False, True)]
+        block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
+    return float(block)
+
+
 def predict_rank(cfg: Config, rank: int) -> dict:
     """``{"memory": {params, grads, optimizer, activations}, "comm_bytes": {key: bytes}}`` of
     global ``rank``, in bytes per step, for a concrete layout of ``cfg`` (no "auto")."""
@@ -183,26 +280,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             memory[key] += value
     seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
     tokens = t.micro_batch * seq
-    block = costs.block_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                         dtype_bytes=act_bytes)
-    q, kv = costs.attention_width(model)
-    if p.cp > 1 and p.cp_method in ("ring", "allgather") and t.recompute == "none":
-        # their attention function saves k and v as they come (parallel/context_parallel.py), not
-        # the grouped-query repeats that scaled_dot_product_attention saves (the core's 2(q − kv))
-        block -= tokens * act_bytes * 2 * (q - kv) / p.tp
-    if p.cp > 1 and p.cp_method == "ulysses" and t.recompute == "none":
-        # the attention's output twice: head-split where the core saves it, and back in sequence
-        # order where the output projection saves its input (the all-to-all's result is a new tensor)
-        block += tokens * act_bytes * q / p.tp
-    moe_share = share.moe_blocks / share.blocks
-    if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
-        block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                                        act_bytes)
-    if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
-        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                                    p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
-                    for moe in (False, True)]
-        block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
+    block = saved_block_bytes(cfg, share)
     memory["activations"] = (share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes, residual_bytes)
                              + bookkeeping_activation_bytes(cfg, share))
     # 2bw, pipedream: whole fp32 copies of this stage's weights, one per version its batches use

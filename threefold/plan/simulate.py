@@ -175,15 +175,19 @@ def bubble_fraction(busy_intervals: Sequence[Sequence[tuple[float, ...]]]) -> fl
     return 1.0 - busy / (len(busy_intervals) * span)
 
 
-def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambda action: 1) -> int:
+def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambda action: 1, captured=None):
     """Most (micro-batch, stage) activation sets a rank stores at once, following its order;
-    with ``weight(action)``, the most of their weights (e.g. the stage's blocks)."""
+    with ``weight(action)``, the most of their weights (e.g. the stage's blocks). With
+    ``captured(action)`` under a split backward, what B adds until W comes too (the gradients B
+    keeps for W: dryrun_predict.split_backward_bytes)."""
     release = Kind.WEIGHT_GRAD if split_backward else Kind.BACKWARD
     in_flight = peak = 0
     for action in actions:
         if action.kind is Kind.FORWARD:
             in_flight += weight(action)
-            peak = max(peak, in_flight)
+        elif split_backward and captured is not None and action.kind is Kind.BACKWARD:
+            in_flight += captured(action)
         elif action.kind is release:
-            in_flight -= weight(action)
+            in_flight -= weight(action) + (captured(action) if split_backward and captured is not None else 0)
+        peak = max(peak, in_flight)
     return peak

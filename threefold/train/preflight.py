@@ -139,21 +139,24 @@ def stage_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> dict[str, flo
     fp32 states, the saved activations of the run's dtype and schedule), what its step holds
     beside them at its fullest (``working_bytes``) and the sampler's batch of token ids. A dry
     run's live peak, every tensor counted, is held to their sum (tests/test_dryrun_live_peak.py)."""
-    from threefold.plan.dryrun_predict import predict_rank, rank_share
+    from threefold.plan.dryrun_predict import predict_rank, rank_share, split_backward_bytes
 
     p, t = cfg.parallel, cfg.train
     memory = predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"]
-    memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank), memory["activations"], cuda)
+    memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank), memory["activations"], cuda,
+                                      split_backward_bytes(cfg, pp_rank))
     memory["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
     return {k: float(v) for k, v in memory.items()}
 
 
-def working_bytes(cfg: Config, share, activations: float, cuda: bool = False) -> float:
+def working_bytes(cfg: Config, share, activations: float, cuda: bool = False, captured: float = 0.0) -> float:
     """What a rank holds beside its states and saved activations at its fullest, the larger of
-    two moments of the step: its backward (``backward_working_bytes``) and its optimizer step
-    (``optimizer_working_bytes``), which runs once the backward has freed the ``activations``.
-    ``share``: the rank's plan/dryrun_predict.RankShare."""
-    return float(max(backward_working_bytes(cfg, share), optimizer_working_bytes(cfg, share, cuda) - activations))
+    two moments of the step: its backward (``backward_working_bytes``, and under a split backward
+    the gradients B keeps for W, ``captured``: plan/dryrun_predict.split_backward_bytes) and its
+    optimizer step (``optimizer_working_bytes``), which runs once the backward has freed the
+    ``activations``. ``share``: the rank's plan/dryrun_predict.RankShare."""
+    return float(max(backward_working_bytes(cfg, share) + captured,
+                     optimizer_working_bytes(cfg, share, cuda) - activations))
 
 
 def backward_working_bytes(cfg: Config, share) -> float:
