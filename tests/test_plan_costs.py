@@ -184,6 +184,31 @@ def test_closed_form_bubble_and_memory_agree_with_the_simulator(name, p, m, v):
     assert est()["block_activations_bytes"] / one == pytest.approx(sim.peak_activations[0])
 
 
+@pytest.mark.parametrize("name, fuller, held", [("zb-h1", "last", 4), ("dualpipev", "first", 0.5)])
+def test_a_split_backward_adds_what_b_keeps_for_w_to_the_plans_memory(monkeypatch, name, fuller, held):
+    """Llama 3 8B on pp 4, 8 micro-batches: the gradients B keeps for W (costs.captured_gradient_bytes)
+    are in the plan's activations, as many micro-batches' worth as the registry's forms say, on
+    the rank that holds each part: ZB-H1's last rank holds four micro-batches' of its blocks and
+    its head; DualPipeV's rank 0, with both ends, half its blocks', the head's and the
+    embedding's. Without them the plan was 8-9% under the engine's live peak
+    (tests/test_dryrun_live_peak.py)."""
+    from dataclasses import replace as replaced
+
+    from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
+
+    work = costs.Workload(get_preset("llama3-8b"), global_batch=8)
+    layout = costs.Layout.named(schedule=name, pp=4, tp=2, sequence_parallel=True, micro_batch=1)
+    est = costs.estimate(work, layout, A100)
+    monkeypatch.setitem(SCHEDULE_REGISTRY, name, replaced(SCHEDULE_REGISTRY[name], captured_first=lambda p, m, v: 0 * p,
+                                                          captured_last=lambda p, m, v: 0 * p))
+    without = costs.estimate(work, layout, A100)
+    dense, _, head, embedding = costs.captured_gradient_bytes(work.model, 8192, 2, True, 2, 2)  # a 16-bit stream
+    blocks = 8  # 32 layers over 4 ranks
+    want = held * (blocks * dense + head + (embedding if fuller == "first" else 0))
+    assert est["activations_bytes"] - without["activations_bytes"] == pytest.approx(want, rel=1e-9)
+    assert want > 0.05 * est["activations_bytes"]
+
+
 @pytest.mark.parametrize("shares", [costs.EQUAL_SHARES, (46 / 147, 62 / 147, 39 / 147)])
 @pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2),
                                            ("gpipe", 2, 4, 1), ("dualpipev", 4, 8, 2)])

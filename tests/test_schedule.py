@@ -330,6 +330,14 @@ def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
     rank = next(r for r in range(pp) if last in schedule.stages_of(r))
     held = peak_in_flight(schedule.actions[rank], schedule.split_backward, lambda a: int(a.stage == last))
     assert float(spec.head_in_flight(pp, m, v)) == held
+    # what a split backward's B keeps for W, beside the activations' peak, at a micro-batch's
+    # captured gradients 0.7 of its activations (a Llama block's): the planner's count of them
+    chunks = stages_per_rank(name, v)
+    for rank, form in ((0, spec.captured_first), (pp - 1, spec.captured_last)):
+        actions = schedule.actions[rank]
+        both = peak_in_flight(actions, schedule.split_backward, captured=lambda a: 0.7)
+        assert float(form(pp, m, v)) == pytest.approx((both - peak_in_flight(actions, schedule.split_backward))
+                                                      / 0.7 / chunks, abs=1e-9)
 
 
 def test_a_split_backward_holds_what_b_captured_until_w():

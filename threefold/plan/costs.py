@@ -785,6 +785,40 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0, tokens * (whole + gathered - dense_ffn)))
 
 
+def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
+                            residual_bytes: int = 4):
+    """What a schedule that splits the backward (ZB-H1, DualPipeV) keeps from a micro-batch's B to
+    its W, on one tp rank: the gradient arriving at each product and norm whose weight W will
+    differentiate (parallel/pipeline/runtime.backward_input; torch.distributed.pipelining keeps
+    the same). Autograd saves none of them, so they are not activations. Returns bytes for
+    ``tokens`` (dense block, MoE block, head, embedding):
+
+      a dense block: the output gradients of q, k, v, gate and up (a GPT block: its first
+        feed-forward product in place of gate and up) (their tp shards, of the whole
+        sequence, gathered under SP), of the attention's and the feed-forward's output (a tp
+        rank's partial sum), in the products' ``dtype_bytes``; and of its two RMSNorms, fp32
+        (the norm multiplies in fp32), of the rank's tokens (1/tp of them under SP);
+      an MoE block (replicated over tp, on the whole sequence): the router's fp32 logits and
+        the gate, up and output rows of its k routed and its shared experts in place of the
+        dense feed-forward's;
+      the head: the final norm's (fp32) and the logits' (the vocabulary's tp shard, padded);
+      the embedding: its output's, the first stage's input gradient, of the ``residual_bytes``
+        stream."""
+    d, h = dtype_bytes, model.hidden
+    q, kv = attention_width(model)
+    t = np.asarray(tp)
+    rank_tokens = tokens / np.where(np.asarray(sequence_parallel, dtype=bool), t, 1)
+    shared = 2 * rank_tokens * h * 4 + tokens * d * ((q + 2 * kv) / t + h)  # norms and attention
+    products = 1 if model.arch == "gpt" else 2  # GELU's one product into the feed-forward, SwiGLU's gate and up
+    dense = shared + tokens * d * (products * model.ffn_hidden / t + h)
+    moe = 0 * dense
+    if model.moe_experts:
+        experts = model.moe_top_k_experts + model.moe_shared_experts
+        moe = shared + tokens * (4 * model.moe_experts + d * experts * (2 * model.moe_ffn_hidden + h))
+    head = rank_tokens * h * 4 + tokens * d * padded_vocab(model.vocab_size, t) / t
+    return tuple(_scalar_or_array(x) for x in (dense, moe, head, rank_tokens * h * residual_bytes))
+
+
 def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, tp_overlap=False,
                               moe=False, ep=1, dtype_bytes: int = 2, residual_bytes: int = 4):
     """What one block of the engine's bf16 runs (fp32 weights under torch.autocast,
@@ -1363,6 +1397,16 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
+    # A split backward (ZB-H1, DualPipeV) also keeps, from each B to its W, the gradients arriving
+    # at its products and norms: the registry's micro-batches of them at the activations' peak
+    captured_first = _per_schedule("captured_first", schedule, p, m, v, single=0.0)
+    captured_last = _per_schedule("captured_last", schedule, p, m, v, single=0.0)
+    cap_dense, cap_moe, cap_head, cap_embedding = captured_gradient_bytes(cfg, tokens, t, sp, work.activation_bytes,
+                                                                          work.activation_bytes)
+    captured_head = np.where(v_shape, captured_first, captured_last) * cap_head
+    block_act_first = block_act_first + captured_first * (stage_layers * cap_dense + moe_first * (cap_moe - cap_dense)
+                                                          + cap_embedding)
+    block_act_last = block_act_last + captured_last * (stage_layers * cap_dense + moe_last * (cap_moe - cap_dense))
     # the final norm's tensors and the fp32 log-probs of each micro-batch the head's stage holds
     # (GPipe: all m; ZB-H1: the norms until W, of min(p, m), the log-probs until B, of one)
     head_norms = _per_schedule("head_in_flight", schedule, p, m, v, single=1.0)
@@ -1375,9 +1419,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # It and a recomputed block's workspace are never live at once: the larger counts.
     loss_workspace = tokens * (work.activation_bytes + 8) * V / t
     head_first = single_stage | v_shape
-    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act, 0)
+    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act + captured_head, 0)
                  + np.maximum(recompute_workspace, np.where(head_first, loss_workspace, 0)))
-    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act)
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act + captured_head)
                         + np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace)))
 
     # ---- model states ------------------------------------------------------------------------

@@ -131,34 +131,16 @@ def split_backward_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def captured_gradient_bytes(cfg: Config, share: RankShare) -> tuple[float, float, float]:
-    """Bytes of the gradients a split backward's B keeps for W in one micro-batch: for one of the
-    rank's blocks (its MoE blocks' share at theirs), for the head and for the embedding. At each
-    product, the gradient of its output, in the product's dtype: q, k, v, gate, up (their tp
-    shards of the whole sequence, gathered under SP), the attention's and the feed-forward's
-    output (a tp rank's partial sum); at each RMSNorm, its output's gradient in fp32 (the norm
-    multiplies in fp32), of the rank's tokens (1/tp of them under SP). An MoE block (replicated
-    over tp, on the whole sequence): the router's fp32 logits, and the gate, up and output rows of
-    its k routed and its shared experts. The head: the final norm's and the logits' (the
-    vocabulary's tp shard, padded); the embedding: its output's, the stage's input gradient."""
-    from threefold.models.sizes import attention_width, padded_vocab
-
+    """Bytes of the gradients a split backward's B keeps for W in one micro-batch
+    (costs.captured_gradient_bytes, at the engine's dtypes): for one of the rank's blocks (its MoE
+    blocks' share at theirs), for the head and for the embedding."""
     p, t, model = cfg.parallel, cfg.train, cfg.model
-    sp = p.sequence_parallel and p.tp > 1
     act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
     tokens = t.micro_batch * model.seq_len // p.cp
-    rank_tokens = tokens / p.tp if sp else tokens  # a norm's, and the stream's, under SP
-    h, (q, kv) = model.hidden, attention_width(model)
-    norms = 2 * rank_tokens * h * 4
-    attention = tokens * act_bytes * ((q + 2 * kv) / p.tp + h)
-    dense = tokens * act_bytes * (2 * model.ffn_hidden / p.tp + h)
-    moe = 0.0
-    if share.moe_blocks:
-        experts = model.moe_top_k_experts + model.moe_shared_experts
-        moe = tokens * (4 * model.moe_experts + act_bytes * experts * (2 * model.moe_ffn_hidden + h))
+    dense, moe, head, embedding = costs.captured_gradient_bytes(model, tokens, p.tp, p.sequence_parallel and p.tp > 1,
+                                                                act_bytes, residual_bytes)
     moe_share = share.moe_blocks / share.blocks
-    block = norms + attention + (1 - moe_share) * dense + moe_share * moe
-    head = rank_tokens * h * 4 + tokens * act_bytes * padded_vocab(model.vocab_size, p.tp) / p.tp
-    return float(block), float(head), float(rank_tokens * h * residual_bytes)
+    return float((1 - moe_share) * dense + moe_share * moe), float(head), float(embedding)
 
 
 def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residual_bytes: int) -> float:

@@ -768,6 +768,8 @@ class SteadyForms:
     in_flight_first: Callable
     in_flight_last: Callable
     head_in_flight: Callable = lambda p, m, v: 1 + 0 * p
+    captured_first: Callable = lambda p, m, v: 0 * p  # 2bw and pipedream do not split the backward
+    captured_last: Callable = lambda p, m, v: 0 * p
 
 
 @dataclass(frozen=True)
@@ -782,7 +784,11 @@ class ScheduleSpec:
     units of one micro-batch through all of that rank's layers (a chunk counts 1/v).
     ``head_in_flight``: the most micro-batches whose final-norm tensors the stage with the head
     holds at once (until their weight gradients); it holds their log-probabilities until their
-    backward: as many, or one where the backward is split."""
+    backward: as many, or one where the backward is split. ``captured_first`` /
+    ``captured_last``: under a split backward, the micro-batches (in the same units) whose
+    gradients B keeps for W that the first / last rank holds at its activations' peak; at uniform
+    costs that is also the peak of both together whenever a micro-batch's captured gradients
+    weigh no more than its activations (they weigh about 0.7 for a Llama block)."""
     name: str
     compute_order: Callable[[int, int, int, int], list[Action]]  # (rank, pp, m, v) → F/B/W in order
     constraints: Callable[[dict, int, int, int, int | None, str], None]
@@ -806,6 +812,8 @@ class ScheduleSpec:
     # DualPipeV has none (its closed form holds at F = B = W; the planner plays it there).
     bubble_at_shares: Callable | None = None
     head_in_flight: Callable = lambda p, m, v: 1 + 0 * p  # the head's stage runs each backward after its forward
+    captured_first: Callable = lambda p, m, v: 0 * p  # a backward not split keeps nothing for W
+    captured_last: Callable = lambda p, m, v: 0 * p
 
     @cached_property
     def split_backward(self) -> bool:
@@ -864,6 +872,10 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  in_flight_first=lambda p, m, v: np.minimum(p, m),
                  in_flight_last=lambda p, m, v: np.minimum(p, m),
                  head_in_flight=lambda p, m, v: np.minimum(p, m),
+                 # rank 0 runs each W right after its B; the last rank defers its first W until
+                 # every micro-batch in flight has run B
+                 captured_first=lambda p, m, v: 1 + 0 * p,
+                 captured_last=lambda p, m, v: np.minimum(p, m),
                  summary="1F1B with weight gradients deferred into the drain (Qi et al. 2023)"),
     ScheduleSpec("dualpipev", _dualpipev_order, _dualpipev_constraints, placement=V_SHAPE, stages_per_rank=2,
                  # per rank, idle (p − 1)·(F + B − W) (B: the input gradient alone) beside 2m·(F + B + W)
@@ -872,6 +884,8 @@ SCHEDULE_REGISTRY: dict[str, ScheduleSpec] = {spec.name: spec for spec in [
                  # 2p + 1 chunks on every rank (DeepSeek's PP + 1 stages' worth), p + 1/2 of the rank's layers
                  in_flight_first=lambda p, m, v: p + 0.5,
                  in_flight_last=lambda p, m, v: p + 0.5,
+                 captured_first=lambda p, m, v: 0.5 + 0 * p,  # one chunk's B waiting for its W
+                 captured_last=lambda p, m, v: 0.5 + 0 * p,
                  summary="two stages per rank in a V, both directions at once (DeepSeek-V3's DualPipe, "
                          "cut in half)"),
     ScheduleSpec("2bw", _one_f_one_b_order, _two_bw_constraints, **_ONE_STEP_ALONE, steady=_BACK_TO_BACK,
