@@ -208,9 +208,10 @@ def _torchtitan_rows():
 
 def test_torchtitan_peaks_within_5_percent():
     """Llama-3.1-8B under FSDP2 with torchtitan's selective (op) checkpointing, 8 and 128 of its
-    96 GB H100s (bench/clusters): the predicted peak within 5% of the measured 82.4 and 67.0 GiB,
-    so both fit, and their difference (the model states' shards) within 0.5 GiB of the measured
-    one."""
+    96 GB H100s (bench/clusters): the predicted peak within 1% of the measured 82.4 and 67.0 GiB
+    (82.5 and 66.7; 81.5 and 65.7, 1.1% and 1.9% under, before the head's whole gradient was held
+    through the backward), so both fit, and their difference (the model states' shards) within
+    0.5 GiB of the measured one."""
     rows = _torchtitan_rows()
     assert len(rows) == 2
     part = Path(__file__).parents[1] / "bench" / "clusters" / "h100-96gb-hbm2e-500w.toml"
@@ -221,7 +222,7 @@ def test_torchtitan_peaks_within_5_percent():
         got = _estimate(**line, cluster=str(part), global_batch=row["batch"]["global_batch_seqs"], num_gpus=n, dp=n,
                         zero=3, recompute=row["recompute"])
         predicted[n] = got["memory_gib"]["total"]
-        assert predicted[n] == pytest.approx(row["measured"]["peak_memory_gib"], rel=0.05)
+        assert predicted[n] == pytest.approx(row["measured"]["peak_memory_gib"], rel=0.01)
         assert got["fits"]
     measured = {r["hardware"]["num_gpus"]: r["measured"]["peak_memory_gib"] for r in rows}
     assert predicted[8] - predicted[128] == pytest.approx(measured[8] - measured[128], abs=0.5)
