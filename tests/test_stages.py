@@ -113,7 +113,12 @@ def test_on_a_cpu_a_parts_time_off_the_core_is_not_its_cost():
         time.sleep(0.05)
         return cross_entropy(logits, targets)
 
-    measured = measure_layer_costs(model, cfg, torch.device("cpu"), (2, 16, 32), sleepy_loss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a second OpenMP thread spin-waits on a loaded machine, on the process's CPU clock
+    try:
+        measured = measure_layer_costs(model, cfg, torch.device("cpu"), (2, 16, 32), sleepy_loss)
+    finally:
+        torch.set_num_threads(threads)
     assert 0 < measured.head < 0.025 and "CPU time" in measured.source
 
 
