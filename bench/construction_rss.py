@@ -5,7 +5,8 @@
 Each measurement runs in a fresh subprocess: the model is created on the meta device, then
 ``cut_model`` (threefold/train/engine.py) applies tensor parallelism, keeps this rank's pipeline
 stages and materialises only their tensors, each drawn whole from its own generator and cut to
-this rank's piece. The peak RSS of the subprocess (``resource.getrusage``) is compared with this
+this rank's piece. The peak RSS of the subprocess (its own high-water mark, VmHWM: getrusage's
+ru_maxrss would keep its parent's from before the exec) is compared with this
 rank's share of fp32 weights plus the largest single tensor it draws whole; the acceptance of
 issue 12 is peak < 1.5 × that. Prints one JSON object; ``--out`` also writes it.
 """
@@ -19,9 +20,13 @@ import sys
 from pathlib import Path
 
 
-def build_one_rank(preset: str, tp: int, pp: int, dp: int, rank: int) -> dict:
-    import resource
+def high_water_bytes() -> int:
+    """This process's peak resident memory since its exec (Linux's VmHWM)."""
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
+
+def build_one_rank(preset: str, tp: int, pp: int, dp: int, rank: int) -> dict:
     import torch
 
     from threefold.configure import load_config
@@ -35,9 +40,9 @@ def build_one_rank(preset: str, tp: int, pp: int, dp: int, rank: int) -> dict:
     with torch.device("meta"):
         model = Llama(cfg.model)
     mesh = ParallelMesh({"tp": tp, "pp": pp, "dp": dp}, rank)  # coordinates only: construction needs no group
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = high_water_bytes()
     cut = cut_model(model, cfg, mesh, Comm(mesh))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = high_water_bytes()
     held = {id(q): q for part in cut.parts.values() for q in part.parameters()}
     share = sum(q.numel() * q.element_size() for q in held.values())
     keys = {key for part in cut.parts.values() for key, _ in part.named_parameters()}

@@ -158,9 +158,9 @@ BATCH = ["--set", "train.global_batch=48", "--set", "train.micro_batch=2"]  # wh
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["parallel.dp=4", "parallel.zero=1", "parallel.dp_shard=2"],
-     "parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of 2 dp ranks; it needs parallel.zero "
-     "= 3, got zero=1"),
+    (["parallel.dp=4", "parallel.zero=0", "parallel.dp_shard=2"],
+     "parallel.dp_shard: hybrid sharding splits ZeRO's states over groups of 2 dp ranks; it needs parallel.zero 1, "
+     "2 or 3, got zero=0 (DDP keeps every state whole)"),
     (["parallel.dp=6", "parallel.zero=3", "parallel.dp_shard=4"],
      "parallel.dp_shard: must divide parallel.dp=6 and be at least 2 (a group of one rank shards nothing), got 4"),
     (["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=1"], "parallel.dp_shard: must divide parallel.dp=4 and "

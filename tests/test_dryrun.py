@@ -182,12 +182,14 @@ def test_llama3_8b_at_256_ranks_equals_the_planner():
     assert result["memory"]["activations"] == want["memory"]["activations"]  # 1.0028 before the token ids and masks
 
 
-def test_hybrid_sharding_at_256_ranks_equals_the_planner():
-    """HSDP at scale: ZeRO-3 over groups of 8 dp ranks and their cp pair (16 ranks), the 16 groups
-    all-reduced: states 1/16 a rank, not 1/256; the gathers and reduce-scatters under "dp+cp",
-    the all-reduce between the groups, over dp ranks alone, under "dp"."""
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hybrid_sharding_at_256_ranks_equals_the_planner(zero):
+    """HSDP at scale: ZeRO-3 (and ZeRO-2, Megatron-Core's distributed optimizer instances) over
+    groups of 8 dp ranks and their cp pair (16 ranks), the 16 groups all-reduced: states 1/16 a
+    rank, not 1/256; the gathers and reduce-scatters under "dp+cp", the all-reduce between the
+    groups, over dp ranks alone, under "dp" (ZeRO-2: once a step, the step's shards)."""
     cfg = dry_run_config(load(["model.preset=tiny", "model.vocab_size=4096", "model.seq_len=128", "parallel.dp=auto",
-                               "parallel.cp=2", "parallel.zero=3", "parallel.dp_shard=8", "train.global_batch=256",
+                               "parallel.cp=2", f"parallel.zero={zero}", "parallel.dp_shard=8", "train.global_batch=256",
                                "train.micro_batch=2"]), 256)
     assert (cfg.parallel.dp, cfg.parallel.dp_replicate) == (128, 16)
     result, want = dry_run_rank(cfg, 255), predict_rank(cfg, 255)
@@ -197,7 +199,7 @@ def test_hybrid_sharding_at_256_ranks_equals_the_planner():
     for key, value in want["comm_bytes"].items():
         assert result["comm_bytes"][key] == pytest.approx(value, rel=1e-9, abs=1), key
     plain = predict_rank(dry_run_config(load(["model.preset=tiny", "model.vocab_size=4096", "model.seq_len=128",
-                                              "parallel.dp=auto", "parallel.cp=2", "parallel.zero=3",
+                                              "parallel.dp=auto", "parallel.cp=2", f"parallel.zero={zero}",
                                               "train.global_batch=256", "train.micro_batch=2"]), 256), 255)
     assert want["memory"]["optimizer"] == pytest.approx(16 * plain["memory"]["optimizer"])
 
@@ -399,17 +401,19 @@ def test_compare_predicts_the_weight_versions_the_engine_keeps(schedule):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("ep, expert_lr, dp, dp_shard", [(1, 1.0, 4, 2), (1, 0.5, 4, 2), (2, 1.0, 8, 4), (2, 1.0, 4, 2)])
-def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr, dp, dp_shard):
+@pytest.mark.parametrize("ep, expert_lr, dp, dp_shard, zero", [(1, 1.0, 4, 2, 3), (1, 0.5, 4, 2, 3), (2, 1.0, 8, 4, 3),
+                                                             (2, 1.0, 4, 2, 3), (2, 1.0, 8, 4, 2), (2, 0.5, 4, 2, 1)])
+def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr, dp, dp_shard, zero):
     """At ep = 1 the experts are sharded like the rest (pairs of dp ranks × cp), by the dense
     sync or by their own (expert_lr 0.5: their own group); at ep = 2 the dense weights over
     groups of dp_shard dp ranks (ep pairs) and the experts over the dp_shard / ep of them that
     hold the same experts (× cp): 2 at dp_shard 4; at dp_shard 2 one rank at cp 1, which the
     engine runs as plain data parallelism between the groups. The dry run's states and bytes
-    are the planner's, the all-reduce between the groups under "dp" where cp > 1."""
+    are the planner's, the all-reduce between the groups under "dp" where cp > 1. ZeRO-1 and 2
+    shard over the same groups, and all-reduce the step's shards once."""
     cfg = dry_run_config(load(['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "model.layers=4",
                                "model.moe_experts=4", "model.moe_top_k=2", f"model.moe_expert_lr_scale={expert_lr}",
-                               f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.cp={cp}", "parallel.zero=3",
+                               f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.cp={cp}", f"parallel.zero={zero}",
                                f"parallel.dp_shard={dp_shard}", f"train.global_batch={4 * dp}",
                                "train.micro_batch=2"]), dp * cp)
     rank = dp * cp - 1
@@ -425,7 +429,7 @@ def test_hybrid_sharding_of_an_moe_model_equals_the_planner(cp, ep, expert_lr, d
         from threefold.plan.dryrun_predict import rank_share
 
         share, groups = rank_share(cfg, 0), dp // ep
-        dense = costs.dp_bytes_per_step(share.numel, dp, 3, cfg.microbatches, shard=dp_shard)
+        dense = costs.dp_bytes_per_step(share.numel, dp, zero, cfg.microbatches, shard=dp_shard)
         experts = share.moe_blocks * rank_expert_param_count(cfg.model, ep)
         assert cfg.microbatches > 1 and result["comm_bytes"]["dp"] == dense + 2 * (groups - 1) / groups * experts * 4
 

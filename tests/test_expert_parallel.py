@@ -26,6 +26,8 @@ LAYOUTS = {
     # hybrid sharding: the dense weights ZeRO-3 over each ep pair, the experts (one rank of each
     # pair holds them) all-reduced between the pairs
     "dp4-ep2-hsdp2": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"],
+    # and ZeRO-2 over each ep pair, the experts likewise all-reduced between the pairs
+    "dp4-ep2-zero2-shard2": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "parallel.dp_shard=2"],
     # the recomputed forward keeps the experts gathered for the backward that follows it
     "dp4-ep2-zero3-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "train.recompute=full"],
     "dp4-ep2-zero2-full": ["parallel.dp=4", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"] + BIAS,

@@ -168,8 +168,9 @@ class ParallelConfig:
     cp: int = 1
     cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
     ep: int = 1  # expert parallelism, carved out of the dp ranks (it divides dp): not a factor of the world
-    # hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of dp_shard
-    # dp ranks, and the dp / dp_shard groups hold the same shards; 0: one group of all dp ranks
+    # hybrid sharding (HSDP, FSDP's HYBRID_SHARD; at ZeRO-1, 2 Megatron-Core's distributed optimizer
+    # instances): ZeRO shards the states over groups of dp_shard dp ranks, and the dp / dp_shard
+    # groups hold the same shards; 0: one group of all dp ranks
     dp_shard: int = 0
     zero: int = 0
     sequence_parallel: bool = False
@@ -197,7 +198,7 @@ class ParallelConfig:
 
     @property
     def dp_replicate(self) -> int:
-        """Groups of ZeRO-3 shards that hold the same states (hybrid sharding); 1 without it."""
+        """Groups of ZeRO shards that hold the same states (hybrid sharding); 1 without it."""
         return self.dp // self.dp_shard if self.dp_shard and self.dp != AUTO else 1
 
     @property

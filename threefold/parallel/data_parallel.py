@@ -34,6 +34,14 @@ starts, so that a rank holds a few buckets' full gradients, not the whole model'
 is padded with zeros to a multiple of the dp size, so it splits into n equal chunks, chunk r
 belonging to rank r; the padding is the only difference from the planner's byte counts.
 
+Hybrid sharding (``parallel.dp_shard``; Megatron-Core's distributed optimizer instances): zero 1
+and 2 shard over groups of dp_shard dp ranks (the mesh's dps × ep, × cp; ``axes``), and the
+groups at the same place in the others (``replicate_axes``, "dpr") hold the same chunks. Once a
+bucket's reduce-scatter of the step's last micro-batch is waited for, its chunk (under zero 2
+every micro-batch's, summed) is all-reduced over dpr, in flight behind the rest of the backward;
+under zero 1 the reduce-scatters are then waited for in order, REDUCTIONS_IN_FLIGHT at most, so
+that those all-reduces start during the backward too. Bytes: ``costs.dp_bytes_per_step(…, shard)``.
+
 The optimizer is torch's own AdamW, run on this rank's chunks: one view per (bucket, decay
 group), matrices' chunks shaped as 1×k rows so ``engine.build_adamw`` puts them in the
 weight-decay group. AdamW is elementwise, so this is the same arithmetic as AdamW on the
@@ -167,6 +175,8 @@ class Bucket:
         self.pending = None  # the reduction in flight
         self.launched = False  # its reduction of the step's last micro-batch has started (or will, after backward)
         self.in_flight: tuple[torch.Tensor, torch.Tensor] | None = None  # zero 2: (input, output) of it
+        self.pending_is_last = False  # the reduction in flight is of the step's last micro-batch
+        self.replicating = None  # hybrid sharding: the all-reduce of its reduced chunk between the groups
         self._slots: dict[int, torch.Tensor] = {}
 
     @property
@@ -218,13 +228,18 @@ class BucketGradSync:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, zero: int, bucket_mb: float, overlap: bool = True,
                  isolated: tuple[nn.Parameter, ...] = (), axes: tuple[str, ...] = ("dp",),
-                 mean_over: int | None = None):
+                 mean_over: int | None = None, replicate_axes: tuple[str, ...] = ()):
+        """``replicate_axes``: hybrid sharding (zero 1, 2), the groups ("dpr") that hold the same
+        chunks, each sharding over ``axes``; ``mean_over``: the ranks the sums are divided by."""
         if zero not in (0, 1, 2):
             raise ValueError(f"BucketGradSync handles zero 0, 1 and 2, not {zero} (see fsdp.py)")
         self.mesh, self.comm, self.zero, self.overlap, self.axes = mesh, comm, zero, overlap, tuple(axes)
+        self.replicate_axes = tuple(a for a in replicate_axes if mesh.size(a) > 1)
+        if self.replicate_axes and zero == 0:
+            raise ValueError("hybrid sharding shards ZeRO's states: zero 1, 2 (3: fsdp.py), not DDP")
         # the sums become means over this many ranks: the group's size, or all dp ranks for experts
         # reduced over edp (each rank of an ep group already summed the others' tokens)
-        self.mean_over = mean_over or mesh.size(*self.axes)
+        self.mean_over = mean_over or mesh.size(*self.axes, *self.replicate_axes)
         self.key_of = {id(p): key for key, p in named_params}
         self.keys = [key for key, _ in named_params]  # the plain-model keys synchronised here
         self.placements = placements
@@ -272,6 +287,10 @@ class BucketGradSync:
             bucket.pending = self.comm.reduce_scatter(partial, bucket.grad_flat, self.axes, async_op=True)
             bucket.in_flight = (bucket.grad_flat, partial)
             bucket.grad_flat, bucket._slots = None, {}  # the next micro-batch collects into a fresh buffer
+        bucket.pending_is_last = bucket.launched
+        if self.zero == 2 or (self.replicate_axes and bucket.launched):
+            # hybrid sharding (zero 1) waits for the reduce-scatters in order too, so that each
+            # bucket's all-reduce between the groups starts behind the backward
             self.reducing.append(bucket)
             while len(self.reducing) > REDUCTIONS_IN_FLIGHT:
                 self._wait(self.reducing.popleft())
@@ -284,6 +303,10 @@ class BucketGradSync:
         if bucket.in_flight is not None:  # zero 2: add this micro-batch's chunk, drop its full gradient
             bucket.grad_chunk.add_(bucket.in_flight[1])
             bucket.in_flight = None
+        if self.replicate_axes and bucket.pending_is_last:
+            # hybrid sharding: the step's reduced chunk (zero 2: every micro-batch's, summed here),
+            # all-reduced once between the groups that hold it
+            bucket.replicating = self.comm.all_reduce(bucket.grad_chunk, self.replicate_axes, async_op=True)
 
     def finish(self) -> None:
         """Wait for every reduction of the step and turn the sums into means over the group (each
@@ -300,6 +323,10 @@ class BucketGradSync:
         self.reducing.clear()
         for bucket in self.buckets:
             self._wait(bucket)
+        for bucket in self.buckets:
+            if bucket.replicating is not None:
+                bucket.replicating.wait()
+                bucket.replicating = None
             bucket.reduced.div_(self.mean_over)  # n is a power of two in practice: exact
 
     def after_optimizer_step(self) -> None:

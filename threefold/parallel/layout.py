@@ -25,14 +25,15 @@ def check_layout(cfg: Config) -> None:
 
 
 def check_hybrid_sharding(p: ParallelConfig) -> None:
-    """fsdp.py shards ZeRO-3's units over groups of dp_shard consecutive dp ranks (the experts
-    over the dp_shard / ep of them that hold the same experts) and all-reduces each reduced shard
-    over the dp / dp_shard groups that hold it."""
+    """ZeRO 1, 2 (data_parallel.py) and 3 (fsdp.py) shard their states over groups of dp_shard
+    consecutive dp ranks (the experts over the dp_shard / ep of them that hold the same experts)
+    and all-reduce each reduced shard over the dp / dp_shard groups that hold it."""
     if not p.dp_shard:
         return
-    if p.zero != 3:
-        raise ConfigError(f"parallel.dp_shard: hybrid sharding splits ZeRO-3's states over groups of "
-                          f"{plural(p.dp_shard, 'dp rank')}; it needs parallel.zero = 3, got zero={p.zero}")
+    if p.zero == 0:
+        raise ConfigError(f"parallel.dp_shard: hybrid sharding splits ZeRO's states over groups of "
+                          f"{plural(p.dp_shard, 'dp rank')}; it needs parallel.zero 1, 2 or 3, got zero=0 "
+                          "(DDP keeps every state whole)")
     if p.dp_shard < 2 or p.dp % p.dp_shard:
         raise ConfigError(f"parallel.dp_shard: must divide parallel.dp={p.dp} and be at least 2 (a group of one "
                           f"rank shards nothing), got {p.dp_shard}")

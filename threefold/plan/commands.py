@@ -581,7 +581,7 @@ def _impossible_knobs(work: costs.Workload, num_gpus: int, fixed: dict) -> str:
         if len(np.atleast_1d(search.candidate_layouts(work, num_gpus, {knob: value}).tp)):
             continue
         if knob == "dp_shard":  # checked before the search: what is left is that no dp takes it
-            return (f"--dp-shard {value}: no ZeRO-3 layout of this model on {plural(num_gpus, 'GPU')} has a dp that "
+            return (f"--dp-shard {value}: no ZeRO layout of this model on {plural(num_gpus, 'GPU')} has a dp that "
                     f"{value} divides")
         try:  # the layout check's own words: "--tp: 3 does not divide the 32 heads …"
             layout = costs.Layout.named(**{knob: value})

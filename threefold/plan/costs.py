@@ -146,6 +146,9 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
       zero 2:    as zero 1, but gradients are reduce-scattered after every micro-batch, so no rank
                  ever holds the full gradient (the ZeRO paper's way):
                                                    (n−1)/n · numel · (m · grad_bytes + param_bytes)
+      zero 1, 2 sharded over groups of s (hybrid sharding, Megatron-Core's distributed optimizer
+                 instances): as over s ranks, and the step's reduced shard all-reduced once over
+                 the r = n/s groups:          + 2(r−1)/r · numel/s · grad_bytes
       zero 3:    per micro-batch, all-gather of parameters for forward and again for backward,
                  and a reduce-scatter of gradients:  m · (n−1)/n · numel · (2·param_bytes + grad_bytes)
       zero 3 sharded over groups of s of the n ranks (hybrid sharding, ``shard``; None or 0: s = n):
@@ -158,8 +161,9 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
     shard = dp if shard is None else np.where(np.asarray(shard) > 0, shard, dp)
     share, groups = (dp - 1) / dp, dp / shard
     all_reduce = 2 * share * numel * grad_bytes
-    sharded_optimizer = share * numel * (grad_bytes + param_bytes)
-    sharded_gradients = share * numel * (microbatches * grad_bytes + param_bytes)
+    in_group, between_groups = (shard - 1) / shard, hsdp_all_reduce_bytes(numel, shard, groups, 1, grad_bytes)
+    sharded_optimizer = in_group * numel * (grad_bytes + param_bytes) + between_groups
+    sharded_gradients = in_group * numel * (microbatches * grad_bytes + param_bytes) + between_groups
     fully_sharded = (microbatches * (shard - 1) / shard * numel * (2 * param_bytes + grad_bytes)
                      + hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes))
     return _scalar_or_array(np.select([zero == 0, zero == 1, zero == 2], [all_reduce, sharded_optimizer, sharded_gradients],
@@ -354,8 +358,9 @@ def ep_bytes_per_step(tokens, top_k, hidden, ep, moe_layers, microbatches, num_e
 
 
 def hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes: int = 4):
-    """Hybrid sharding's share of ``dp_bytes_per_step``: each micro-batch's reduced shards (numel/s
-    elements) all-reduced over the ``groups`` that hold them, on a group of dp ranks alone."""
+    """Hybrid sharding's share of ``dp_bytes_per_step``: the reduced shards (numel/s elements)
+    all-reduced over the ``groups`` that hold them, on a group of dp ranks alone, ``microbatches``
+    times a step (ZeRO-3: each micro-batch's; ZeRO-1, 2: once, the step's)."""
     groups = np.asarray(groups)
     return _scalar_or_array(microbatches * 2 * (groups - 1) / groups * np.asarray(numel, dtype=float) / shard
                             * grad_bytes)
@@ -423,7 +428,7 @@ class Layout:
     schedule: Any = 1
     ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
     cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
-    dp_shard: Any = 0  # hybrid sharding: ZeRO-3's shard group, in dp ranks (0: all of them)
+    dp_shard: Any = 0  # hybrid sharding: ZeRO's shard group, in dp ranks (0: all of them)
 
     @classmethod
     def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
@@ -446,8 +451,8 @@ class Layout:
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
-        if int(v["dp_shard"]) > 0:
-            parts.append(f"hsdp={int(v['dp_shard'])}")
+        if int(v["dp_shard"]) > 0:  # ZeRO-3's is FSDP's HSDP; ZeRO-1, 2's Megatron's optimizer instances
+            parts.append(f"{'hsdp' if int(v['zero']) == 3 else 'shard'}={int(v['dp_shard'])}")
         if bool(v["sequence_parallel"]):
             parts.append("SP")
         parts.append(RECOMPUTE[int(v["recompute"])])
@@ -519,15 +524,15 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
 
 
 def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None = None, ep: int = 1) -> None:
-    """--dp-shard: ZeRO-3 over groups of that many dp ranks, as threefold's engine runs it (the
-    ZeRO stage and dp checked where they are known: plan searches them)."""
+    """--dp-shard: ZeRO (1, 2 or 3) over groups of that many dp ranks, as threefold's engine runs
+    it (the ZeRO stage and dp checked where they are known: plan searches them)."""
     if not dp_shard:
         return
     if dp_shard < 0:
         raise ConfigError(f"--dp-shard: must not be negative (0: shard over all dp ranks), got {dp_shard}")
-    if zero is not None and zero != 3:
-        raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO-3's states over groups of {plural(dp_shard, 'dp rank')}; "
-                          f"it needs --zero 3, got {zero}")
+    if zero is not None and zero == 0:
+        raise ConfigError(f"--dp-shard: hybrid sharding splits ZeRO's states over groups of {plural(dp_shard, 'dp rank')}; "
+                          f"it needs --zero 1, 2 or 3, got 0 (DDP keeps every state whole)")
     if dp_shard < 2 or (dp is not None and dp % dp_shard):
         raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
                           f"group of one rank shards nothing), got {dp_shard}")
@@ -1141,21 +1146,26 @@ def _data_parallel(numel, replicas, zero, m, stage_layers, work: Workload, bw, l
     one_collective_s = grad_s / reductions
     active = replicas > 1
     # the calls this rank makes: this group's, and the other group's (``also``) beside them
-    if between is not None:  # hybrid sharding: each micro-batch's reduced shards, all-reduced between the groups
+    if between is not None:  # hybrid sharding: the reduced shards all-reduced between the groups
         groups = between["groups"]
-        between_bytes = np.where(zero == 3, hsdp_all_reduce_bytes(numel, replicas, groups, m, work.grad_bytes), 0)
-        between_calls = np.where((zero == 3) & (groups > 1), m * buckets, 0)
+        times = np.where(zero == 3, m, 1)  # ZeRO-3: each micro-batch's; ZeRO-1, 2: the step's, once
+        between_bytes = np.where(zero >= 1, hsdp_all_reduce_bytes(numel, replicas, groups, times, work.grad_bytes), 0)
+        between_calls = np.where((zero >= 1) & (groups > 1), times * buckets, 0)
         between_latency = all_reduce_call_latency(gpu, groups, between["members_per_node"], between["latency"])
 
         def between_time(nbytes, calls):
             return np.where(between_calls > 0, _collective_time(gpu, ("all_reduce",), nbytes, calls, 1, between["bw"],
                                                                 between_latency, between["intra"], between["wait"]), 0)
         between_s = between_time(between_bytes, between_calls)
-        # the last unit reduced: the root where the stage holds the embedding, else the first block
-        last_unit = np.where(embedding & (np.asarray(root_numel) > 0), root_numel, unit_numel)
+        # the last unit reduced: the root where the stage holds the embedding, else the first block;
+        # ZeRO-1, 2: a bucket
+        last_unit = np.where(zero == 3, np.where(embedding & (np.asarray(root_numel) > 0), root_numel, unit_numel),
+                             numel / buckets)
         between_last_s = between_time(hsdp_all_reduce_bytes(last_unit, replicas, groups, 1, work.grad_bytes), 1)
         sent, seconds, grad_s = sent + between_bytes, seconds + between_s, grad_s + between_s
         reductions = reductions + between_calls
+        # ZeRO-1, 2: the last bucket's all-reduce follows its reduce-scatter, behind nothing
+        one_collective_s = np.where(zero == 3, one_collective_s, one_collective_s + between_last_s)
     calls = np.where(replicas > 1, reductions + gathers, 0) + (0 if also is None else also["calls"])
     parts = {"grad_s": grad_s, "gather_s": gather_s, "one_s": one_collective_s, "active": active, "calls": calls}
     if also is not None:  # a group without replicas sends nothing: its grad_s and gather_s are 0
@@ -1360,9 +1370,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     stage_layers = np.ceil(L / p)
     seq_split = np.where(sp, t, 1)
     replicas = d * c  # ranks holding the same parameters: ZeRO and gradient reduction run over them
-    # Hybrid sharding (--dp-shard): ZeRO-3 shards over groups of dp_shard dp ranks (× cp), the
+    # Hybrid sharding (--dp-shard): ZeRO shards over groups of dp_shard dp ranks (× cp), the
     # d / dp_shard groups holding the same shards; without it one group of all the replicas.
-    shard_dp = np.where((zero == 3) & (np.asarray(layout.dp_shard) > 0), layout.dp_shard, d)
+    shard_dp = np.where((zero >= 1) & (np.asarray(layout.dp_shard) > 0), layout.dp_shard, d)
     shards, groups = shard_dp * c, d / shard_dp
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
     # stage (L−n … L−1); each rank holds E/ep whole experts (an MoE block is replicated over tp,

@@ -247,7 +247,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # a product's output and the residual stream (costs.ENGINE_BYTES); fp32 weights, grads, moments
     act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
     replicas = p.dp * p.cp  # weight gradients are reduced over dp × cp together
-    shard = p.dp_shard * p.cp if p.dp_shard else replicas  # ZeRO-3's shards: over dp_shard × cp under HSDP
+    shard = p.dp_shard * p.cp if p.dp_shard else replicas  # ZeRO's shards: over dp_shard × cp under HSDP
     memory = dict(costs.model_state_bytes(share.numel, shard, p.zero))
     # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
@@ -274,8 +274,9 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
     if replicas > 1:
         comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m, shard=shard)
+    between_times = m if p.zero == 3 else 1  # ZeRO-3 all-reduces each micro-batch's shards, ZeRO-1, 2 the step's
     if p.dp_shard and p.cp > 1:  # hybrid sharding's all-reduce between the shard groups: dp ranks alone
-        comm["dp"] = costs.hsdp_all_reduce_bytes(share.numel, shard, p.dp_replicate, m)
+        comm["dp"] = costs.hsdp_all_reduce_bytes(share.numel, shard, p.dp_replicate, between_times)
         comm[grad_key] -= comm["dp"]
     if p.cp > 1:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
@@ -285,7 +286,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(experts, expert_replicas, expert_zero, m,
                                                                          shard=expert_shard)
         if p.dp_shard and p.cp > 1:
-            between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, m)
+            between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, between_times)
             comm["dp"], comm[grad_key] = comm["dp"] + between, comm[grad_key] - between
     if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
         moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,

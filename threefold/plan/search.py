@@ -140,15 +140,18 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
 def _with_hybrid_sharding(layouts: Layout, num_gpus: int, dp_shard: int | None) -> Layout:
     """The ZeRO-3 layouts again with hybrid sharding over shard groups of s dp ranks, for every
     divisor s of dp with 2 ≤ s < dp that holds whole ep groups (s = dp is ZeRO-3 itself); with
-    --dp-shard fixed, only those with that s, and where dp = s plain ZeRO-3; --dp-shard 0, none."""
+    --dp-shard fixed, only those with that s, and where dp = s plain ZeRO, the ZeRO-1 and 2 layouts
+    too (searched over every s they would triple the layouts, for what ZeRO-3's groups mostly
+    find); --dp-shard 0, none."""
     if dp_shard == 0:
         return layouts
-    zero3 = np.flatnonzero(np.asarray(layouts.zero) == 3)
-    dp, ep = np.asarray(layouts.dp)[zero3], np.asarray(layouts.ep)[zero3]
+    zero = np.asarray(layouts.zero)
+    sharded = np.flatnonzero(zero >= 1 if dp_shard else zero == 3)
+    dp, ep = np.asarray(layouts.dp)[sharded], np.asarray(layouts.ep)[sharded]
     shards = [dp_shard] if dp_shard else [s for s in _divisors(num_gpus) if s >= 2]
     parts = [] if dp_shard else [layouts]
     for s in shards:
-        rows = layouts.take(zero3[(dp % s == 0) & (s % ep == 0) & ((dp > s) | (dp_shard == s))])
+        rows = layouts.take(sharded[(dp % s == 0) & (s % ep == 0) & ((dp > s) | (dp_shard == s))])
         rows.dp_shard = np.where(np.asarray(rows.dp) > s, s, 0)
         parts.append(rows)
     return Layout(**{f.name: np.concatenate([np.asarray(getattr(part, f.name)) for part in parts])
@@ -213,7 +216,7 @@ class SearchResult:
     def _zero_phrase(lay: dict) -> str:
         """ZeRO-1 over 32 replicas; hybrid sharding: ZeRO-3 over 8 ranks, all-reduced between 4 groups."""
         if lay["dp_shard"]:
-            return (f"ZeRO-3 over {plural(lay['dp_shard'] * lay['cp'], 'rank')}, all-reduced between "
+            return (f"ZeRO-{lay['zero']} over {plural(lay['dp_shard'] * lay['cp'], 'rank')}, all-reduced between "
                     f"{plural(lay['dp'] // lay['dp_shard'], 'group')}")
         return f"ZeRO-{lay['zero']} over {plural(lay['dp'] * lay['cp'], 'replica')}"
 

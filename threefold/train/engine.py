@@ -338,7 +338,8 @@ class Engine:
                                        isolated=alone, **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
-                                      overlap=p.overlap_grad_reduce, isolated=alone, axes=self.grad_axes)
+                                      overlap=p.overlap_grad_reduce, isolated=alone,
+                                      **(self._shard_axes(self.grad_axes) if zero else {"axes": self.grad_axes}))
             expert_named = [(k, q) for k, q in named if k in experts]
             self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
 
@@ -362,7 +363,7 @@ class Engine:
             self._build_runtime()
 
     def _shard_axes(self, axes: tuple[str, ...]) -> dict:
-        """ZeRO-3's groups for gradients reduced over ``axes``: shards over all of them, or under
+        """ZeRO's groups for gradients reduced over ``axes``: shards over all of them, or under
         hybrid sharding over the group of dp_shard ranks within them (the dense weights' dps × ep;
         the experts', reduced over edp, dps), × cp, the dpr groups holding the same shards."""
         if self.mesh.size("dpr") == 1:
@@ -380,7 +381,7 @@ class Engine:
         dp = mesh.size(*self.grad_axes)
         axes = ("edp", "cp") if self.cp > 1 else ("edp",)  # the cp ranks hold the same experts too
         zero = p.zero if mesh.size(*axes) > 1 else 0
-        if zero == 3 and mesh.size("dps", *axes[1:]) == 1:
+        if zero and mesh.size("dpr") > 1 and mesh.size("dps", *axes[1:]) == 1:
             # hybrid sharding at dp_shard = ep (cp 1): a shard group holds one rank of these experts,
             # so nothing shards them; plain data parallelism over the groups, one all-reduce a step
             zero = 0
@@ -393,7 +394,7 @@ class Engine:
             return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm,
                                    **dict(self._shard_axes(axes), mean_over=dp))
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
-                              axes=axes, mean_over=dp)
+                              **dict(self._shard_axes(axes) if zero else {"axes": axes}, mean_over=dp))
 
     def _build_runtime(self) -> None:
         from threefold.parallel.pipeline.runtime import PipelineRuntime, ScatterGather

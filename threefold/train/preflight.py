@@ -415,8 +415,8 @@ def fitting_layout(cfg: Config, budget: float, process_bytes: float = 0.0) -> st
 
 def _with(cfg: Config, change: dict) -> Config | None:
     """``cfg`` with the layout keys changed, or None when that layout is not valid for the run."""
-    dp_shard = cfg.parallel.dp_shard  # kept only where the candidate can shard that way (ZeRO-3, a dp it divides)
-    dp_shard = dp_shard if change["zero"] == 3 and change["dp"] % max(dp_shard, 1) == 0 and change["dp"] > dp_shard else 0
+    dp_shard = cfg.parallel.dp_shard  # kept only where the candidate can shard that way (ZeRO 1-3, a dp it divides)
+    dp_shard = dp_shard if change["zero"] >= 1 and change["dp"] % max(dp_shard, 1) == 0 and change["dp"] > dp_shard else 0
     parallel = dataclasses.replace(cfg.parallel, dp=change["dp"], tp=change["tp"], pp=change["pp"], zero=change["zero"],
                                    microbatches=None, sequence_parallel=cfg.parallel.sequence_parallel and change["tp"] > 1,
                                    dp_shard=dp_shard)
