@@ -21,7 +21,7 @@ def test_plural_spells_the_noun_the_count_asks_for():
 
 @pytest.mark.parametrize("flags, message", [
     (["--pp", "2"], "--pp 2: no layout of this model on 1 GPU takes it"),
-    (["--dp-shard", "2"], "--dp-shard 2: no ZeRO-3 layout of this model on 1 GPU has a dp that 2 divides"),
+    (["--dp-shard", "2"], "--dp-shard 2: no ZeRO layout of this model on 1 GPU has a dp that 2 divides"),
 ])
 def test_a_one_gpu_plan_that_finds_no_layout_says_1_gpu(capsys, flags, message):
     code = main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "1", "--global-batch", "64",

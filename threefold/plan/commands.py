@@ -357,9 +357,10 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
                    "mixed precision, the fp32 master weights), 2 also the gradients, 3 also the weights (FSDP's "
                    "FULL_SHARD).")
 @click.option("--dp-shard", type=int, default=0, show_default=True,
-              help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO-3 shards the states over groups of this many "
-                   "dp ranks, which dp / N groups hold alike, all-reducing gradients between them; needs --zero 3. "
-                   "0: one group of all dp ranks.")
+              help="Hybrid sharding (HSDP, FSDP's HYBRID_SHARD; at ZeRO-1, 2 Megatron-Core's distributed optimizer "
+                   "instances): ZeRO shards the states over groups of this many dp ranks, which dp / N groups hold "
+                   "alike, all-reducing gradients between them; needs --zero 1, 2 or 3 (plan searches every N at "
+                   "ZeRO-3 only, and this N at each stage). 0: one group of all dp ranks.")
 @click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
