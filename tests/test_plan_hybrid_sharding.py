@@ -129,14 +129,15 @@ def test_bad_hybrid_sharding_is_one_line(capsys, flags, message):
     assert code == 2 and not out and len(lines) == 1 and message in lines[0], err
 
 
-def test_estimate_and_batch_and_plan_take_the_shard_group(capsys, tmp_path):
-    args = ["--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "64", "--zero", "3"]
+@pytest.mark.parametrize("zero", [3, 2])
+def test_estimate_and_batch_and_plan_take_the_shard_group(capsys, tmp_path, zero):
+    args = ["--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "64", "--zero", str(zero)]
     code, out, _ = run(capsys, "estimate", *args, "--dp-shard", "8", "--json")
     one = json.loads(out)
     assert code == 0 and one["layout"]["dp_shard"] == 8
     batch = tmp_path / "b.jsonl"
     batch.write_text(json.dumps({"model": "llama3-8b", "global_batch": 64, "gpu": "h100-sxm", "num_gpus": 64,
-                                 "zero": 3, "dp_shard": 8}) + "\n")
+                                 "zero": zero, "dp_shard": 8}) + "\n")
     code, out, _ = run(capsys, "estimate", "--batch", str(batch))
     assert code == 0 and json.loads(out)["step_time_s"] == one["step_time_s"]
     path = tmp_path / "run.toml"
@@ -144,9 +145,9 @@ def test_estimate_and_batch_and_plan_take_the_shard_group(capsys, tmp_path):
                          "--config-out", str(path))
     assert code == 0, err
     best = json.loads(out)["layouts"][0]
-    assert "hsdp=8" in best["describe"] and best["layout"]["dp_shard"] == 8
+    assert ("hsdp=8" if zero == 3 else "shard=8") in best["describe"] and best["layout"]["dp_shard"] == 8
     cfg = load_config(path)
-    assert (cfg.parallel.zero, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (3, 8, cfg.parallel.dp // 8)
+    assert (cfg.parallel.zero, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (zero, 8, cfg.parallel.dp // 8)
 
 
 @pytest.mark.parametrize("flags, message", [
