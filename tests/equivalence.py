@@ -240,6 +240,8 @@ CASES.update({
     # and ZeRO-1, 2 over pairs (Megatron-Core's distributed optimizer instances), the step's shards all-reduced
     "dp4-zero1-shard2": ["parallel.dp=4", "parallel.zero=1", "parallel.dp_shard=2"],
     "dp4-zero2-shard2": ["parallel.dp=4", "parallel.zero=2", "parallel.dp_shard=2"],
+    "dp4-cp2-zero1-shard2-ring": ["parallel.dp=4", "parallel.cp=2", "parallel.zero=1", "parallel.dp_shard=2",
+                                  "parallel.cp_method=ring", "parallel.overlap_grad_reduce=false"],
     "dp4-pp2-zb-h1-zero2-shard2": ["parallel.dp=4", "parallel.pp=2", "parallel.zero=2", "parallel.dp_shard=2",
                                    "parallel.schedule=zb-h1"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
