@@ -176,8 +176,9 @@ def bytes_formulas(cfg: Config, share: RankShare) -> dict[str, str]:
     p = cfg.parallel
     grads = f"dp_bytes_per_step of rank 0's {share.numel:,} elements" + (" and its experts'" if share.moe_blocks else "")
     hsdp = p.dp_shard and p.cp > 1
+    over_dp = f" over dp, sharded over groups of dp_shard={p.dp_shard}" if p.dp_shard else " over dp"
     return {"dp": ("hsdp_all_reduce_bytes: the all-reduce between the shard groups" if hsdp
-                   else grads + " over dp"),
+                   else grads + over_dp),
             "dp+cp": grads + " over dp × cp" + (", less the all-reduce between the shard groups" if hsdp else ""),
             "cp": (grads + " over cp + " if p.dp == 1 else "") + f"context.cp_bytes_per_step ({p.cp_method}) "
                   f"of its {plural(share.blocks, 'block')}",
