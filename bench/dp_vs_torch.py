@@ -1,6 +1,10 @@
 """threefold's data parallelism against PyTorch's own, same model, batches and machine, one run.
 
     DDP    (dp=2)  threefold zero 0  vs  torch.nn.parallel.DistributedDataParallel
+    ZeRO-1 (dp=2, 4)  threefold zero 1  vs  DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+    ZeRO-1 (dp=4, dp_shard 2)  threefold zero 1 over pairs, all-reduced between them  vs  DDP over
+                   all four + ZeroRedundancyOptimizer over the same pairs (torch's way to keep
+                   each pair's optimizer states whole: all-reduce everything, shard the step)
     ZeRO-3 (dp=2)  threefold zero 3  vs  FSDP2 fully_shard per block (+ root)
     ZeRO-3 (dp=4)  threefold zero 3  vs  FSDP2
     HSDP   (dp=4)  threefold zero 3, dp_shard 2  vs  FSDP2 on a 2-D mesh (replicate 2 × shard 2):
@@ -46,15 +50,15 @@ from threefold.train.trainer import split_micro_batches
 from common import fresh_model, join_gloo, preset_config, spawn_ranks, step_at_lr, train_step
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
-LAYOUTS = [("ddp", 2), ("zero3", 2), ("zero3", 4), ("hsdp", 4)]
-HSDP_SHARD = 2  # the hsdp layout's shard groups: dp ranks {0, 1}, {2, 3}
+LAYOUTS = [("ddp", 2), ("zero1", 2), ("zero1", 4), ("zero1-shard", 4), ("zero3", 2), ("zero3", 4), ("hsdp", 4)]
+HSDP_SHARD = 2  # the hybrid layouts' shard groups: dp ranks {0, 1}, {2, 3}
 
 
 def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
     cfg = preset_config("tiny")
     cfg.parallel.dp = dp
-    cfg.parallel.zero = 3 if kind in ("zero3", "hsdp") else 0
-    cfg.parallel.dp_shard = HSDP_SHARD if kind == "hsdp" else 0
+    cfg.parallel.zero = 3 if kind in ("zero3", "hsdp") else 1 if kind.startswith("zero1") else 0
+    cfg.parallel.dp_shard = HSDP_SHARD if kind in ("hsdp", "zero1-shard") else 0
     cfg.parallel.bucket_mb = bucket_mb
     cfg.parallel.timeout_s = 120
     cfg.train.global_batch = 16
@@ -65,11 +69,12 @@ def bench_config(kind: str, dp: int, bucket_mb: float) -> Config:
 
 # --- PyTorch's own, driven like an Engine --------------------------------------------------------
 class TorchPeer:
-    """PyTorch's DDP or FSDP2 (HSDP for "hsdp") around the plain model, with the same optimizer and step."""
+    """PyTorch's DDP (with ZeroRedundancyOptimizer for "zero1") or FSDP2 (HSDP for "hsdp") around
+    the plain model, with the same optimizer and step."""
 
     def __init__(self, kind: str, model: Llama, cfg: Config):
         self.cfg, self.kind, self.mesh = cfg, kind, None
-        if kind == "ddp":
+        if kind in ("ddp", "zero1", "zero1-shard"):
             from torch.nn.parallel import DistributedDataParallel
 
             self.module = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
@@ -89,13 +94,26 @@ class TorchPeer:
                 fully_shard(block, mesh=mesh)
             self.module = fully_shard(model, mesh=mesh)
         self.optimizer = build_adamw(model.named_parameters(), cfg)
+        if kind.startswith("zero1"):
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            group = None  # the optimizer's states over every rank, or over consecutive pairs
+            if kind == "zero1-shard":
+                shard = cfg.parallel.dp_shard
+                pairs = [dist.new_group(list(range(g, g + shard))) for g in range(0, cfg.parallel.dp, shard)]
+                group = pairs[dist.get_rank() // shard]
+            t = cfg.train
+            self.optimizer = ZeroRedundancyOptimizer(
+                [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in self.optimizer.param_groups],
+                optimizer_class=torch.optim.AdamW, process_group=group, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
 
     def forward_backward(self, micro_batches) -> float:
         total = torch.zeros(())
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # DDP: no all-reduce before the last micro-batch; FSDP2 reduce-scatters each one, as ours.
-            skip_sync = self.module.no_sync() if self.kind == "ddp" and not last else contextlib.nullcontext()
+            skip_sync = (self.module.no_sync() if self.kind in ("ddp", "zero1", "zero1-shard") and not last
+                         else contextlib.nullcontext())
             with skip_sync:
                 loss = cross_entropy(self.module(inputs), targets)
                 (loss / len(micro_batches)).backward()
@@ -129,6 +147,10 @@ def compare(kind: str, cfg: Config, steps: int, warmup: int) -> dict:
                   "torch": (mesh["shard"].mesh.tolist(), mesh["replicate"].mesh.tolist())}
         if groups["threefold"] != groups["torch"]:
             raise RuntimeError(f"rank {rank}: (shard, replicate) groups differ: {groups}")
+    if kind == "zero1-shard":  # threefold's shard groups are the pairs torch's optimizer shards over
+        shard = cfg.parallel.dp_shard
+        if ours.mesh.ranks("dps") != list(range(rank // shard * shard, rank // shard * shard + shard)):
+            raise RuntimeError(f"rank {rank}: threefold's shard group {ours.mesh.ranks('dps')} is not its pair")
     gen = torch.Generator().manual_seed(cfg.train.seed)
     times = {name: [] for name in contenders}
     losses = {name: [] for name in contenders}
