@@ -89,6 +89,27 @@ def test_generate_says_what_it_loaded_and_refuses_chat_without_a_template(traine
     assert err.startswith("error: --chat: the tokenizer") and "has no chat template" in err and "\n" not in err
 
 
+def test_generate_samples_what_the_checkpoint_s_weights_sample(trained, capsys, torch_threads):
+    """read_model and generate build on the meta device (no random draw for the weights to replace):
+    the state and the text are those of ``Llama(cfg)`` loaded with the stored tensors the long way."""
+    root, _ = trained
+    path = checkpoint.resolve(root / "ckpt")
+    cfg, state = checkpoint.read_model(path)
+    stored = {key.removeprefix("model/"): t for key, t in checkpoint.read_tensors(path, "model/").items()}
+    assert cfg.tie_embeddings and "head.weight" not in stored  # a tied weight is stored once
+    model = Llama(cfg)
+    model.load_state_dict({**stored, "head.weight": stored["embed.weight"]})
+    want = model.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], v) and state[k].dtype == v.dtype
+                                               for k, v in want.items())
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()  # still one tensor
+    torch.set_num_threads(1)
+    text = sample_text(model.eval(), checkpoint.read_tokenizer(path, checkpoint.read_meta(path)), "ROMEO:", 12, seed=7)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(path), "--tokens", "12", "--seed", "7", "--threads", "1"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
 def test_export_says_what_it_loaded_and_writes_files_by_the_umask(trained, capsys):
     root, _ = trained
     old = os.umask(0o022)

@@ -653,7 +653,15 @@ def read_model(path: Path):
     from threefold.models.llama import Llama
 
     model_cfg = model_config(read_meta(path))
-    model = Llama(model_cfg)
+    with torch.device("meta"):
+        shapes = Llama(model_cfg)
+    weights = dict(shapes.named_parameters(remove_duplicate=False))
+    # DCP fills every weight (a tied one once: from_state_dict ties the head to the embedding), so
+    # their storage starts uninitialised rather than random; the persistent buffers it does not read
+    # (the MoE expert_bias) are zeros, as __init__ makes them
+    model = Llama.from_state_dict(model_cfg, {
+        key: (torch.empty if key in weights else torch.zeros)(t.shape, dtype=t.dtype)
+        for key, t in shapes.state_dict().items()})
     _read(path, _by_name(_whole_weights(model)), no_dist=True)
     return model_cfg, model.state_dict()
 

@@ -150,8 +150,7 @@ def generate(checkpoint_path, prompt, new_tokens, temperature, greedy, top_k, to
     if chat and not tokenizer.chat_template:
         tokenizer.chat(prompt)  # says, in one line, that there is none
     model_cfg, state = checkpoint.read_model(path)
-    model = Llama(model_cfg)
-    model.load_state_dict(state)
+    model = Llama.from_state_dict(model_cfg, state)  # no random draw for the state to replace
     click.echo(f"loaded {checkpoint.describe(path, meta)}", err=True)
     torch.set_num_threads(threads)
     click.echo(sample_text(model.eval(), tokenizer, prompt, new_tokens, seed, temperature, chat, top_k, top_p))

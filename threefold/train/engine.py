@@ -786,6 +786,5 @@ class Engine:
 
     def plain_model(self) -> nn.Module:
         """A single-device model with the current weights, for generation and export."""
-        plain = Llama(self.cfg.model).to(self.device)
-        plain.load_state_dict(self.model_state_dict())
-        return plain
+        # the gathered state is on self.device already (mesh.device): .to only makes that sure
+        return Llama.from_state_dict(self.cfg.model, self.model_state_dict()).to(self.device)

@@ -334,8 +334,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
         if main:
             # the model `threefold generate` reads from this run's checkpoint: a fine-tune's window is
             # the context it keeps, not its shorter seq_len, so the sample is the one generate prints
-            plain = Llama(checkpoint.model_config({"config": cfg.to_dict(), **kept_meta})).to(engine.device)
-            plain.load_state_dict(state)
+            plain = Llama.from_state_dict(checkpoint.model_config({"config": cfg.to_dict(), **kept_meta}),
+                                          state).to(engine.device)
             result.sample = sample_text(plain.eval(), dataset.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
             console.rule("sample")
             console.print(result.sample, markup=False, highlight=False, soft_wrap=True)  # as generate prints it
