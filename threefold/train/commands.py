@@ -72,6 +72,9 @@ def train(config_path, overrides, metrics_file, nproc, max_restarts, progress):
         from threefold.distributed.launch import interrupted
 
         if interrupted():  # Ctrl-C reached every rank, and another stopped first: rank 0 says "aborted"
+            if int(os.environ.get("RANK", "0")) == 0:  # it may be the one whose partner stopped first
+                click.echo("aborted", err=True)
+                sys.stderr.flush()
             os._exit(130)
         click.echo(f"error: {err}", err=True)
         sys.stderr.flush()
