@@ -114,8 +114,9 @@ class ParallelMesh:
             if backend == "nccl":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
-            timeout = datetime.timedelta(seconds=parallel.timeout_s)
-            dist.init_process_group(backend, timeout=timeout, **_restart_store(timeout))
+            setup = _setup_timeout(parallel.timeout_s)
+            dist.init_process_group(backend, timeout=setup, **_restart_store(setup))
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=parallel.timeout_s))
             owns = True
         elif dist.is_initialized() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -220,10 +221,21 @@ class ParallelMesh:
             self._groups[key] = dist.group.WORLD  # same members, same timeout: no need for another
             return
         for row in self._group_rows(key):
-            group = dist.new_group(row, timeout=self.timeout)
+            group = dist.new_group(row, timeout=_setup_timeout(self.timeout.total_seconds()))
             self._created.append(group)
             if self.rank in row:
+                dist.distributed_c10d._set_pg_timeout(self.timeout, group)
                 self._groups[key] = group
+
+
+# Joining a group waits for every member to arrive and connect; on a loaded machine one rank can
+# start seconds after another (importing torch alone), so a short parallel.timeout_s, which
+# bounds each collective, would fail the job before its first step. Joins get at least this long.
+SETUP_TIMEOUT_S = 120.0
+
+
+def _setup_timeout(timeout_s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:
