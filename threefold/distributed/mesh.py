@@ -116,7 +116,7 @@ class ParallelMesh:
                 torch.cuda.set_device(device)
             setup = _setup_timeout(parallel.timeout_s)
             dist.init_process_group(backend, timeout=setup, **_restart_store(setup))
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=parallel.timeout_s))
+            _bound_collectives(dist.group.WORLD, datetime.timedelta(seconds=parallel.timeout_s))
             owns = True
         elif dist.is_initialized() and dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -224,7 +224,7 @@ class ParallelMesh:
             group = dist.new_group(row, timeout=_setup_timeout(self.timeout.total_seconds()))
             self._created.append(group)
             if self.rank in row:
-                dist.distributed_c10d._set_pg_timeout(self.timeout, group)
+                _bound_collectives(group, self.timeout)
                 self._groups[key] = group
 
 
@@ -236,6 +236,13 @@ SETUP_TIMEOUT_S = 120.0
 
 def _setup_timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
+
+
+def _bound_collectives(group, timeout: datetime.timedelta) -> None:
+    """Each collective of ``group`` fails after ``timeout`` (gloo and NCCL; the dry run's fake
+    process group has no timeout to set)."""
+    if dist.get_backend(group) in ("gloo", "nccl"):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:
