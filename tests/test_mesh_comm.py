@@ -1,6 +1,7 @@
 """The mesh (coordinates and groups), counted communication, failures, and the torchrun relaunch."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -324,3 +325,43 @@ def test_large_tensors_reuse_the_heap_instead_of_fresh_pages():
         assert out[0] == ("True" if mode == "kept" else "None")
     assert faults["default"] >= 10 * 20  # at least one fault per 2 MB huge page, per tensor
     assert faults["kept"] * 10 < faults["default"], faults
+
+
+LATE_JOINER = """
+import os, sys, time, torch, torch.distributed as dist
+from threefold.config import ParallelConfig
+from threefold.distributed.mesh import ParallelMesh
+rank = int(os.environ["RANK"])
+if rank == 1:
+    time.sleep(4)  # starts 4 s after rank 0, past the 2 s timeout of each collective
+mesh = ParallelMesh.from_config(ParallelConfig(dp=2, timeout_s=2))
+total = torch.ones(1)
+dist.all_reduce(total)
+print("sum", int(total.item()), flush=True)
+if rank == 0:  # a collective rank 1 never joins still fails at the 2 s timeout
+    began = time.time()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception:
+        print("failed after", round(time.time() - began), flush=True)
+else:
+    time.sleep(6)  # alive until rank 0's collective has timed out
+"""
+
+
+def test_a_rank_that_starts_late_joins_and_collectives_keep_their_timeout():
+    """Joining the group waits at least mesh.SETUP_TIMEOUT_S, however short parallel.timeout_s
+    is (a rank 4 s late joined a 2 s group; it had failed in the join before); each collective is
+    still bounded by timeout_s."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen([sys.executable, "-c", LATE_JOINER], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all("sum 2" in out for out, _ in outs), outs
+    failed = [line for line in outs[0][0].splitlines() if line.startswith("failed after")]
+    assert failed and 2 <= int(failed[0].split()[-1]) <= 6, outs[0]

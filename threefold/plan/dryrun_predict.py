@@ -104,18 +104,18 @@ def stages_and_schedule(cfg: Config):
     return spans, schedule
 
 
-def split_backward_bytes(cfg: Config, pp_rank: int) -> float:
+def split_backward_bytes(cfg: Config, pp_rank: int, share: RankShare) -> float:
     """What a schedule that splits the backward (ZB-H1, DualPipeV) holds at the rank's fullest
     beyond the saved activations: the gradients B captures where each weight joins the input's
     path, kept until W (parallel/pipeline/runtime.backward_input; autograd does not save them, so
     the activation meter never sees them). Per micro-batch, ``captured_gradient_bytes``' for each
     block, the head and the embedding of the stage; the peak of saved and captured bytes together
-    over the rank's actions (simulate.peak_in_flight), less the saved activations' own peak."""
+    over the rank's actions (simulate.peak_in_flight), less the saved activations' own peak.
+    ``share``: the rank's ``rank_share``."""
     p = cfg.parallel
     if p.pp == 1 or not SCHEDULE_REGISTRY[p.schedule].split_backward:
         return 0.0
     spans, schedule = stages_and_schedule(cfg)
-    share = rank_share(cfg, pp_rank)
     saved = saved_block_bytes(cfg, share)
     block, head, embedding = captured_gradient_bytes(cfg, share)
 

@@ -181,13 +181,14 @@ def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambd
     ``captured(action)`` under a split backward, what B adds until W comes too (the gradients B
     keeps for W: dryrun_predict.split_backward_bytes)."""
     release = Kind.WEIGHT_GRAD if split_backward else Kind.BACKWARD
+    kept = captured if split_backward and captured is not None else None  # only a split backward keeps any
     in_flight = peak = 0
     for action in actions:
         if action.kind is Kind.FORWARD:
             in_flight += weight(action)
-        elif split_backward and captured is not None and action.kind is Kind.BACKWARD:
-            in_flight += captured(action)
+        elif kept and action.kind is Kind.BACKWARD:
+            in_flight += kept(action)
         elif action.kind is release:
-            in_flight -= weight(action) + (captured(action) if split_backward and captured is not None else 0)
+            in_flight -= weight(action) + (kept(action) if kept else 0)
         peak = max(peak, in_flight)
     return peak

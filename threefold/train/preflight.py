@@ -143,8 +143,8 @@ def stage_memory(cfg: Config, pp_rank: int, cuda: bool = False) -> dict[str, flo
 
     p, t = cfg.parallel, cfg.train
     memory = predict_rank(cfg, pp_rank * (p.world_size // p.pp))["memory"]
-    memory["working"] = working_bytes(cfg, rank_share(cfg, pp_rank), memory["activations"], cuda,
-                                      split_backward_bytes(cfg, pp_rank))
+    share = rank_share(cfg, pp_rank)
+    memory["working"] = working_bytes(cfg, share, memory["activations"], cuda, split_backward_bytes(cfg, pp_rank, share))
     memory["batch"] = t.global_batch // p.dp * cfg.model.seq_len * INPUT_BYTES_PER_TOKEN
     return {k: float(v) for k, v in memory.items()}
 
