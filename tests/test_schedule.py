@@ -330,25 +330,35 @@ def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
     rank = next(r for r in range(pp) if last in schedule.stages_of(r))
     held = peak_in_flight(schedule.actions[rank], schedule.split_backward, lambda a: int(a.stage == last))
     assert float(spec.head_in_flight(pp, m, v)) == held
-    # what a split backward's B keeps for W, beside the activations' peak, at a micro-batch's
-    # captured gradients 0.7 of its activations (a Llama block's): the planner's count of them
+    # under a split backward a micro-batch keeps from its B to its W what W reads and the gradients
+    # B captured, r of what it saved (about 0.96 for a Llama block in 16 bits), and while a B runs
+    # it holds up to tau more (a block's captured gradients): the planner's peak
+    # n + (c − 1)·(r − 1) + max(r − 1, tau), in units of one micro-batch (a chunk under DualPipeV)
+    # (costs.estimate's split_peak), at r from half to more than all of it
     chunks = stages_per_rank(name, v)
-    for rank, form in ((0, spec.captured_first), (pp - 1, spec.captured_last)):
-        actions = schedule.actions[rank]
-        both = peak_in_flight(actions, schedule.split_backward, captured=lambda a: 0.7)
-        assert float(form(pp, m, v)) == pytest.approx((both - peak_in_flight(actions, schedule.split_backward))
-                                                      / 0.7 / chunks, abs=1e-9)
+    for rank, n, c in ((0, spec.in_flight_first, spec.captured_first), (pp - 1, spec.in_flight_last, spec.captured_last)):
+        n, c = float(n(pp, m, v)), float(c(pp, m, v))
+        assert c == 0 or schedule.split_backward
+        one = min(c, 1)
+        for r, tau in ((0.5, 0.0), (0.9, 0.0), (1.3, 0.0), (0.9, 0.3), (0.5, 0.6), (1.3, 0.1)):
+            played = peak_in_flight(schedule.actions[rank], schedule.split_backward, lambda a: 1 / chunks,
+                                    lambda a: r / chunks, lambda a: tau)
+            during = tau if schedule.split_backward else 0.0  # a whole backward frees as it goes
+            assert n + (c - one) * (r - 1) + max(one * (r - 1), during) == pytest.approx(played, abs=1e-9), (rank, r, tau)
 
 
-def test_a_split_backward_holds_what_b_captured_until_w():
+def test_a_split_backward_holds_what_b_keeps_until_w():
     """ZB-H1 on pp 2, 4 micro-batches: the last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3, so
-    it holds two micro-batches' activations at most, and with what each B keeps for W, two of each
-    at B1, B2 and B3; 1F1B frees both at B, so the gradients it makes are not held."""
+    it holds two micro-batches' activations at most; when B keeps a quarter of a micro-batch's
+    for W, one whole and one quarter (at F1, F2, F3), and when it keeps twice as much (its
+    captured gradients outweighing what it released), two of those (at B1, B2, B3). 1F1B frees
+    everything at B, so nothing is kept."""
     ranks = build_schedule("zb-h1", 2, 4, 1).actions
     assert peak_in_flight(ranks[1], True) == 2
-    assert peak_in_flight(ranks[1], True, captured=lambda a: 1) == 4
-    assert peak_in_flight(ranks[0], True, captured=lambda a: 1) == 3  # F0 F1 B0: two, and B0's
-    assert peak_in_flight(build_schedule("1f1b", 2, 4, 1).actions[1], False, captured=lambda a: 1) == 1
+    assert peak_in_flight(ranks[1], True, kept=lambda a: 0.25) == 1.25
+    assert peak_in_flight(ranks[1], True, kept=lambda a: 2) == 4
+    assert peak_in_flight(ranks[0], True, kept=lambda a: 2) == 3  # F0 F1 B0: one, and B0's two
+    assert peak_in_flight(build_schedule("1f1b", 2, 4, 1).actions[1], False, kept=lambda a: 2) == 1
 
 
 def test_closed_forms_take_arrays_of_layouts():

@@ -725,6 +725,35 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
                                                        kept + tokens * coef["core"] / tp))))
 
 
+def weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, attention: str = "flash",
+                       dtype_bytes: int = ACTIVATION_BYTES):
+    """Of what one block saves (``block_activation_bytes``), the part a split backward keeps from
+    a micro-batch's B to its W: the tensors of the nodes W runs, where each weight meets the
+    input's path (parallel/pipeline/runtime.SavedForW releases the rest at B). Per token, on one
+    tp rank:
+
+      Llama: each RMSNorm's x·rsqrt (fp32) and output, the input of the products after it, of
+        the rank's tokens: 2·(4h + d·h) / (tp under SP); the attention's output and SwiGLU's
+        product, the inputs of wo and w_down: d·(q + f)/tp. Released: the norms' fp32 inputs and
+        rsqrt, rotary's Q and K, V, gate, up and silu(gate), and the attention core.
+      GPT: each LayerNorm's input and output (its backward, which W reruns, reads the input):
+        2·2·d·h / (tp under SP); the attention's output and GELU's: d·(q + f)/tp. Released: the
+        dropout masks, Q, K, V, GELU's input and the core.
+    Under op-level or full recomputation the products' saved tensors sit inside the block's
+    checkpoint, whose recomputation reads the block's input: nothing is released."""
+    coef = activation_coefficients(model, attention, dtype_bytes)
+    h, d = model.hidden, dtype_bytes
+    q, _ = attention_width(model)
+    t = np.asarray(tp)
+    seq_split = np.where(np.asarray(sequence_parallel, dtype=bool), t, 1)
+    norms = 2 * (coef["norm"] - 4 * h - 4) if model.arch == "llama" else 2 * coef["norm"]
+    kept = tokens * (norms / seq_split + d * (q + model.ffn_hidden) / t)
+    recompute = _recompute_index(recompute)
+    checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
+    return _scalar_or_array(np.where(checkpointed, block_activation_bytes(model, tokens, tp, sequence_parallel, recompute,
+                                                                          attention, dtype_bytes), kept))
+
+
 def op_checkpoint_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES):
     """Bytes one block keeps for backward under op-level selective activation checkpointing, on
     one tp rank for ``tokens`` tokens: torchtitan's policy (``_save_list`` in
@@ -788,6 +817,24 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
     return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0, tokens * (whole + gathered - dense_ffn)))
+
+
+def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
+                           dtype_bytes: int = ACTIVATION_BYTES):
+    """Of what an MoE block saves beyond a dense one (``moe_activation_bytes``), the part a split
+    backward keeps from B to W, beyond the dense block's ``weight_input_bytes``: the experts'
+    inputs, the k permuted rows of h (read by gate and up) and the (k + S) SwiGLU products of f_e
+    (read by w_down), in place of the dense w_down's input (f/tp); under SP the gathered
+    sequence the router and the experts read, in place of the norm's shard. Released at B: the
+    router's scores and choices, the SwiGLU internals, the combine's rows. Nothing is released
+    under full recomputation."""
+    d, k, h = dtype_bytes, model.moe_top_k_experts, model.hidden
+    t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
+    gathered = np.where(sp, h * d - h * d / t, 0)
+    kept = tokens * (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden + gathered
+                     - d * model.ffn_hidden / t)
+    full = _recompute_index(recompute) == RECOMPUTE.index("full")
+    return _scalar_or_array(np.where(full, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute, d), kept))
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
@@ -1407,31 +1454,61 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
     embedding_act = tokens * coef["embedding"] / seq_split * in_flight_first
-    # A split backward (ZB-H1, DualPipeV) also keeps, from each B to its W, the gradients arriving
-    # at its products and norms: the registry's micro-batches of them at the activations' peak
+    # the final norm's tensors and the fp32 log-probs of each micro-batch the head's stage holds
+    # (GPipe: all m; ZB-H1: the norms until W, of min(p, m), the log-probs until B, of one)
+    head_norms = _per_schedule("head_in_flight", schedule, p, m, v, single=1.0)
+    split = np.array([spec.split_backward for spec in SCHEDULE_REGISTRY.values()])[schedule] & ~single_stage
+    logits_act = tokens * (head_norms * coef["norm"] / seq_split + np.where(split, 1, head_norms) * 4 * V / t)
+    # A split backward (ZB-H1, DualPipeV) keeps, from a micro-batch's B to its W, only what W reads
+    # (weight_input_bytes: B releases the rest, parallel/pipeline/runtime.SavedForW) and the
+    # gradients B captured for it (captured_gradient_bytes). Of the n micro-batches in flight at
+    # the rank's peak the registry's captured_first/last, c, have run B; with S a micro-batch's
+    # bytes before B and K after, the rank holds n·S + (c − 1)·(K − S) with one micro-batch whole
+    # (the unit: a chunk under DualPipeV), then either that one past B too (K − S more) or, while
+    # its B runs, one block's captured gradients before the block releases what only B reads.
     captured_first = _per_schedule("captured_first", schedule, p, m, v, single=0.0)
     captured_last = _per_schedule("captured_last", schedule, p, m, v, single=0.0)
     cap_dense, cap_moe, cap_head, cap_embedding = captured_gradient_bytes(cfg, tokens, t, sp, work.activation_bytes,
                                                                           work.activation_bytes)
-    captured_head = np.where(v_shape, captured_first, captured_last) * cap_head
-    block_act_first = block_act_first + captured_first * (stage_layers * cap_dense + moe_first * (cap_moe - cap_dense)
-                                                          + cap_embedding)
-    block_act_last = block_act_last + captured_last * (stage_layers * cap_dense + moe_last * (cap_moe - cap_dense))
-    # the final norm's tensors and the fp32 log-probs of each micro-batch the head's stage holds
-    # (GPipe: all m; ZB-H1: the norms until W, of min(p, m), the log-probs until B, of one)
-    head_norms = _per_schedule("head_in_flight", schedule, p, m, v, single=1.0)
-    split = np.array([spec.split_backward for spec in SCHEDULE_REGISTRY.values()])[schedule]
-    logits_act = tokens * (head_norms * coef["norm"] / seq_split + np.where(split, 1, head_norms) * 4 * V / t)
+    kept_layer = weight_input_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes) + cap_dense
+    kept_moe = 0
+    if moe:
+        kept_moe = moe_weight_input_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes) + cap_moe - cap_dense
+
+    def split_peak(n, c, saved, kept, during_backward):
+        one = np.minimum(c, 1)
+        return n * saved + (c - one) * (kept - saved) + np.maximum(one * (kept - saved), during_backward)
+
+    saved_first = stage_layers * per_layer + moe_first * moe_kept + tokens * coef["embedding"] / seq_split
+    saved_last = stage_layers * per_layer + moe_last * moe_kept
+    # one block's captured gradients while its B runs (an MoE block's where the stage has one), or
+    # the head's on its stage: the larger
+    in_backward = np.maximum(cap_dense, cap_moe) if moe else cap_dense
+    head_first = single_stage | v_shape
+    in_backward_first = np.maximum(np.where(moe_first > 0, in_backward, cap_dense), np.where(head_first, cap_head, 0))
+    in_backward_last = np.maximum(np.where(moe_last > 0, in_backward, cap_dense), np.where(v_shape, 0, cap_head))
+    block_act_first = np.where(split, split_peak(in_flight_first, captured_first, saved_first,
+                                                 stage_layers * kept_layer + moe_first * kept_moe + cap_embedding,
+                                                 in_backward_first),
+                               block_act_first + embedding_act)
+    block_act_last = np.where(split, split_peak(in_flight_last, captured_last, saved_last,
+                                                stage_layers * kept_layer + moe_last * kept_moe, in_backward_last),
+                              block_act_last)
+    embedding_act = 0
+    # the head's micro-batches held until W: the norm's output and x·rsqrt (llama; GPT's LayerNorm
+    # keeps all) and the captured gradients after B; one whole, with its log-probs
+    norm_kept = coef["norm"] - (4 * h + 4 if cfg.arch == "llama" else 0)
+    logits_act = np.where(split, split_peak(head_norms, head_norms, tokens * (coef["norm"] / seq_split + 4 * V / t),
+                                            tokens * norm_kept / seq_split + cap_head, 0), logits_act)
     # The loss's backward, while every block's activations are still held: beside the saved fp32
     # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
     # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still
     # references or whose freed block the caching allocator cannot give to the larger fp32 tensors.
     # It and a recomputed block's workspace are never live at once: the larger counts.
     loss_workspace = tokens * (work.activation_bytes + 8) * V / t
-    head_first = single_stage | v_shape
-    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act + captured_head, 0)
+    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act, 0)
                  + np.maximum(recompute_workspace, np.where(head_first, loss_workspace, 0)))
-    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act + captured_head)
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act)
                         + np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace)))
 
     # ---- model states ------------------------------------------------------------------------

@@ -34,7 +34,7 @@ activations add costs.autocast_activation_bytes (the fp32 stream, the weights' b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from threefold.config import Config
 from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
@@ -63,6 +63,8 @@ class RankShare:
     head_norms_in_flight: int = 1
     head_logits_in_flight: int = 1
     embedding_in_flight: int = 1
+    before_backward: int = 1  # (micro-batch, stage) pairs between F and B at most (= in_flight unless split)
+    blocks_before_backward: int = 1  # blocks of those pairs (= blocks_in_flight unless split)
 
 
 def rank_share(cfg: Config, pp_rank: int) -> RankShare:
@@ -73,21 +75,23 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     if p.pp == 1:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
-        return RankShare(numel, model.layers, True, True, model.layers, moe)
+        return RankShare(numel, model.layers, True, True, model.layers, moe, blocks_before_backward=model.layers)
     spans, schedule = stages_and_schedule(cfg)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)
                 for span, n in zip(held, moe))
     actions = schedule.actions[pp_rank]
-    blocks_in_flight = peak_in_flight(actions, schedule.split_backward, lambda a: len(spans[a.stage].blocks))
+    blocks = lambda a: len(spans[a.stage].blocks)  # noqa: E731
+    blocks_in_flight = peak_in_flight(actions, schedule.split_backward, blocks)
     head = lambda a: int(spans[a.stage].last)  # noqa: E731  (the head's stage's actions alone)
     embedding = lambda a: int(spans[a.stage].first)  # noqa: E731
     return RankShare(numel, sum(len(span.blocks) for span in held), any(span.first for span in held),
                      any(span.last for span in held), blocks_in_flight, sum(moe),
                      peak_in_flight(actions, schedule.split_backward),
                      peak_in_flight(actions, schedule.split_backward, head), peak_in_flight(actions, False, head),
-                     peak_in_flight(actions, False, embedding))
+                     peak_in_flight(actions, False, embedding), peak_in_flight(actions, False),
+                     peak_in_flight(actions, False, blocks))
 
 
 def stages_and_schedule(cfg: Config):
@@ -110,24 +114,48 @@ def split_backward_bytes(cfg: Config, pp_rank: int, share: RankShare) -> float:
     path, kept until W (parallel/pipeline/runtime.backward_input; autograd does not save them, so
     the activation meter never sees them). Per micro-batch, ``captured_gradient_bytes``' for each
     block, the head and the embedding of the stage; the peak of saved and captured bytes together
-    over the rank's actions (simulate.peak_in_flight), less the saved activations' own peak.
-    ``share``: the rank's ``rank_share``."""
+    over the rank's actions (``split_activation_peak``), less the saved activations' own peak.
+    While a B runs, the gradients it captures at a block's products arrive before that block's
+    tensors only B reads are released: one block's (or the head's, the larger) beyond what was
+    in flight when it began. ``share``: the rank's ``rank_share``."""
     p = cfg.parallel
     if p.pp == 1 or not SCHEDULE_REGISTRY[p.schedule].split_backward:
         return 0.0
-    spans, schedule = stages_and_schedule(cfg)
-    saved = saved_block_bytes(cfg, share)
     block, head, embedding = captured_gradient_bytes(cfg, share)
+    return (split_activation_peak(cfg, pp_rank, share, (block, head, embedding), during_backward=True)
+            - split_activation_peak(cfg, pp_rank, share))
+
+
+def split_activation_peak(cfg: Config, pp_rank: int, share: RankShare, captured=(0.0, 0.0, 0.0),
+                          during_backward: bool = False) -> float:
+    """The most bytes a rank of a split-backward schedule holds for its blocks and head, played
+    over its actions (simulate.peak_in_flight): from a micro-batch's F to its B all the stage
+    saves (``saved_block_bytes``, the head's norm and log-probabilities), from its B to its W only
+    what W reads (``weight_input_block_bytes``, the head's norm output and x·rsqrt and its product's
+    input: runtime.SavedForW releases the rest), plus ``captured`` (per block, head, embedding),
+    and with ``during_backward`` one block's or the head's captured gradients while a B runs."""
+    spans, schedule = stages_and_schedule(cfg)
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[cfg.train.dtype]
+    saved, kept = saved_block_bytes(cfg, share), weight_input_block_bytes(cfg, share)
+    norm, log_probs, head_product = head_bytes_per_microbatch(cfg, act_bytes, residual_bytes)
+    head_kept = norm - head_norm_released(cfg) + head_product
+    block_captured, head_captured, embedding_captured = captured
 
     def stage_saved(action):
-        return len(spans[action.stage].blocks) * saved
-
-    def stage_captured(action):
         span = spans[action.stage]
-        return len(span.blocks) * block + span.last * head + span.first * embedding
+        return len(span.blocks) * saved + span.last * (norm + log_probs + head_product)
 
-    actions = schedule.actions[pp_rank]
-    return float(peak_in_flight(actions, True, stage_saved, stage_captured) - peak_in_flight(actions, True, stage_saved))
+    def stage_kept(action):
+        span = spans[action.stage]
+        return (len(span.blocks) * (kept + block_captured) + span.last * (head_kept + head_captured)
+                + span.first * embedding_captured)
+
+    def in_backward(action):
+        span = spans[action.stage]
+        return max(block_captured if span.blocks else 0.0, span.last * head_captured)
+
+    return float(peak_in_flight(schedule.actions[pp_rank], True, stage_saved, stage_kept,
+                                in_backward if during_backward else None))
 
 
 def captured_gradient_bytes(cfg: Config, share: RankShare) -> tuple[float, float, float]:
@@ -150,24 +178,43 @@ def head_activation_bytes(cfg: Config, share: RankShare, act_bytes: int, residua
     backward; as many micro-batches as the schedule keeps of each (``RankShare``: GPipe all m,
     ZB-H1 the norms of min(pp, m) and one micro-batch's logits, 1F1B one of each); the
     embedding's output (llama: ``coef["embedding"]`` = 0) on the first stage. The estimate's
-    expression, for this rank's dtype and tokens. Under bf16 autocast (``residual_bytes`` >
-    ``act_bytes``) the head is a product as a block's are (costs.autocast_activation_bytes):
-    under SP it saves the norm's fp32 shard, (r − d)·h/tp more; without SP its bf16 copy of the
-    norm's output (as counted) and of its weight, V/tp·h·d (autocast casts it again in each
-    micro-batch's forward): either for each micro-batch whose norm tensors it holds."""
+    expression, for this rank's dtype and tokens (``head_bytes_per_microbatch``)."""
     p, model = cfg.parallel, cfg.model
     sp = p.sequence_parallel and p.tp > 1  # the engine runs without it at tp 1 (configure.unused_settings)
     tokens = cfg.train.micro_batch * model.seq_len // p.cp
     coef = costs.activation_coefficients(model, "flash", act_bytes)
+    embedding = tokens * coef["embedding"] / (p.tp if sp else 1) if share.first_stage else 0
+    if not share.last_stage:
+        return embedding
+    norm, log_probs, head_product = head_bytes_per_microbatch(cfg, act_bytes, residual_bytes)
+    return embedding + share.head_norms_in_flight * (norm + head_product) + share.head_logits_in_flight * log_probs
+
+
+def head_bytes_per_microbatch(cfg: Config, act_bytes: int, residual_bytes: int) -> tuple[float, float, float]:
+    """Per micro-batch on the stage with the head: the final norm's tensors, tokens · norm /
+    seq_split; the fp32 log-probabilities, tokens · 4·V/tp; and under bf16 autocast (``residual_bytes``
+    > ``act_bytes``) what the head saves as a block's products do (costs.autocast_activation_bytes):
+    under SP the norm's fp32 shard, (r − d)·h/tp more; without SP its bf16 copy of the norm's
+    output (as counted) and of its weight, V/tp·h·d (autocast casts it again in each micro-batch's
+    forward)."""
+    p, model = cfg.parallel, cfg.model
+    sp = p.sequence_parallel and p.tp > 1
+    tokens = cfg.train.micro_batch * model.seq_len // p.cp
+    coef = costs.activation_coefficients(model, "flash", act_bytes)
     seq_split = p.tp if sp else 1
-    embedding = tokens * coef["embedding"] / seq_split if share.first_stage else 0
-    norms, log_probs = share.head_norms_in_flight, share.head_logits_in_flight
-    logits = (tokens * (norms * coef["norm"] / seq_split + log_probs * 4 * model.vocab_size / p.tp)
-              if share.last_stage else 0)
-    if share.last_stage and residual_bytes != act_bytes:
-        logits += norms * (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if sp
-                           else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
-    return embedding + logits
+    product = 0.0
+    if residual_bytes != act_bytes:
+        product = (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if sp
+                   else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
+    return tokens * coef["norm"] / seq_split, tokens * 4 * model.vocab_size / p.tp, float(product)
+
+
+def head_norm_released(cfg: Config) -> float:
+    """What B releases of the final norm's tensors in a micro-batch: its fp32 input and rsqrt,
+    (4h + 4) a token of the rank's (costs.weight_input_bytes' norms)."""
+    p, model = cfg.parallel, cfg.model
+    tokens = cfg.train.micro_batch * model.seq_len // p.cp
+    return tokens * (4 * model.hidden + 4) / (p.tp if p.sequence_parallel and p.tp > 1 else 1)
 
 
 def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
@@ -198,10 +245,10 @@ def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
     ids_and_targets = sum(ends) * t.micro_batch * seq * per_token
     if p.cp == 1:
         return scalars + ids_and_targets
-    tables = share.in_flight * seq * 2 * model.head_dim * 4
+    tables = share.before_backward * seq * 2 * model.head_dim * 4  # read by rotary, which B runs
     positions = seq * 8 if t.recompute == "full" else 0  # one tensor, the step's, for every micro-batch and stage
     ulysses = 2 * model.seq_len * 8 if p.cp_method == "ulysses" and t.recompute != "full" else 0
-    return scalars + ids_and_targets + tables + positions + share.blocks_in_flight * ulysses
+    return scalars + ids_and_targets + tables + positions + share.blocks_before_backward * ulysses  # B reads them
 
 
 def saved_block_bytes(cfg: Config, share: RankShare) -> float:
@@ -236,6 +283,29 @@ def saved_block_bytes(cfg: Config, share: RankShare) -> float:
     return float(block)
 
 
+def weight_input_block_bytes(cfg: Config, share: RankShare) -> float:
+    """Of ``saved_block_bytes``, what a split backward keeps from B to W (costs.weight_input_bytes
+    at the engine's dtypes): the norms' x·rsqrt and outputs, the inputs of wo and w_down; under
+    bf16 autocast all of costs.autocast_activation_bytes too (the products' bf16 copies of their
+    inputs and weights, the fp32 shard under SP). Each context-parallel method's own saves are
+    the attention core's, released at B."""
+    p, t, model = cfg.parallel, cfg.train, cfg.model
+    sp = p.sequence_parallel and p.tp > 1
+    act_bytes, residual_bytes = costs.ENGINE_BYTES[t.dtype]
+    tokens = t.micro_batch * model.seq_len // p.cp
+    block = costs.weight_input_bytes(model, tokens, p.tp, sp, t.recompute, dtype_bytes=act_bytes)
+    moe_share = share.moe_blocks / share.blocks
+    if share.moe_blocks:
+        block += moe_share * costs.moe_weight_input_bytes(model, tokens, p.tp, sp, t.recompute, act_bytes)
+    if residual_bytes != act_bytes:
+        autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute, p.tp_overlap, moe, p.ep,
+                                                    act_bytes, residual_bytes) for moe in (False, True)]
+        # all but an MoE block's combine, whose fp32 rows only B reads
+        combine = tokens * model.moe_top_k_experts * model.hidden * (8 - 2 * act_bytes)
+        block += (1 - moe_share) * autocast[0] + moe_share * (autocast[1] - combine)
+    return float(block)
+
+
 def predict_rank(cfg: Config, rank: int) -> dict:
     """``{"memory": {params, grads, optimizer, activations}, "comm_bytes": {key: bytes}}`` of
     global ``rank``, in bytes per step, for a concrete layout of ``cfg`` (no "auto")."""
@@ -263,8 +333,12 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     seq = model.seq_len // p.cp  # the tokens of each sequence this rank holds
     tokens = t.micro_batch * seq
     block = saved_block_bytes(cfg, share)
-    memory["activations"] = (share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes, residual_bytes)
-                             + bookkeeping_activation_bytes(cfg, share))
+    if p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].split_backward:  # B releases what only it reads
+        held = split_activation_peak(cfg, pp_rank, share) + head_activation_bytes(cfg, replace(share, last_stage=False),
+                                                                                  act_bytes, residual_bytes)
+    else:
+        held = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes, residual_bytes)
+    memory["activations"] = held + bookkeeping_activation_bytes(cfg, share)
     # 2bw, pipedream: whole fp32 copies of this stage's weights, one per version its batches use
     versions, _ = costs.weight_versions(costs.SCHEDULES.index(p.schedule), p.pp, pp_rank)
     if versions:

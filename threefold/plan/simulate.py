@@ -175,20 +175,25 @@ def bubble_fraction(busy_intervals: Sequence[Sequence[tuple[float, ...]]]) -> fl
     return 1.0 - busy / (len(busy_intervals) * span)
 
 
-def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambda action: 1, captured=None):
+def peak_in_flight(actions: Sequence[Action], split_backward: bool, weight=lambda action: 1, kept=None,
+                   during_backward=None):
     """Most (micro-batch, stage) activation sets a rank stores at once, following its order;
-    with ``weight(action)``, the most of their weights (e.g. the stage's blocks). With
-    ``captured(action)`` under a split backward, what B adds until W comes too (the gradients B
-    keeps for W: dryrun_predict.split_backward_bytes)."""
+    with ``weight(action)``, the most of their weights (e.g. the stage's blocks). Under a split
+    backward a micro-batch holds its ``weight`` from F to B, then ``kept(action)`` until W (what
+    W reads and the gradients B captured for it: dryrun_predict.split_activation_peak); without
+    ``kept``, all of its weight. ``during_backward(action)``: what a B holds at most beyond what
+    was in flight when it began (a block's gradients captured before its tensors are released)."""
     release = Kind.WEIGHT_GRAD if split_backward else Kind.BACKWARD
-    kept = captured if split_backward and captured is not None else None  # only a split backward keeps any
+    kept = kept if split_backward and kept is not None else weight
     in_flight = peak = 0
     for action in actions:
         if action.kind is Kind.FORWARD:
             in_flight += weight(action)
-        elif kept and action.kind is Kind.BACKWARD:
-            in_flight += kept(action)
+        elif split_backward and action.kind is Kind.BACKWARD:
+            if during_backward is not None:
+                peak = max(peak, in_flight + during_backward(action))
+            in_flight += kept(action) - weight(action)
         elif action.kind is release:
-            in_flight -= weight(action) + (kept(action) if kept else 0)
+            in_flight -= kept(action)
         peak = max(peak, in_flight)
     return peak

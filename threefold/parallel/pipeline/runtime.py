@@ -36,6 +36,12 @@ each linear layer, the product of each norm): W restarts autograd from those nod
 captured gradients, towards the weights only, so it computes exactly the weight-gradient
 products B skipped and nothing twice. (``torch.distributed.pipelining`` does the same.) On the
 first stage the input is the embedding's output, so the embedding's gradient waits for W too.
+Keeping the graph would keep every tensor the forward saved until W, though W reads only those
+of the nodes on the weights' paths: each product's input, each norm's normalised input. A split
+stage's forward therefore saves through ``SavedForW``, and B releases every other saved tensor
+(the attention core's, SwiGLU's, the loss's log-probabilities): between B and W a micro-batch
+holds what Megatron's zero-bubble ``WeightGradStore`` holds, the products' inputs and the
+gradients B captured.
 """
 from __future__ import annotations
 
@@ -73,15 +79,17 @@ class WeightGradGroup:
     """Parameters whose gradients W computes together from the same graph nodes."""
     params: list[nn.Parameter]
     nodes: list[Node]  # where their weights join the input's path
+    path: set[Node] = field(default_factory=set)  # every node W runs: from those joins to the weights
     grads: dict[Node, tuple] = field(default_factory=dict)  # gradients B saw arriving at those nodes
 
 
-def weight_grad_groups(output: GradientEdge, input_node: Node, params: list[nn.Parameter]) -> list[WeightGradGroup]:
+def weight_grad_groups(output: GradientEdge, input_node: Node,
+                       params: list[nn.Parameter]) -> tuple[list[WeightGradGroup], set[Node]]:
     """Group ``params`` by the nodes where their gradient path joins the path from ``output``
     back to ``input_node``; parameters that share such a node (or are linked through one) share
     a group, since W must run them in one autograd call. Nodes keep the order of a breadth-first
     walk from the output, the same on every rank, so tensor-parallel ranks run W's collectives
-    (if a node has any) in the same order."""
+    (if a node has any) in the same order. Also returns the input's path: the nodes B runs."""
     consumers: dict[Node, list[Node]] = defaultdict(list)  # node → the nodes whose backward feeds it
     queue, seen = deque([output.node]), {output.node: 0}  # node → its position in the walk
     while queue:
@@ -101,17 +109,19 @@ def weight_grad_groups(output: GradientEdge, input_node: Node, params: list[nn.P
         accumulator = get_gradient_edge(param).node
         if accumulator not in seen:
             continue  # this micro-batch did not use the parameter
-        joins = _upstream({accumulator}, consumers, stop=input_path) & input_path
+        path = _upstream({accumulator}, consumers, stop=input_path)
+        joins = path & input_path
         merged = {id(group_of[n]): group_of[n] for n in joins if n in group_of}
-        group = WeightGradGroup([param], sorted(joins, key=seen.get))
+        group = WeightGradGroup([param], sorted(joins, key=seen.get), path)
         for other in merged.values():
             group.params += other.params
             group.nodes = sorted(set(group.nodes) | set(other.nodes), key=seen.get)
+            group.path |= other.path
             groups.remove(other)
         groups.append(group)
         for node in group.nodes:
             group_of[node] = group
-    return groups
+    return groups, input_path
 
 
 def _upstream(start: set[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:
@@ -127,19 +137,116 @@ def _upstream(start: set[Node], consumers: dict[Node, list[Node]], stop: set[Nod
     return found
 
 
+class _Held:
+    """One tensor a split stage's forward saved (as the hooks outside packed it), until released."""
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+_RELEASED = object()
+
+
+class SavedForW:
+    """The tensors one micro-batch's forward saves on a stage whose backward is split, held so
+    that B can release those W will not read. ``hooks()`` wraps the forward, inside whatever
+    saved-tensor hooks are already on (the activation meter's), whose packing it keeps: a
+    released tensor leaves the meter as it leaves memory."""
+
+    def __init__(self):
+        self.held: list[_Held] = []
+
+    def hooks(self):
+        outer = _top_saved_tensor_hooks()
+        pack_outer, unpack_outer = outer if outer is not None else (None, None)
+
+        def pack(tensor):
+            held = _Held(tensor if pack_outer is None else pack_outer(tensor))
+            self.held.append(held)
+            return held
+
+        def unpack(held):
+            if held.packed is _RELEASED:
+                raise RuntimeError("a tensor B released was read again: W's path reads a saved tensor "
+                                   "outside the nodes weight_grad_groups found")
+            return held.packed if unpack_outer is None else unpack_outer(held.packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def release_in_backward(self, b_nodes: set[Node], w_nodes: set[Node]) -> list:
+        """Hooks that release, as each node of ``b_nodes`` finishes in B, the tensors it saved
+        that no node of ``w_nodes`` saved, as autograd frees a node's when it keeps no graph; the
+        handles, to remove once B is done. None and nothing released if a node of ``w_nodes``
+        holds a tensor packed by other hooks (an activation checkpoint's, whose recomputation
+        would read inputs saved here)."""
+        kept = set()
+        for node in w_nodes:
+            for saved in _raw_saved(node):
+                if not isinstance(saved.data, _Held):
+                    self.held = []
+                    return []
+                kept.add(id(saved.data))
+        self.held = [held for held in self.held if id(held) not in kept]  # released after B at the latest
+        handles = []
+        for node in b_nodes - w_nodes:
+            mine = [saved.data for saved in _raw_saved(node) if isinstance(saved.data, _Held) and id(saved.data) not in kept]
+            if mine:
+                handles.append(node.register_hook(lambda grad_inputs, grad_outputs, mine=mine: _release(mine)))
+        return handles
+
+    def release(self) -> None:
+        """Release what B has not (the tensors of nodes B did not run)."""
+        _release(self.held)
+        self.held = []
+
+
+def _release(held: list[_Held]) -> None:
+    for item in held:
+        item.packed = _RELEASED
+
+
+def _top_saved_tensor_hooks():
+    """The innermost saved-tensor hooks in force, (pack, unpack), or None (PyTorch's own
+    accessor, private, also used by torch._functorch)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+_RAW_SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # a node class's ``_raw_saved_*`` attributes
+
+
+def _raw_saved(node: Node):
+    """The node's saved tensors, unread: ``SavedTensor``s whose ``data`` is what was packed."""
+    names = _RAW_SAVED_NAMES.get(type(node))
+    if names is None:  # dir() once per class: a stage's graph has hundreds of nodes of a few dozen
+        names = _RAW_SAVED_NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    for name in names:
+        value = getattr(node, name)
+        for saved in value if isinstance(value, (list, tuple)) else (value,):
+            if saved is not None:
+                yield saved
+
+
 def backward_input(output: GradientEdge, grad: torch.Tensor, inputs: torch.Tensor,
-                   params: list[nn.Parameter]) -> tuple[torch.Tensor, list[WeightGradGroup]]:
-    """B: the gradient of ``inputs``, keeping the graph, and what W needs for the weights."""
+                   params: list[nn.Parameter], saves: SavedForW | None = None) -> tuple[torch.Tensor, list[WeightGradGroup]]:
+    """B: the gradient of ``inputs``, keeping the graph, and what W needs for the weights;
+    given the forward's ``saves``, each saved tensor W will not read is released once the node
+    that saved it has run."""
     input_edge = get_gradient_edge(inputs)
-    groups = weight_grad_groups(output, input_edge.node, params)
+    groups, input_path = weight_grad_groups(output, input_edge.node, params)
     captured: dict[Node, tuple] = {}
     hooks = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads))
              for group in groups for node in group.nodes if node is not input_edge.node]
+    if saves is not None:
+        hooks += saves.release_in_backward(input_path, set().union(*(group.path for group in groups)))
     try:
         (input_grad,) = torch.autograd.grad(output, inputs, grad, retain_graph=True)
     finally:
         for hook in hooks:
             hook.remove()
+        if saves is not None:
+            saves.release()
     # The input's own node is not run by B (autograd stops at the input); its gradient is B's result.
     captured[input_edge.node] = tuple(input_grad if i == input_edge.output_nr else None
                                       for i in range(len(input_edge.node._input_metadata)))
@@ -210,6 +317,7 @@ class Forwarded:
     """What a stage's backward needs of one micro-batch's forward."""
     input: torch.Tensor  # the received activation (a leaf), or on the first stage the embedding's output
     output: GradientEdge  # where the backward starts: the stage's output, or the scaled loss
+    saves: SavedForW | None = None  # under a split backward: what the forward saved, for B to release
 
 
 @dataclass
@@ -334,7 +442,8 @@ class PipelineRuntime:
     def _forward(self, microbatch: int, stage: int) -> None:
         step, module = self.step, self.stages[stage]
         tokens, targets = step.micro_batches[microbatch]
-        with self.compute_context():
+        saves = SavedForW() if self.schedule.split_backward else None
+        with self.compute_context(), (saves.hooks() if saves else contextlib.nullcontext()):
             if module.first:
                 inputs = module.embed(tokens)
             elif self.schedule.hands_over_locally(stage):  # the previous stage ran here: its output, in memory
@@ -349,7 +458,7 @@ class PipelineRuntime:
             output = loss / self.schedule.microbatches  # the gradient of the mean over micro-batches
         else:
             step.outputs[(microbatch, stage)] = output.detach()
-        step.forwarded[(microbatch, stage)] = Forwarded(inputs, get_gradient_edge(output))
+        step.forwarded[(microbatch, stage)] = Forwarded(inputs, get_gradient_edge(output), saves)
 
     def _backward(self, microbatch: int, stage: int) -> None:
         step, key = self.step, (microbatch, stage)
@@ -362,7 +471,7 @@ class PipelineRuntime:
             grad = step.output_grads.pop(key)
         if self.schedule.split_backward:
             input_grad, step.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
-                                                                self.params[stage])
+                                                                self.params[stage], forwarded.saves)
         else:
             torch.autograd.backward(forwarded.output, grad)
             input_grad = None if module.first else forwarded.input.grad  # the received input is a leaf

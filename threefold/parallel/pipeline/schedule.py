@@ -785,10 +785,11 @@ class ScheduleSpec:
     ``head_in_flight``: the most micro-batches whose final-norm tensors the stage with the head
     holds at once (until their weight gradients); it holds their log-probabilities until their
     backward: as many, or one where the backward is split. ``captured_first`` /
-    ``captured_last``: under a split backward, the micro-batches (in the same units) whose
-    gradients B keeps for W that the first / last rank holds at its activations' peak; at uniform
-    costs that is also the peak of both together whenever a micro-batch's captured gradients
-    weigh no more than its activations (they weigh about 0.7 for a Llama block)."""
+    ``captured_last``: under a split backward, how many of those in flight (in the same units)
+    have run B and wait for W at the first / last rank's peak; each then holds only what W reads
+    and the gradients B captured for it, K of its S saved bytes, and the rank peaks at
+    n·S + c·(K − S), with one whole micro-batch's S − K more where S is the larger (costs.estimate;
+    tests/test_schedule.py plays it at K/S from 0.5 to 1.3)."""
     name: str
     compute_order: Callable[[int, int, int, int], list[Action]]  # (rank, pp, m, v) → F/B/W in order
     constraints: Callable[[dict, int, int, int, int | None, str], None]
