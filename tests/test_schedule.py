@@ -261,9 +261,18 @@ def test_command_json(capsys, tmp_path):
     assert code == 0
     result = json.loads(out)
     assert result["bubble_fraction"] == pytest.approx(3 / 11)
-    assert result["peak_activations"] == [4, 3, 2, 1]
+    assert result["peak_activations"] == [4, 3, 2, 1] and result["past_backward_at_peak"] == [0, 0, 0, 0]
     assert (result["schedule"], result["pp"], result["microbatches"], result["virtual_stages"]) == ("1f1b", 4, 8, 1)
     assert _png_size(tmp_path / "t.png")[0] > 0
+
+
+def test_a_split_backwards_table_shows_the_micro_batches_past_b(capsys):
+    """ZB-H1 holds four micro-batches at every rank's peak, but rank r defers its W's: r + 1 of
+    them have run B there and hold only what W reads (docs/pipeline_parallel.md)."""
+    code, out, _ = _run(capsys, "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8")
+    assert code == 0 and "past B" in out
+    rows = [line.split("│")[1:5] for line in out.splitlines() if line.startswith("│")]
+    assert [cells[3].strip() for cells in rows] == ["4, 1", "4, 2", "4, 3", "4, 4"]
 
 
 @pytest.mark.parametrize("chunks", [["--virtual-stages", "2"], []])  # 2 chunks a rank: interleaved's default too
@@ -324,6 +333,9 @@ def test_each_schedules_closed_forms_equal_the_simulator(name, pp, m, v):
     assert float(spec.bubble(pp, m, v)) == pytest.approx(sim.bubble_fraction, abs=1e-12)
     assert float(spec.in_flight_first(pp, m, v)) == pytest.approx(sim.peak_activations[0], abs=1e-12)
     assert float(spec.in_flight_last(pp, m, v)) == pytest.approx(sim.peak_activations[-1], abs=1e-12)
+    # of those, the ones past B that `threefold schedule` shows: the registry's captured forms
+    assert float(spec.captured_first(pp, m, v)) == pytest.approx(sim.past_backward_at_peak[0], abs=1e-12)
+    assert float(spec.captured_last(pp, m, v)) == pytest.approx(sim.past_backward_at_peak[-1], abs=1e-12)
     # the micro-batches whose head tensors the rank with the last stage holds (released at W)
     schedule = build_schedule(name, pp, m, v)
     last = pp * stages_per_rank(name, v) - 1

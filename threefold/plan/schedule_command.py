@@ -114,6 +114,7 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
             "bubble_fraction": result.bubble_fraction, "steady_bubble_fraction": steady_bubble,
             "makespan": result.makespan,
             "peak_activations": list(result.peak_activations),
+            "past_backward_at_peak": list(result.past_backward_at_peak),
             "costs": {"forward": 1.0, "backward": backward_ratio, "weight_grad": weight_grad_share * backward_ratio,
                       "p2p": p2p_ratio},
             "out": out,
@@ -127,10 +128,17 @@ def schedule(name, pp, microbatches, virtual_stages, backward_ratio, weight_grad
                   + (f" (a run's first step, which fills the pipeline; its steady steps: bubble "
                      f"[bold]{steady_bubble:.1%}[/bold], the next step's forwards filling each drain)"
                      if steady else ""))
-    table = Table("rank", "busy", "idle", "peak activations (micro-batches)")
+    split = result.schedule.split_backward
+    table = Table("rank", "busy", "idle", "peak activations (micro-batches)" + (", past B" if split else ""))
     for rank, busy in enumerate(result.busy):
-        table.add_row(str(rank), f"{busy:g}", f"{result.makespan - busy:g}", f"{result.peak_activations[rank]:g}")
+        peak = f"{result.peak_activations[rank]:g}"
+        if split:
+            peak += f", {result.past_backward_at_peak[rank]:g}"
+        table.add_row(str(rank), f"{busy:g}", f"{result.makespan - busy:g}", peak)
     console.print(table)
+    if split:
+        console.print("past B: a micro-batch that has run B holds only what W reads and the gradients B "
+                      "captured for it until its W (docs/pipeline_parallel.md)", highlight=False)
     console.print(f"timeline drawn to {out}" if out else "draw the timeline with --out FILE.png", highlight=False)
 
 

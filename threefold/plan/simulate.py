@@ -82,6 +82,9 @@ class SimResult:
     makespan: float
     bubble_fraction: float
     peak_activations: tuple[float, ...]  # per rank, in micro-batches through the rank's layers
+    # per rank, how many of those have run B and wait for W at the peak (split backward only; the
+    # registry's captured_first/last): they hold only what W reads and what B captured for it
+    past_backward_at_peak: tuple[float, ...] = ()
 
     @property
     def busy(self) -> list[float]:
@@ -158,7 +161,30 @@ def simulate(schedule: Schedule, costs: ActionCosts = ActionCosts()) -> SimResul
                                          for rank in result_timelines]),
         peak_activations=tuple(peak_in_flight(actions, split) / schedule.virtual_stages
                                for actions in schedule.actions),
+        past_backward_at_peak=tuple(past_backward_at_peak(actions, split) / schedule.virtual_stages
+                                    for actions in schedule.actions),
     )
+
+
+def past_backward_at_peak(actions: Sequence[Action], split_backward: bool) -> int:
+    """Of the (micro-batch, stage) pairs a rank holds at its peak (``peak_in_flight``), the most
+    that have run B and wait for W, over the moments the peak is reached; 0 unless the backward
+    is split."""
+    if not split_backward:
+        return 0
+    whole = past = peak = most = 0
+    for action in actions:
+        if action.kind is Kind.FORWARD:
+            whole += 1
+        elif action.kind is Kind.BACKWARD:
+            whole, past = whole - 1, past + 1
+        elif action.kind is Kind.WEIGHT_GRAD:
+            past -= 1
+        if whole + past > peak:
+            peak, most = whole + past, past
+        elif whole + past == peak:
+            most = max(most, past)
+    return most
 
 
 def bubble_fraction(busy_intervals: Sequence[Sequence[tuple[float, ...]]]) -> float:
