@@ -11,7 +11,9 @@ multiple of tp) and every dp replica is the same.
                activations, of its seq_len / cp tokens: costs.block_activation_bytes × the most
                blocks whose activations the rank holds at once (simulate.peak_in_flight over its
                schedule's actions), each context-parallel method's own saves, plus where it holds
-               the head, the final norm and the logits as costs.estimate counts them;
+               the head, the final norm and the logits as costs.estimate counts them; under a split
+               backward played in bytes, a micro-batch holding from its B only what W reads
+               (``split_activation_peak``);
   experts      an MoE block's routed experts (E/ep whole ones) apart, their states over the dp/ep
                ranks of the expert-data-parallel group (× cp; hybrid sharding: the dp_shard/ep
                of them in a shard group); their reduction under "dp" ("dp+cp"), the

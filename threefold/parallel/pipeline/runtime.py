@@ -177,9 +177,9 @@ class SavedForW:
     def release_in_backward(self, b_nodes: set[Node], w_nodes: set[Node]) -> list:
         """Hooks that release, as each node of ``b_nodes`` finishes in B, the tensors it saved
         that no node of ``w_nodes`` saved, as autograd frees a node's when it keeps no graph; the
-        handles, to remove once B is done. None and nothing released if a node of ``w_nodes``
-        holds a tensor packed by other hooks (an activation checkpoint's, whose recomputation
-        would read inputs saved here)."""
+        handles, to remove once B is done. No hooks, and nothing released at all, if a node of
+        ``w_nodes`` holds a tensor packed by other hooks (an activation checkpoint's, whose
+        recomputation would read inputs saved here)."""
         kept = set()
         for node in w_nodes:
             for saved in _raw_saved(node):
@@ -190,7 +190,8 @@ class SavedForW:
         self.held = [held for held in self.held if id(held) not in kept]  # released after B at the latest
         handles = []
         for node in b_nodes - w_nodes:
-            mine = [saved.data for saved in _raw_saved(node) if isinstance(saved.data, _Held) and id(saved.data) not in kept]
+            mine = [saved.data for saved in _raw_saved(node)
+                    if isinstance(saved.data, _Held) and id(saved.data) not in kept]
             if mine:
                 handles.append(node.register_hook(lambda grad_inputs, grad_outputs, mine=mine: _release(mine)))
         return handles
@@ -229,7 +230,8 @@ def _raw_saved(node: Node):
 
 
 def backward_input(output: GradientEdge, grad: torch.Tensor, inputs: torch.Tensor,
-                   params: list[nn.Parameter], saves: SavedForW | None = None) -> tuple[torch.Tensor, list[WeightGradGroup]]:
+                   params: list[nn.Parameter],
+                   saves: SavedForW | None = None) -> tuple[torch.Tensor, list[WeightGradGroup]]:
     """B: the gradient of ``inputs``, keeping the graph, and what W needs for the weights;
     given the forward's ``saves``, each saved tensor W will not read is released once the node
     that saved it has run."""
