@@ -827,14 +827,16 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     (read by w_down), in place of the dense w_down's input (f/tp); under SP the gathered
     sequence the router and the experts read, in place of the norm's shard. Released at B: the
     router's scores and choices, the SwiGLU internals, the combine's rows. Nothing is released
-    under full recomputation."""
+    under op-level or full recomputation (``weight_input_bytes``)."""
     d, k, h = dtype_bytes, model.moe_top_k_experts, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     gathered = np.where(sp, h * d - h * d / t, 0)
     kept = tokens * (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden + gathered
                      - d * model.ffn_hidden / t)
-    full = _recompute_index(recompute) == RECOMPUTE.index("full")
-    return _scalar_or_array(np.where(full, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute, d), kept))
+    recompute = _recompute_index(recompute)
+    checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
+    return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute, d),
+                                     kept))
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
