@@ -725,6 +725,13 @@ def block_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
                                                        kept + tokens * coef["core"] / tp))))
 
 
+def norm_weight_input_bytes(model: ModelConfig, coef: dict) -> float:
+    """Of what one norm saves per token (``coef["norm"]``, ``activation_coefficients``), what a
+    split backward keeps until W: an RMSNorm's x·rsqrt and output (its fp32 input and rsqrt only
+    B reads), a LayerNorm's all (its backward, which W reruns, reads the input)."""
+    return coef["norm"] - (4 * model.hidden + 4 if model.arch == "llama" else 0)
+
+
 def weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, attention: str = "flash",
                        dtype_bytes: int = ACTIVATION_BYTES):
     """Of what one block saves (``block_activation_bytes``), the part a split backward keeps from
@@ -742,12 +749,11 @@ def weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recomp
     Under op-level or full recomputation the products' saved tensors sit inside the block's
     checkpoint, whose recomputation reads the block's input: nothing is released."""
     coef = activation_coefficients(model, attention, dtype_bytes)
-    h, d = model.hidden, dtype_bytes
     q, _ = attention_width(model)
     t = np.asarray(tp)
     seq_split = np.where(np.asarray(sequence_parallel, dtype=bool), t, 1)
-    norms = 2 * (coef["norm"] - 4 * h - 4) if model.arch == "llama" else 2 * coef["norm"]
-    kept = tokens * (norms / seq_split + d * (q + model.ffn_hidden) / t)
+    norms = 2 * norm_weight_input_bytes(model, coef)
+    kept = tokens * (norms / seq_split + dtype_bytes * (q + model.ffn_hidden) / t)
     recompute = _recompute_index(recompute)
     checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
     return _scalar_or_array(np.where(checkpointed, block_activation_bytes(model, tokens, tp, sequence_parallel, recompute,
@@ -1499,9 +1505,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     embedding_act = 0
     # the head's micro-batches held until W: the norm's output and x·rsqrt (llama; GPT's LayerNorm
     # keeps all) and the captured gradients after B; one whole, with its log-probs
-    norm_kept = coef["norm"] - (4 * h + 4 if cfg.arch == "llama" else 0)
     logits_act = np.where(split, split_peak(head_norms, head_norms, tokens * (coef["norm"] / seq_split + 4 * V / t),
-                                            tokens * norm_kept / seq_split + cap_head, 0), logits_act)
+                                            tokens * norm_weight_input_bytes(cfg, coef) / seq_split + cap_head, 0),
+                          logits_act)
     # The loss's backward, while every block's activations are still held: beside the saved fp32
     # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
     # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still

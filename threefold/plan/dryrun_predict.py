@@ -36,7 +36,7 @@ activations add costs.autocast_activation_bytes (the fp32 stream, the weights' b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from threefold.config import Config
 from threefold.models.sizes import is_moe_layer, rank_expert_param_count, stage_param_count
@@ -136,16 +136,20 @@ def split_activation_peak(cfg: Config, pp_rank: int, share: RankShare, captured=
     what W reads (``weight_input_block_bytes``, the head's norm output and x·rsqrt and its product's
     input: runtime.SavedForW releases the rest), plus ``captured`` (per block, head, embedding),
     and with ``during_backward`` one block's or the head's captured gradients while a B runs."""
+    p, model = cfg.parallel, cfg.model
     spans, schedule = stages_and_schedule(cfg)
     act_bytes, residual_bytes = costs.ENGINE_BYTES[cfg.train.dtype]
     saved, kept = saved_block_bytes(cfg, share), weight_input_block_bytes(cfg, share)
     norm, log_probs, head_product = head_bytes_per_microbatch(cfg, act_bytes, residual_bytes)
-    head_kept = norm - head_norm_released(cfg) + head_product
+    coef = costs.activation_coefficients(model, "flash", act_bytes)
+    rank_tokens = cfg.train.micro_batch * model.seq_len // p.cp / (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    head_kept = rank_tokens * costs.norm_weight_input_bytes(model, coef) + head_product
+    embedding = rank_tokens * coef["embedding"]  # what the embedding saves (0 for llama), read by B alone
     block_captured, head_captured, embedding_captured = captured
 
     def stage_saved(action):
         span = spans[action.stage]
-        return len(span.blocks) * saved + span.last * (norm + log_probs + head_product)
+        return len(span.blocks) * saved + span.last * (norm + log_probs + head_product) + span.first * embedding
 
     def stage_kept(action):
         span = spans[action.stage]
@@ -209,14 +213,6 @@ def head_bytes_per_microbatch(cfg: Config, act_bytes: int, residual_bytes: int) 
         product = (tokens * (residual_bytes - act_bytes) * model.hidden / p.tp if sp
                    else -(-model.vocab_size // p.tp) * model.hidden * act_bytes)
     return tokens * coef["norm"] / seq_split, tokens * 4 * model.vocab_size / p.tp, float(product)
-
-
-def head_norm_released(cfg: Config) -> float:
-    """What B releases of the final norm's tensors in a micro-batch: its fp32 input and rsqrt,
-    (4h + 4) a token of the rank's (costs.weight_input_bytes' norms)."""
-    p, model = cfg.parallel, cfg.model
-    tokens = cfg.train.micro_batch * model.seq_len // p.cp
-    return tokens * (4 * model.hidden + 4) / (p.tp if p.sequence_parallel and p.tp > 1 else 1)
 
 
 def bookkeeping_activation_bytes(cfg: Config, share: RankShare) -> float:
@@ -336,8 +332,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     tokens = t.micro_batch * seq
     block = saved_block_bytes(cfg, share)
     if p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].split_backward:  # B releases what only it reads
-        held = split_activation_peak(cfg, pp_rank, share) + head_activation_bytes(cfg, replace(share, last_stage=False),
-                                                                                  act_bytes, residual_bytes)
+        held = split_activation_peak(cfg, pp_rank, share)
     else:
         held = share.blocks_in_flight * block + head_activation_bytes(cfg, share, act_bytes, residual_bytes)
     memory["activations"] = held + bookkeeping_activation_bytes(cfg, share)

@@ -338,8 +338,7 @@ class Engine:
                                        isolated=alone, **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
-                                      overlap=p.overlap_grad_reduce, isolated=alone,
-                                      **(self._shard_axes(self.grad_axes) if zero else {"axes": self.grad_axes}))
+                                      overlap=p.overlap_grad_reduce, isolated=alone, **self._shard_axes(self.grad_axes))
             expert_named = [(k, q) for k, q in named if k in experts]
             self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
 

@@ -158,7 +158,10 @@ class SavedForW:
         self.held: list[_Held] = []
 
     def hooks(self):
-        outer = _top_saved_tensor_hooks()
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top is None:  # a PyTorch without the accessor: these hooks would hide the meter's, so none
+            return contextlib.nullcontext()  # (W's nodes then hold tensors not packed here: nothing released)
+        outer = top(False)  # the innermost hooks in force (PyTorch's private accessor, as torch._functorch's)
         pack_outer, unpack_outer = outer if outer is not None else (None, None)
 
         def pack(tensor):
@@ -205,13 +208,6 @@ class SavedForW:
 def _release(held: list[_Held]) -> None:
     for item in held:
         item.packed = _RELEASED
-
-
-def _top_saved_tensor_hooks():
-    """The innermost saved-tensor hooks in force, (pack, unpack), or None (PyTorch's own
-    accessor, private, also used by torch._functorch)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
 
 
 _RAW_SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # a node class's ``_raw_saved_*`` attributes
