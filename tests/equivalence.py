@@ -217,6 +217,10 @@ CASES = {
                                   "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
     "dp2-pp2-zb-h1-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=zb-h1"],
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
+    # ZeRO-3 under a split backward: B gathers each unit again, W reads no weight (fsdp.py)
+    "dp2-pp2-zb-h1-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
+    "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev",
+                                "model.tie_embeddings=false"],
     "dp2-tp2-pp2-1f1b-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
     "pp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev", "model.tie_embeddings=false"],
 }

@@ -74,8 +74,6 @@ def test_eval_loss_is_the_whole_sequences_mean(distributed, layout):
     (["parallel.cp=2", "parallel.tp=4", "parallel.cp_method=ulysses", "model.heads=8", "model.kv_heads=4"],
      r"^parallel\.cp_method: ulysses .* \(after tp=4\) over cp=2"),
     (["parallel.cp=2", "parallel.cp_method=tree"], r"^parallel\.cp_method: must be one of ring, allgather, ulysses"),
-    (["parallel.cp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
-     r"^parallel\.zero: ZeRO-3 with zb-h1 is not supported"),  # sharded over cp even at dp = 1
     (["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=20"],
      r"^parallel\.sequence_parallel: tp=4 does not divide the 10 tokens each cp rank holds"),
 ])

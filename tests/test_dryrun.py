@@ -46,7 +46,8 @@ def test_meta_device_runs_every_layout_of_the_matrix(name):
 # One layout of the matrix for each way of saving tensors: ZeRO-3's gathers, tp with SP, the
 # pipeline schedules (interleaved, ZB-H1's deferred W, DualPipeV's two ends on rank 0), each CP
 # method with tp, pp and hybrid sharding, and full recomputation.
-ACTIVATION_CASES = ["dp2-zero3", "tp2-sp", "dp2-pp2-interleaved-zero1", "dp2-pp2-zb-h1-zero1", "pp2-dualpipev",
+ACTIVATION_CASES = ["dp2-zero3", "tp2-sp", "dp2-pp2-interleaved-zero1", "dp2-pp2-zb-h1-zero1", "dp2-pp2-zb-h1-zero3",
+                    "pp2-dualpipev",
                     "dp2-tp2-pp2-1f1b-zero1", "tp2-cp2-sp-allgather", "tp2-cp2-ulysses", "pp2-cp2-ring",
                     "dp4-cp2-hsdp2-ring", "cp2-ulysses-full"]
 

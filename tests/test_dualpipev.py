@@ -136,7 +136,6 @@ def test_check_schedule_refuses_in_one_line(pp, m, v, layers, message):
 
 @pytest.mark.parametrize("overrides,message", [
     (["model.tie_embeddings=true"], "model.tie_embeddings: dualpipev puts the embedding and the head on"),
-    (["parallel.dp=2", "parallel.zero=3", "train.global_batch=32"], "parallel.zero: ZeRO-3 with dualpipev"),
     (["train.global_batch=14"], "parallel.microbatches: dualpipev needs at least 2·pp = 8"),
     (["train.recompute=full"], "train.recompute: full recomputation with dualpipev is not supported"),
 ])

@@ -41,6 +41,9 @@ LAYOUTS = {
     "pp2-dp2-ep2-zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
     "pp2-dp2-ep2-zb-h1-zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
                                 "parallel.schedule=zb-h1"],
+    # ZeRO-3 under a split backward, the experts sharded over edp = 2 by a sync of their own
+    "pp2-dp4-ep2-zb-h1-zero3": ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3",
+                                "parallel.schedule=zb-h1"],
 }
 
 

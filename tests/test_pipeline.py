@@ -289,8 +289,6 @@ def test_partition_balances_blocks_against_the_head():
     (["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "train.global_batch=4",
       "model.layers=8"],
      "parallel.microbatches: interleaved needs at least pp=4 micro-batches per step"),
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=zb-h1", "train.global_batch=8"],
-     "parallel.zero: ZeRO-3 with zb-h1 is not supported"),
     # W apart from B recomputed each checkpointed block again: a dry run sent 3× the planner's tp bytes
     (["parallel.pp=2", "parallel.schedule=zb-h1", "train.recompute=full"],
      "train.recompute: full recomputation with zb-h1 is not supported"),

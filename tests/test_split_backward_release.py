@@ -42,7 +42,7 @@ def test_b_keeps_what_w_reads_and_w_still_makes_the_whole_backwards_gradients(re
     out = forward(model, hidden, meter, saves := SavedForW())
     saved = meter.live
     grad = torch.randn_like(out)
-    input_grad, groups = backward_input(get_gradient_edge(out), grad, hidden, params, saves)
+    input_grad, groups = backward_input(get_gradient_edge(out), grad, hidden, saves)
     kept = costs.weight_input_bytes(CFG, TOKENS, 1, False, recompute, dtype_bytes=4)
     assert meter.live == 2 * kept < 0.5 * saved
     backward_weight(groups)
@@ -66,7 +66,7 @@ def test_under_full_recomputation_b_releases_nothing():
     meter = ActivationMeter.for_module(model)
     out = forward(model, hidden, meter, saves := SavedForW())
     saved = meter.live
-    _, groups = backward_input(get_gradient_edge(out), torch.ones_like(out), hidden, params, saves)
+    _, groups = backward_input(get_gradient_edge(out), torch.ones_like(out), hidden, saves)
     assert meter.live == saved > 0
     backward_weight(groups)
     assert all(p.grad is not None for p in params)

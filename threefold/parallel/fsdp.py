@@ -51,6 +51,18 @@ the stage, so the root is gathered before the first of the two forwards and free
 stage's. A tied embedding shared by two stages is a unit of its own on both, so that their
 reduced chunks line up and can be summed across the pipeline. The units reduce-scatter every
 micro-batch's gradients, so nothing here depends on which micro-batch is the last.
+
+Under a schedule that splits the backward (ZB-H1, DualPipeV; ``split_backward``) a micro-batch's
+backward is two autograd passes. B, the input gradients, reads the weights: each unit is gathered
+again before its part of B, as above, and freed as soon as B has gone past it (when the next
+unit's part begins, and at B's end whatever is left), since B accumulates no gradient that would
+free it. W, the weight gradients, reads no weight (a product's weight gradient is its input times
+its output's gradient): the unit stays freed. Its weights are then installed as leaves of their
+own on the full buffer's storage, not as views in its graph: W computes each weight's gradient
+alone (one call from a full buffer would also redo the input gradients inside the unit, which
+lead to it through the unit's other weights), and once all of a unit's are in, they are packed
+into its full gradient and reduce-scattered as above. The bytes per micro-batch are 1F1B's: two
+all-gathers and one reduce-scatter.
 """
 from __future__ import annotations
 
@@ -93,11 +105,17 @@ class ShardedUnit:
                 del module._parameters[attr]  # the original parameter goes; install() sets a view
         self.gather: Pending | None = None
         self.gathered = False
+        self.weights_in = 0  # under a split backward: the weights whose gradient W has accumulated
         self.free()
 
-    def install(self) -> None:
-        """Point the modules' weights at views of the full buffer (graph-connected to it)."""
-        for view, module_uses in zip(self.layout.views(self.full), self.uses):
+    def install(self, on_grad=None) -> None:
+        """Point the modules' weights at views of the full buffer, graph-connected to it; given
+        ``on_grad``, at leaves of their own on its storage, each calling ``on_grad(index, leaf)``
+        once its gradient has accumulated (a split backward's W; see the module docstring)."""
+        for index, (view, module_uses) in enumerate(zip(self.layout.views(self.full), self.uses)):
+            if on_grad is not None:
+                view = view.detach().requires_grad_()
+                view.register_post_accumulate_grad_hook(lambda leaf, index=index: on_grad(index, leaf))
             for module, attr in module_uses:
                 setattr(module, attr, view)
 
@@ -126,12 +144,15 @@ class ShardedGradSync:
     def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
                  axes: tuple[str, ...] = ("dp",), mean_over: int | None = None,
-                 replicate_axes: tuple[str, ...] = ()):
+                 replicate_axes: tuple[str, ...] = (), split_backward: bool = False):
         """``key_of`` names the parameters synchronised here (others under ``part``, the experts
         that another sync shards over edp, are left alone); ``mean_over``: the ranks the sums are
         divided by (the groups' size, or all dp ranks for experts reduced over edp);
-        ``replicate_axes``: hybrid sharding's groups holding the same shards ("dpr")."""
+        ``replicate_axes``: hybrid sharding's groups holding the same shards ("dpr");
+        ``split_backward``: the pipeline runs B and W apart (see the module docstring)."""
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
+        self.split_backward = split_backward
+        self.free_after_backward = False  # B's end-of-pass callback is queued
         self.axes, self.replicate_axes = tuple(axes), tuple(a for a in replicate_axes if mesh.size(a) > 1)
         self.mean_over = mean_over or mesh.size(*self.axes, *self.replicate_axes)
         self.keys = list(key_of.values())  # the plain-model keys synchronised here
@@ -173,6 +194,9 @@ class ShardedGradSync:
             unit.gather.wait()
             unit.gather, unit.gathered = None, True
 
+    def _install(self, unit: ShardedUnit) -> None:
+        unit.install(None if not self.split_backward else lambda index, leaf: self._weight_grad(unit, index, leaf))
+
     # --- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
         if any(u.gathered for u in self.roots):
@@ -182,7 +206,7 @@ class ShardedGradSync:
             self._start_gather(unit)
         for unit in self.roots:
             self._wait_gather(unit)
-            unit.install()
+            self._install(unit)
         if self.blocks:
             self._start_gather(self.blocks[0])
 
@@ -190,7 +214,7 @@ class ShardedGradSync:
         if not self.roots:  # units without a root (the experts' sync): the tag is set here
             self.tag = None if torch.is_grad_enabled() else "eval"
         self._wait_gather(self.blocks[i])
-        self.blocks[i].install()
+        self._install(self.blocks[i])
         if i + 1 < len(self.blocks) and not in_backward():  # a recompute's next unit has had its backward
             self._start_gather(self.blocks[i + 1])
 
@@ -211,11 +235,28 @@ class ShardedGradSync:
 
     # --- backward ----------------------------------------------------------------------------
     def _pre_backward(self, units: list[ShardedUnit], next_unit: ShardedUnit | None) -> None:
-        """The units' backward is about to run: gather their weights again, prefetch the next."""
+        """The units' backward is about to run: gather their weights again, prefetch the next.
+        In B of a split backward, the units B has gone past are freed here (see the docstring)."""
+        if self.split_backward:  # (on the first stage the roots' hook fires after the last block's)
+            for unit in self.units:
+                if unit.gathered and unit not in units and unit is not next_unit:
+                    unit.free()
+            if not self.free_after_backward:
+                self.free_after_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_input_backward)
         for unit in units:
             self._wait_gather(unit)
         if next_unit is not None:
             self._start_gather(next_unit)
+
+    def _after_input_backward(self) -> None:
+        """The end of B: free every unit, waiting for a prefetch B did not use."""
+        self.free_after_backward = False
+        for unit in self.units:
+            if unit.gather is not None:
+                self._wait_gather(unit)
+            if unit.gathered:
+                unit.free()
 
     def _post_backward(self, unit: ShardedUnit) -> None:
         """All of the unit's gradients are in full.grad: reduce-scatter them, free the unit."""
@@ -225,6 +266,18 @@ class ShardedGradSync:
         out = torch.empty_like(unit.chunk)
         self.reducing = (unit, self.comm.reduce_scatter(out, grad, self.axes, async_op=True), out, grad)
         unit.free()
+
+    def _weight_grad(self, unit: ShardedUnit, index: int, leaf: torch.Tensor) -> None:
+        """W accumulated one of the unit's weights' gradient (split backward): into the unit's full
+        gradient; once every weight's is in, the unit is reduced as after a whole backward."""
+        if unit.full.grad is None:
+            unit.full.grad = torch.zeros_like(unit.full)
+        unit.layout.views(unit.full.grad)[index].add_(leaf.grad)
+        leaf.grad = None
+        unit.weights_in += 1
+        if unit.weights_in == len(unit.params):
+            unit.weights_in = 0
+            self._post_backward(unit)
 
     def _finish_reduce(self) -> None:
         """Finish the reduction in flight: the reduce-scatter, and under hybrid sharding the
@@ -252,6 +305,11 @@ class ShardedGradSync:
         pass  # every micro-batch's gradients are reduce-scattered as they arrive
 
     def finish(self) -> None:
+        partial = [i for i, unit in enumerate(self.units) if unit.weights_in]
+        if partial:  # a weight W gave no gradient: the unit would never be reduced
+            raise RuntimeError(f"ZeRO-3 under a split backward: unit {partial[0]} got gradients for "
+                               f"{self.units[partial[0]].weights_in} of its {len(self.units[partial[0]].params)} "
+                               "weights in the last W")
         self._finish_reduce()
         self._finish_reduce()  # hybrid sharding: the last all-reduce, started by the first call
 

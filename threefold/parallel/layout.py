@@ -95,8 +95,8 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
 
 def check_pipeline(cfg: Config) -> None:
     """The pipeline runtime needs the schedule's own conditions (the registry's constraints: a
-    block per stage, interleaved's equal chunks and micro-batches, …) and, with ZeRO-3, a
-    schedule that does not defer weight gradients."""
+    block per stage, interleaved's equal chunks and micro-batches, …), and what the runtime
+    does not run: full recomputation under a split backward, a tied weight over DualPipeV's V."""
     p = cfg.parallel
     if p.pp == 1:
         if p.stage_layers is not None:
@@ -107,10 +107,6 @@ def check_pipeline(cfg: Config) -> None:
         stage_counts(p.stage_layers, cfg.model.layers, p.pp * p.virtual_stages)
     if p.schedule in ("2bw", "pipedream"):
         check_steps_back_to_back(cfg)
-    if p.zero == 3 and p.schedule in ("zb-h1", "dualpipev") and p.dp * p.cp > 1:  # ZeRO-3 shards over dp × cp
-        raise ConfigError(f"parallel.zero: ZeRO-3 with {p.schedule} is not supported: the deferred weight gradients "
-                          "(W) would need every unit gathered again after its input gradient (B); use zero 0, 1 or 2 "
-                          f"with {p.schedule}, or another schedule with zero 3")
     if cfg.train.recompute == "full" and SCHEDULE_REGISTRY[p.schedule].split_backward:
         # B and W are separate autograd passes, and a checkpointed block recomputes its forward in
         # each pass that unpacks it: W's weight groups would run it again (3× the tp bytes measured)

@@ -325,6 +325,7 @@ class Engine:
         if cfg.model.moe_expert_lr_scale != 1:  # their own optimizer groups: their own sync, at ep = 1 too
             experts |= routed_experts
         self.syncs = {}
+        self.split_backward = self.schedule is not None and self.schedule.split_backward  # B and W apart
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
             alone = tuple(q for q in isolated if any(q is r for _, r in named))
@@ -335,7 +336,8 @@ class Engine:
                 from threefold.parallel.fsdp import ShardedGradSync
 
                 sync = ShardedGradSync(part, {id(q): k for k, q in dense}, self.placements, mesh, comm,
-                                       isolated=alone, **self._shard_axes(self.grad_axes))
+                                       isolated=alone, split_backward=self.split_backward,
+                                       **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
                                       overlap=p.overlap_grad_reduce, isolated=alone, **self._shard_axes(self.grad_axes))
@@ -391,7 +393,7 @@ class Engine:
             units = nn.Module()  # one unit per layer's local experts, gathered around its forward
             units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
             return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm,
-                                   **dict(self._shard_axes(axes), mean_over=dp))
+                                   split_backward=self.split_backward, **dict(self._shard_axes(axes), mean_over=dp))
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
                               **dict(self._shard_axes(axes) if zero else {"axes": axes}, mean_over=dp))
 

@@ -33,7 +33,8 @@ weight gradients for W. B runs ``torch.autograd.grad`` with respect to the stage
 keeping the graph: autograd then skips every weight-gradient product. On the way it captures
 the gradient arriving at each graph node where a weight joins the input's path (the matmul of
 each linear layer, the product of each norm): W restarts autograd from those nodes with the
-captured gradients, towards the weights only, so it computes exactly the weight-gradient
+captured gradients, towards the weights only (the graph's leaves other than the input: the
+parameters, or the weights ZeRO-3 installs as leaves), so it computes exactly the weight-gradient
 products B skipped and nothing twice. (``torch.distributed.pipelining`` does the same.) On the
 first stage the input is the embedding's output, so the embedding's gradient waits for W too.
 Keeping the graph would keep every tensor the forward saved until W, though W reads only those
@@ -83,13 +84,13 @@ class WeightGradGroup:
     grads: dict[Node, tuple] = field(default_factory=dict)  # gradients B saw arriving at those nodes
 
 
-def weight_grad_groups(output: GradientEdge, input_node: Node,
-                       params: list[nn.Parameter]) -> tuple[list[WeightGradGroup], set[Node]]:
-    """Group ``params`` by the nodes where their gradient path joins the path from ``output``
-    back to ``input_node``; parameters that share such a node (or are linked through one) share
-    a group, since W must run them in one autograd call. Nodes keep the order of a breadth-first
-    walk from the output, the same on every rank, so tensor-parallel ranks run W's collectives
-    (if a node has any) in the same order. Also returns the input's path: the nodes B runs."""
+def weight_grad_groups(output: GradientEdge, input_node: Node) -> tuple[list[WeightGradGroup], set[Node]]:
+    """Group the leaves of the graph from ``output`` (the weights: parameters, or under ZeRO-3
+    the leaves its units install) by the nodes where their gradient path joins the path back to
+    ``input_node``; leaves that share such a node (or are linked through one) share a group, since
+    W must run them in one autograd call. Nodes keep the order of a breadth-first walk from the
+    output, the same on every rank, so tensor-parallel ranks run W's collectives (if a node has
+    any) in the same order. Also returns the input's path: the nodes B runs."""
     consumers: dict[Node, list[Node]] = defaultdict(list)  # node → the nodes whose backward feeds it
     queue, seen = deque([output.node]), {output.node: 0}  # node → its position in the walk
     while queue:
@@ -103,16 +104,13 @@ def weight_grad_groups(output: GradientEdge, input_node: Node,
     input_path = _upstream({input_node}, consumers, stop=set())
     group_of: dict[Node, WeightGradGroup] = {}
     groups: list[WeightGradGroup] = []
-    for param in params:
-        if not param.requires_grad:
+    for accumulator in seen:  # in the walk's order
+        if not isinstance(accumulator, _ACCUMULATE_GRAD) or accumulator is input_node:
             continue
-        accumulator = get_gradient_edge(param).node
-        if accumulator not in seen:
-            continue  # this micro-batch did not use the parameter
         path = _upstream({accumulator}, consumers, stop=input_path)
         joins = path & input_path
         merged = {id(group_of[n]): group_of[n] for n in joins if n in group_of}
-        group = WeightGradGroup([param], sorted(joins, key=seen.get), path)
+        group = WeightGradGroup([accumulator.variable], sorted(joins, key=seen.get), path)
         for other in merged.values():
             group.params += other.params
             group.nodes = sorted(set(group.nodes) | set(other.nodes), key=seen.get)
@@ -122,6 +120,9 @@ def weight_grad_groups(output: GradientEdge, input_node: Node,
         for node in group.nodes:
             group_of[node] = group
     return groups, input_path
+
+
+_ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)  # a leaf's node
 
 
 def _upstream(start: set[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:
@@ -226,13 +227,12 @@ def _raw_saved(node: Node):
 
 
 def backward_input(output: GradientEdge, grad: torch.Tensor, inputs: torch.Tensor,
-                   params: list[nn.Parameter],
                    saves: SavedForW | None = None) -> tuple[torch.Tensor, list[WeightGradGroup]]:
     """B: the gradient of ``inputs``, keeping the graph, and what W needs for the weights;
     given the forward's ``saves``, each saved tensor W will not read is released once the node
     that saved it has run."""
     input_edge = get_gradient_edge(inputs)
-    groups, input_path = weight_grad_groups(output, input_edge.node, params)
+    groups, input_path = weight_grad_groups(output, input_edge.node)
     captured: dict[Node, tuple] = {}
     hooks = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads))
              for group in groups for node in group.nodes if node is not input_edge.node]
@@ -369,7 +369,6 @@ class PipelineRuntime:
         self.wire = wire or Wire()
         self.actions = schedule.actions[rank]
         self.loss_fn, self.compute_context = loss_fn, compute_context
-        self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in stages.items()}
         self.releases = send_release_points(schedule, rank)
         self.before_last_backward = before_last_backward
         weight_kind = Kind.WEIGHT_GRAD if schedule.split_backward else Kind.BACKWARD
@@ -469,7 +468,7 @@ class PipelineRuntime:
             grad = step.output_grads.pop(key)
         if self.schedule.split_backward:
             input_grad, step.weight_grads[key] = backward_input(forwarded.output, grad, forwarded.input,
-                                                                self.params[stage], forwarded.saves)
+                                                                forwarded.saves)
         else:
             torch.autograd.backward(forwarded.output, grad)
             input_grad = None if module.first else forwarded.input.grad  # the received input is a leaf
