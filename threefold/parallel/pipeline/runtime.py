@@ -88,9 +88,12 @@ def weight_grad_groups(output: GradientEdge, input_node: Node) -> tuple[list[Wei
     """Group the leaves of the graph from ``output`` (the weights: parameters, or under ZeRO-3
     the leaves its units install) by the nodes where their gradient path joins the path back to
     ``input_node``; leaves that share such a node (or are linked through one) share a group, since
-    W must run them in one autograd call. Nodes keep the order of a breadth-first walk from the
-    output, the same on every rank, so tensor-parallel ranks run W's collectives (if a node has
-    any) in the same order. Also returns the input's path: the nodes B runs."""
+    W must run them in one autograd call. A group's nodes keep the order of a breadth-first walk
+    from the output, and the groups the order a whole backward would run them in, the last
+    product first (by autograd's sequence numbers): the same on every rank, so tensor-parallel
+    ranks run W's collectives (if a node has any) in the same order, and block by block, so a
+    block's gradients are complete (for its bucket, or its ZeRO-3 unit) before the next block's
+    start. Also returns the input's path: the nodes B runs."""
     consumers: dict[Node, list[Node]] = defaultdict(list)  # node → the nodes whose backward feeds it
     queue, seen = deque([output.node]), {output.node: 0}  # node → its position in the walk
     while queue:
@@ -119,6 +122,7 @@ def weight_grad_groups(output: GradientEdge, input_node: Node) -> tuple[list[Wei
         groups.append(group)
         for node in group.nodes:
             group_of[node] = group
+    groups.sort(key=lambda group: -max(node._sequence_nr() for node in group.nodes))
     return groups, input_path
 
 
