@@ -77,8 +77,9 @@ class MeasuredAction:
 
 @dataclass(eq=False)  # groups are told apart by identity (== would compare their tensors)
 class WeightGradGroup:
-    """Parameters whose gradients W computes together from the same graph nodes."""
-    params: list[nn.Parameter]
+    """Weights (the graph's leaves: parameters, or ZeRO-3's installed leaves) whose gradients W
+    computes together from the same graph nodes."""
+    params: list[torch.Tensor]
     nodes: list[Node]  # where their weights join the input's path
     path: set[Node] = field(default_factory=set)  # every node W runs: from those joins to the weights
     grads: dict[Node, tuple] = field(default_factory=dict)  # gradients B saw arriving at those nodes
