@@ -130,11 +130,12 @@ def run_layout(overrides: tuple[str, ...], steps: int = STEPS) -> dict:
 
 def stage_numel(engine) -> int:
     """Elements of this rank's stages' parameters as tp leaves them (the dp group replicates them):
-    what ``costs.dp_bytes_per_step`` is given. Counted from the placements, so ZeRO-3 counts too."""
+    what ``costs.dp_bytes_per_step`` is given. Counted from the placements, so ZeRO-3 counts too;
+    per stage, so the two copies of a tied weight on DualPipeV's rank 0 count twice, as both are reduced."""
     import math
 
     local = 0
-    for key in {key for sync in engine.syncs.values() for key in sync.keys}:
+    for key in (key for sync in engine.syncs.values() for key in set(sync.keys)):
         placement = engine.placements[key]
         shape = list(placement.full_shape)
         if placement.dim is not None:
@@ -219,10 +220,10 @@ CASES = {
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
     # ZeRO-3 under a split backward: B gathers each unit again, W reads no weight (fsdp.py)
     "dp2-pp2-zb-h1-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
-    "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev",
-                                "model.tie_embeddings=false"],
+    # DualPipeV's rank 0 holds both ends of the tied embedding, a copy each, their gradients added there
+    "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev"],
     "dp2-tp2-pp2-1f1b-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
-    "pp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev", "model.tie_embeddings=false"],
+    "pp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
 }
 # Context parallelism: every method on cp2 and dp2·cp2, one method on each of the others.
 for _method in ("ring", "allgather", "ulysses"):

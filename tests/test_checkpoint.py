@@ -46,11 +46,15 @@ LAYOUTS = {
     "dp2·cp2·zero1": ["parallel.dp=2", "parallel.cp=2", "parallel.zero=1"],  # ZeRO chunks over dp × cp
     "dp4·hsdp2": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2"],  # two pairs hold the same chunks
     "dp4·zero2·shard2": ["parallel.dp=4", "parallel.zero=2", "parallel.dp_shard=2"],  # the moments' chunks likewise
+    # rank 0 holds both ends of the tied embedding, a copy each: saved once, both loaded
+    "dp2·pp2·dualpipev·zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev",
+                                "train.micro_batch=1"],
 }
 PAIRS = [("single", "dp2·zero3"), ("dp2·zero3", "single"), ("dp2·tp2", "pp2·dp2"), ("pp2·dp2", "dp2·tp2"),
          ("dp2·tp2·pp2", "single"), ("single", "dp2·tp2·pp2"), ("dp2·cp2·zero1", "single"), ("cp2", "dp2·zero3"),
          ("dp4·hsdp2", "single"), ("dp2·zero3", "dp4·hsdp2"), ("dp4·zero2·shard2", "dp2·zero3"),
-         ("dp4·hsdp2", "dp4·zero2·shard2")]
+         ("dp4·hsdp2", "dp4·zero2·shard2"), ("dp2·pp2·dualpipev·zero3", "single"),
+         ("dp2·zero3", "dp2·pp2·dualpipev·zero3")]
 
 
 def make_config(layout: str, *extra):

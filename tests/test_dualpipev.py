@@ -135,7 +135,6 @@ def test_check_schedule_refuses_in_one_line(pp, m, v, layers, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.tie_embeddings=true"], "model.tie_embeddings: dualpipev puts the embedding and the head on"),
     (["train.global_batch=14"], "parallel.microbatches: dualpipev needs at least 2·pp = 8"),
     (["train.recompute=full"], "train.recompute: full recomputation with dualpipev is not supported"),
 ])
@@ -201,11 +200,14 @@ def test_with_tensor_parallel(distributed):
                 r["pp_rank"], 2, 4, 2, 2, 32, 64, 2, schedule="dualpipev")
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_with_data_parallel(distributed, zero):
-    """dp 2 × pp 2: each stage's buckets reduced as its last weight gradient (W) comes in."""
-    ranks = run(distributed, 2, 4, "parallel.dp=2", f"parallel.zero={zero}", "train.global_batch=16")
-    assert_same_training(ranks, equivalence.reference(layout(2, 4, "train.global_batch=16")))
+@pytest.mark.parametrize("zero,tie", [(1, "false"), (2, "true")])
+def test_with_data_parallel(distributed, zero, tie):
+    """dp 2 × pp 2: each stage's buckets reduced as its last weight gradient (W) comes in. Tied
+    embeddings: rank 0 holds both ends, a copy each in a bucket of its own, whose reduced
+    gradients (ZeRO-2: this rank's shard of each) it adds."""
+    tied = f"model.tie_embeddings={tie}"
+    ranks = run(distributed, 2, 4, "parallel.dp=2", f"parallel.zero={zero}", "train.global_batch=16", tied)
+    assert_same_training(ranks, equivalence.reference(layout(2, 4, "train.global_batch=16", tied)))
 
 
 

@@ -96,7 +96,7 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
 def check_pipeline(cfg: Config) -> None:
     """The pipeline runtime needs the schedule's own conditions (the registry's constraints: a
     block per stage, interleaved's equal chunks and micro-batches, …), and what the runtime
-    does not run: full recomputation under a split backward, a tied weight over DualPipeV's V."""
+    does not run: full recomputation under a split backward."""
     p = cfg.parallel
     if p.pp == 1:
         if p.stage_layers is not None:
@@ -114,9 +114,6 @@ def check_pipeline(cfg: Config) -> None:
                           "gradients (W) run apart from the input gradients (B), and each would recompute the "
                           f"blocks' forward again; use recompute selective or none with {p.schedule}, or "
                           "schedule 1f1b or interleaved with full")
-    if p.schedule == "dualpipev" and cfg.model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings: dualpipev puts the embedding and the head on pipeline rank 0 as two "
-                          "stages, which do not share one tied weight here; set model.tie_embeddings=false")
 
 
 def check_steps_back_to_back(cfg: Config) -> None:

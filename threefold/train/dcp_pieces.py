@@ -34,13 +34,15 @@ class _SavePieces(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def create_local_plan(self) -> SavePlan:
-        self.pieces = {(s.name, s.offsets): s.tensor for shards in self.state_dict.values() for s in shards}
+        # a piece once, though a rank may hold two equal copies (both ends of tied embeddings under DualPipeV)
+        unique = {(s.name, s.offsets): s for shards in self.state_dict.values() for s in shards}
+        self.pieces = {at: s.tensor for at, s in unique.items()}
         items = [WriteItem(index=MetadataIndex(s.name, s.offsets), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(
                                chunk=ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.shape),
                                properties=TensorProperties.create_from_tensor(s.tensor),
                                size=torch.Size(s.full_shape)))
-                 for shards in self.state_dict.values() for s in shards]
+                 for s in unique.values()]
         self.plan = SavePlan(items)
         return self.plan
 

@@ -162,8 +162,7 @@ class CutModel:
     placements: dict[str, Placement]  # plain-model key → where this rank's tensor sits
     tp: object | None  # tensor_parallel.TensorParallelGroup, when tp > 1
     schedule: object | None  # pipeline/schedule.Schedule, when pp > 1
-    tied_param: nn.Parameter | None = None  # pipeline, tied embeddings: the copy this rank's end stage holds
-    tied_stage: int | None = None
+    tied: dict[int, nn.Parameter] = dataclasses.field(default_factory=dict)  # pipeline, tied embeddings: see tied_copies
     spans: list | None = None  # pipeline: every stage's blocks (schedule.StageSpan)
     stage_costs: object | None = None  # pipeline: the costs its split balanced (schedule.LayerCosts; None: FLOPs)
 
@@ -225,15 +224,28 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
                               cut.stage_costs)
         cut.parts = stage_modules(model, cut.spans, cut.schedule.stages_of(mesh.coord("pp")))
         if cfg.model.tie_embeddings:
-            ends = [m.embed for m in cut.parts.values() if m.first] + [m.head for m in cut.parts.values() if m.last]
-            cut.tied_param = ends[0].weight if ends else None
-            cut.tied_stage = next((st for st, m in cut.parts.items() if m.first or m.last), None)
+            cut.tied = tied_copies(cut.parts)
             if not any(m.first for m in cut.parts.values()):  # the last stage's copy: counted once, by stage 0
                 for key in ("embed.weight", "head.weight"):
                     placements[key] = dataclasses.replace(placements[key], duplicate=True)
     if on_meta:  # draw the tensors this rank keeps, and only those
         materialise(cut, cfg, mesh.device)
     return cut
+
+
+def tied_copies(parts: dict[int, nn.Module]) -> dict[int, nn.Parameter]:
+    """Pipeline, tied embeddings: stage → the copy of the tied weight that this rank's end stages
+    hold (the first stage's embedding, the last's head). Each copy is its stage's own parameter,
+    reduced by its stage's gradient sync; ``Engine._sum_tied_grads`` then adds the two reduced
+    gradients, between two ranks, or here where one rank holds both ends (DualPipeV's V puts
+    them on rank 0): the head then gets a copy of its own, as if on another rank."""
+    ends = {stage: m.embed.weight for stage, m in parts.items() if m.first}
+    for stage, m in parts.items():
+        if m.last:
+            if any(m.head.weight is q for q in ends.values()):
+                m.head.weight = nn.Parameter(m.head.weight.detach().clone(), requires_grad=m.head.weight.requires_grad)
+            ends[stage] = m.head.weight
+    return ends
 
 
 def drawn_pieces(cfg: Config):
@@ -265,7 +277,7 @@ def materialise(cut: CutModel, cfg: Config, device: torch.device) -> None:
               for key, q in named_plain_parameters(part, m.tie_embeddings) if q.is_meta}
     values = initial_pieces(cfg)(wanted)
     made = {}  # key → the tensor made for it: a second copy (both ends of tied embeddings) is cloned from it
-    for part in cut.parts.values():
+    for stage, part in cut.parts.items():
         real = {}  # id of a meta parameter → its materialised replacement (a tied one is made once)
         for key, q in named_plain_parameters(part, m.tie_embeddings):
             if q.is_meta and id(q) not in real:
@@ -278,8 +290,8 @@ def materialise(cut: CutModel, cfg: Config, device: torch.device) -> None:
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_meta:
                     module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
-        if cut.tied_param is not None and id(cut.tied_param) in real:
-            cut.tied_param = real[id(cut.tied_param)]
+        if stage in cut.tied:
+            cut.tied[stage] = real.get(id(cut.tied[stage]), cut.tied[stage])
         part.rope_cos, part.rope_sin = (t.to(device) for t in rotary_tables(m.head_dim, m.seq_len, m.rope_theta))
 
 
@@ -311,7 +323,7 @@ class Engine:
         routed_experts = routed_expert_keys(model)  # the plain model's keys, before it is cut
         cut = cut_model(model, cfg, mesh, comm)  # transformations 1 to 4, and materialisation
         self.parts, self.placements, self.tp, self.schedule = cut.parts, cut.placements, cut.tp, cut.schedule
-        self.tied_param, self.tied_stage = cut.tied_param, cut.tied_stage
+        self.tied_copies = cut.tied
         self.loss_fn = loss_function(self.tp)
         self.spans, self.stage_costs = cut.spans, cut.stage_costs
         self.model = model if self.schedule is None else nn.ModuleList(self.parts.values())
@@ -320,7 +332,6 @@ class Engine:
         # 5. gradient synchronisation over dp (× cp), per part; experts over edp (see _expert_sync)
         reduced_over = mesh.size(*self.grad_axes)
         zero = p.zero if reduced_over > 1 else 0  # ZeRO over one rank shards nothing
-        isolated = (self.tied_param,) if self.tied_param is not None else ()
         experts = expert_keys(self.placements)
         if cfg.model.moe_expert_lr_scale != 1:  # their own optimizer groups: their own sync, at ep = 1 too
             experts |= routed_experts
@@ -328,18 +339,19 @@ class Engine:
         self.split_backward = self.schedule is not None and self.schedule.split_backward  # B and W apart
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
-            alone = tuple(q for q in isolated if any(q is r for _, r in named))
+            alone = (self.tied_copies[stage],) if stage in self.tied_copies else ()
+            placements = self._placements_of(stage)
             dense = [(k, q) for k, q in named if k not in experts]
             if reduced_over == 1:
-                sync = LocalGradSync(dense, self.placements)
+                sync = LocalGradSync(dense, placements)
             elif zero == 3:
                 from threefold.parallel.fsdp import ShardedGradSync
 
-                sync = ShardedGradSync(part, {id(q): k for k, q in dense}, self.placements, mesh, comm,
+                sync = ShardedGradSync(part, {id(q): k for k, q in dense}, placements, mesh, comm,
                                        isolated=alone, split_backward=self.split_backward,
                                        **self._shard_axes(self.grad_axes))
             else:
-                sync = BucketGradSync(dense, self.placements, mesh, comm, zero, p.bucket_mb,
+                sync = BucketGradSync(dense, placements, mesh, comm, zero, p.bucket_mb,
                                       overlap=p.overlap_grad_reduce, isolated=alone, **self._shard_axes(self.grad_axes))
             expert_named = [(k, q) for k, q in named if k in experts]
             self.syncs[stage] = GradSyncs([sync, self._expert_sync(part, expert_named)]) if expert_named else sync
@@ -362,6 +374,14 @@ class Engine:
         # the driver
         if self.schedule is not None:
             self._build_runtime()
+
+    def _placements_of(self, stage: int) -> dict[str, Placement]:
+        """Where stage ``stage``'s tensors sit. Where this rank holds both ends of tied embeddings,
+        the head's copy is a duplicate: the embedding's is the one counted (norms, checkpoints)."""
+        if stage in self.tied_copies and len(self.tied_copies) == 2 and not self.parts[stage].first:
+            return {**self.placements, "embed.weight": dataclasses.replace(self.placements["embed.weight"],
+                                                                           duplicate=True)}
+        return self.placements
 
     def _shard_axes(self, axes: tuple[str, ...]) -> dict:
         """ZeRO's groups for gradients reduced over ``axes``: shards over all of them, or under
@@ -559,10 +579,15 @@ class Engine:
 
     def _sum_tied_grads(self) -> None:
         """First and last stage each hold the tied weight and a part of its reduced gradient (from
-        the embedding, from the head): exchange and add; a + b = b + a, so both copies stay equal."""
-        if self.tied_param is None:
+        the embedding, from the head): exchange and add; a + b = b + a, so both copies stay equal.
+        Where this rank holds both (DualPipeV), the sum is made once and copied to the head's."""
+        grads = [self.syncs[stage].isolated_grad(q) for stage, q in self.tied_copies.items()]
+        if len(grads) == 2:
+            grads[1].copy_(grads[0].add_(grads[1]))
             return
-        grad = self.syncs[self.tied_stage].isolated_grad(self.tied_param)
+        if not grads:
+            return
+        grad = grads[0]
         peer = self.schedule.rank_of(self.schedule.num_stages - 1) if self.pp_rank == 0 else 0
         theirs = torch.empty_like(grad)
         receive = self.comm.recv(theirs, "pp", peer, tag="tied")

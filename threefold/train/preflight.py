@@ -242,8 +242,8 @@ def zero3_units(cfg: Config, share) -> tuple[int, int]:
     p, model = cfg.parallel, cfg.model
     table = padded_vocab(model.vocab_size, p.tp) // p.tp * model.hidden
     root = (table if share.first_stage else 0) + (model.hidden + table if share.last_stage else 0)
-    if model.tie_embeddings and share.first_stage and share.last_stage:
-        root -= table  # one table for both ends
+    if model.tie_embeddings and p.pp == 1:
+        root -= table  # one table for both ends (a pipeline's ends hold a copy each, DualPipeV's rank 0 both)
     return root, largest_block(cfg, share)
 
 
