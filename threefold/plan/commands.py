@@ -491,7 +491,7 @@ def plan(as_json, top, out, config_out, **options):
     found = search.search(work, gpu, num_gpus, fixed)
     best = found.ranked(top)
     if config_out and not found.fitting:  # in JSON too: a config left from an earlier plan must not look like this one's
-        raise ConfigError(f"--config-out: no layout fits on {num_gpus} × {gpu.name}; {config_out} not written")
+        raise ConfigError(f"{_nothing_fits(found, work, gpu, num_gpus, fixed)}; --config-out {config_out} not written")
     written = _write_config(config_out, options, work, gpu, found) if config_out else None
     if as_json:
         click.echo(json.dumps({"evaluated": found.count, "seconds": found.seconds, "layouts_per_s": found.rate,
