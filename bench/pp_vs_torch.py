@@ -9,6 +9,7 @@ Three pairs, each on the same micro-batches:
   interleaved  ours (v=2)  vs  ScheduleInterleaved1F1B (v=2)
   zero bubble  ours zb-h1 (v=1)  vs  ScheduleInterleavedZeroBubble (v=2, its only single-
                pipeline zero-bubble schedule with the split backward on a ring of ranks)
+  dualpipev    ours  vs  ScheduleDualPipeV (both: two stages a rank, placed as a V)
 
 A step is the same on both sides: the schedule over all micro-batches, the global gradient
 norm (summed over stages) and clipping, AdamW. The steps alternate between the two sides;
@@ -44,7 +45,9 @@ PAIRS = {  # ours (schedule, virtual stages) → PyTorch's schedule class and vi
     "1f1b": (("1f1b", 1), ("Schedule1F1B", 1)),
     "interleaved": (("interleaved", 2), ("ScheduleInterleaved1F1B", 2)),
     "zero-bubble": (("zb-h1", 1), ("ScheduleInterleavedZeroBubble", 2)),
+    "dualpipev": (("dualpipev", 2), ("ScheduleDualPipeV", 2)),
 }
+V_SHAPED = {"ScheduleDualPipeV"}  # rank r holds stages r and 2·pp − 1 − r, not r and pp + r
 
 
 def bench_config(schedule: str, virtual_stages: int, layers: int, hidden: int, micro_batch: int,
@@ -87,16 +90,17 @@ class TorchPipeline:
 
         rank = dist.get_rank()
         spans = partition(cfg.model, PP, virtual_stages)
+        mine = [rank, 2 * PP - 1 - rank] if schedule_name in V_SHAPED else list(range(rank, PP * virtual_stages, PP))
         self.modules = [TorchStage(copy.deepcopy(plain), spans[s].blocks, spans[s].first, spans[s].last)
-                        for s in range(rank, PP * virtual_stages, PP)]
+                        for s in mine]
         stages = [pipelining.PipelineStage(module, s, PP * virtual_stages, torch.device("cpu"))
-                  for module, s in zip(self.modules, range(rank, PP * virtual_stages, PP))]
+                  for module, s in zip(self.modules, mine)]
         schedule_class = getattr(pipelining, schedule_name)
         self.schedule = schedule_class(stages[0] if virtual_stages == 1 else stages, cfg.microbatches,
                                        loss_fn=cross_entropy)
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_adamw([(str(i), p) for i, p in enumerate(self.params)], cfg)
-        self.cfg, self.holds_loss = cfg, any(spans[s].last for s in range(rank, PP * virtual_stages, PP))
+        self.cfg, self.holds_loss = cfg, any(spans[s].last for s in mine)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         losses = []

@@ -146,11 +146,14 @@ def fake_grouped_mm_in_fp32() -> None:
                           _create_grouped_mm_output_tensor(a, b, offs, out_dtype))
 
 
-def tensors_of(device: str) -> list[torch.Tensor]:
-    """Every tensor of the dry run's kind alive in this process: fake, or meta on ``device`` "meta"."""
+def tensors_of(device: str, collect: bool = True) -> list[torch.Tensor]:
+    """Every tensor of the dry run's kind alive in this process: fake, or meta on ``device`` "meta";
+    ``collect=False``: garbage not yet collected too (a full collection of a large process,
+    pytest's after thousands of tests, takes a good part of a tiny model's dry run)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    gc.collect()
+    if collect:
+        gc.collect()
     kind = (lambda o: o.is_meta) if device == "meta" else (lambda o: isinstance(o, FakeTensor))
     with warnings.catch_warnings():  # isinstance on torch.distributed.reduce_op warns it is deprecated
         warnings.simplefilter("ignore", FutureWarning)
@@ -200,7 +203,8 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
         fake_grouped_mm_in_fp32()
     began = time.perf_counter()
     on_step("building its share of the model")
-    earlier = WeakIdKeyDictionary(dict.fromkeys(tensors_of(device)))
+    # garbage too: a tensor here, alive or not, is no tensor of this rank's
+    earlier = WeakIdKeyDictionary(dict.fromkeys(tensors_of(device, collect=False)))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
     try:
