@@ -9,8 +9,8 @@ Prints each run's measured and predicted MFU, its predicted peak memory (and the
 published) and whether it fits, the mean absolute percentage
 error of MFU over all runs and per study, and the rank correlation within each study. Runs
 without a global batch, or with only memory figures, are left out (listed at the end).
-Where a run does not state its micro-batch, the fastest micro-batch (and schedule) that fits is
-taken, as the authors tuned theirs.
+Where a run does not state its micro-batch, the line leaves it (and the schedule) out, and
+``estimate`` takes the fastest that fits, as the authors tuned theirs.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ GPUS = {"A100-SXM4-80GB": {"gpu": "a100-80gb"}, "a100_80gb": {"gpu": "a100-80gb"
         "H100 96GB HBM2e @500W (Grand Teton)": {"cluster": str(ROOT / "bench" / "clusters" / "h100-96gb-hbm2e-500w.toml")}}
 
 
-def batch_lines(row: dict) -> list[dict]:
-    """The --batch lines for one run: one, or one per micro-batch and schedule when unstated."""
+def batch_line(row: dict) -> dict:
+    """The --batch line of one run; what it does not state left out for estimate to tune."""
     m, par, batch, hw = row["model"], row["parallelism"], row["batch"], row["hardware"]
     llama = m.get("kv_heads") is not None or "llama" in row["id"]
     recompute = row["recompute"] or "none"
@@ -51,10 +51,8 @@ def batch_lines(row: dict) -> list[dict]:
         base["dtype"] = "float8"  # the blocks' products in fp8 (Transformer Engine, torchao)
     v = par.get("virtual_stages") or 1
     if batch.get("micro_batch"):
-        return [dict(base, micro_batch=batch["micro_batch"], virtual_stages=v,
-                     schedule="interleaved" if v > 1 else "1f1b")]
-    pipelines = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if par["pp"] > 1 else [])
-    return [dict(base, micro_batch=b, schedule=s, virtual_stages=vs) for b in (1, 2, 4, 8) for s, vs in pipelines]
+        return dict(base, micro_batch=batch["micro_batch"], virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b")
+    return base
 
 
 def measured_tokens_per_s_per_gpu(row: dict) -> float | None:
@@ -77,30 +75,18 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def score(rows: list[dict]) -> dict:
-    scored, skipped, lines, owners = [], [], [], []
-    for row in rows:
-        if not row["batch"].get("global_batch_seqs") or measured_tokens_per_s_per_gpu(row) is None:
-            skipped.append(row["id"])
-            continue
-        for line in batch_lines(row):
-            lines.append(line)
-            owners.append(row["id"])
+def score(published: list[dict]) -> dict:
+    scored = []
+    rows = [row for row in published if row["batch"].get("global_batch_seqs") and measured_tokens_per_s_per_gpu(row)]
+    skipped = [row["id"] for row in published if row not in rows]
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "threefold"), "estimate", "--batch", "/dev/stdin"],
-                         input="\n".join(json.dumps(x) for x in lines), capture_output=True, text=True, check=True)
-    results = [json.loads(x) for x in out.stdout.splitlines()]
-    by_row: dict[str, list[dict]] = {}
-    for owner, result in zip(owners, results):
-        by_row.setdefault(owner, []).append(result)
-    for row in rows:
-        if row["id"] not in by_row:
-            continue
-        candidates = [r for r in by_row[row["id"]] if "error" not in r]
-        fitting = [r for r in candidates if r["fits"]] or candidates
-        best = max(fitting, key=lambda r: r["tokens_per_s"]) if fitting else None
+                         input="\n".join(json.dumps(batch_line(row)) for row in rows), capture_output=True,
+                         text=True, check=True)
+    for row, text in zip(rows, out.stdout.splitlines()):
+        best = json.loads(text)
         measured = measured_tokens_per_s_per_gpu(row)
-        if best is None:
-            skipped.append(f"{row['id']} ({by_row[row['id']][0].get('error')})")
+        if "error" in best:
+            skipped.append(f"{row['id']} ({best['error']})")
             continue
         predicted = best["tokens_per_s"] / best["num_gpus"]
         mfu_measured = best["mfu"] * measured / predicted  # same FLOPs per token and peak on both sides

@@ -20,9 +20,11 @@ def run(capsys, *args):
 
 
 def test_estimate_json_has_the_promised_keys(capsys):
-    code, out, _ = run(capsys, "estimate", *GPT3_LAYOUT, "--recompute", "selective", "--sequence-parallel", "--json")
+    code, out, _ = run(capsys, "estimate", *GPT3_LAYOUT, "--micro-batch", "1", "--schedule", "1f1b", "--recompute",
+                       "selective", "--sequence-parallel", "--json")
     assert code == 0
     result = json.loads(out)
+    assert "tuned" not in result  # every knob given
     assert {"step_time_s", "mfu", "tflops_per_gpu", "tokens_per_s", "bubble_fraction", "fits"} <= set(result)
     assert {"params", "grads", "optimizer", "activations", "total"} <= set(result["memory_gib"])
     assert {"dp_bytes", "tp_bytes", "pp_bytes", "dp_s", "tp_s", "pp_s", "exposed_s"} <= set(result["comm"])
@@ -33,6 +35,38 @@ def test_estimate_json_has_the_promised_keys(capsys):
                             costs.Layout.named(recompute="selective", tp=8, pp=16, dp=8, zero=1, sequence_parallel=True),
                             CATALOG["a100-80gb"])
     assert result["step_time_s"] == pytest.approx(direct["step_time_s"])
+
+
+def test_estimate_tunes_the_micro_batch_and_schedule_it_is_not_given(capsys):
+    """Left out, the micro-batch and (with a pipeline) the schedule are the fastest choice that
+    fits, as a run's authors tune theirs: at least as fast as every other choice that fits, and
+    as fast as the same layout given them; the JSON says which knobs were tuned, and stderr what
+    was chosen."""
+    layout = [*GPT3_LAYOUT, "--recompute", "selective", "--sequence-parallel"]
+    code, out, err = run(capsys, "estimate", *layout, "--json")
+    tuned = json.loads(out)
+    assert code == 0 and tuned["tuned"] == ["micro_batch", "schedule", "virtual_stages"] and not err  # JSON: no note
+    chosen = tuned["layout"]
+    others = []
+    for micro_batch in (1, 2, 4, 8):
+        for schedule, virtual in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
+            code, out, _ = run(capsys, "estimate", *layout, "--micro-batch", str(micro_batch), "--schedule", schedule,
+                               "--virtual-stages", str(virtual), "--json")
+            others.append(json.loads(out))
+    assert any(o["fits"] for o in others) and any(not o["fits"] for o in others)  # the choice is a real one
+    assert tuned["tokens_per_s"] == max(o["tokens_per_s"] for o in others if o["fits"])
+    given = next(o for o in others if all(o["layout"][k] == chosen[k] for k in ("micro_batch", "schedule",
+                                                                                 "virtual_stages")))
+    assert given["step_time_s"] == tuned["step_time_s"] and "tuned" not in given
+    _, _, err = run(capsys, "estimate", *layout)
+    assert err.strip() == (f"note: --micro-batch and --schedule not given: estimating --micro-batch "
+                           f"{chosen['micro_batch']} --schedule {chosen['schedule']} --virtual-stages "
+                           f"{chosen['virtual_stages']}, the fastest that fits, as a run tunes them; give them to "
+                           "estimate another")
+    # nothing fits: the leanest choice (micro-batch 1, 1F1B), reported as not fitting
+    code, out, err = run(capsys, "estimate", *GPT3, "--num-gpus", "16", "--tp", "8", "--pp", "2", "--json")
+    lean = json.loads(out)
+    assert code == 0 and not lean["fits"] and lean["layout"]["micro_batch"] == 1 and lean["layout"]["schedule"] == "1f1b"
 
 
 def test_estimate_model_flags_without_a_preset(capsys):

@@ -69,9 +69,16 @@ def test_random_layouts_give_physical_results_or_one_line_errors(seed):
         assert min(memory.values()) >= 0 and min(comm.values()) >= 0 and min(time_s.values()) >= -1e-12, shown
         assert math.isclose(memory["total"], sum(v for k, v in memory.items() if k != "total"), rel_tol=1e-9), shown
         assert result["step_time_s"] > 0 and result["mfu"] > 0 and 0 <= result["bubble_fraction"] < 1, shown
+        chosen = {k: result["layout"][k] for k in ("micro_batch", "schedule", "virtual_stages")}
+        if "micro_batch" not in line:  # tuned: as fast as that choice given, and fitting where the leanest does
+            assert estimate_line(dict(line, **chosen))["step_time_s"] == result["step_time_s"], shown
+            with contextlib.suppress(ConfigError):
+                lean = estimate_line(dict(line, micro_batch=1))
+                assert lean["fits"] == result["fits"], shown
+                assert result["tokens_per_s"] >= lean["tokens_per_s"] or not lean["fits"], shown
         if line["recompute"] == "none":  # recomputing the forward never makes a step faster
             with contextlib.suppress(ConfigError):  # (a split-backward schedule refuses full)
-                full = estimate_line(dict(line, recompute="full"))
+                full = estimate_line(dict(line, recompute="full", **chosen))
                 assert full["step_time_s"] >= result["step_time_s"] * (1 - 1e-9), shown
         if "inter_node_gbps" in line and "intra_node_gbps" in line:  # nor do faster links make it slower
             faster = dict(line, inter_node_gbps=2 * line["inter_node_gbps"], intra_node_gbps=2 * line["intra_node_gbps"])

@@ -436,8 +436,8 @@ def test_float8_runs_the_blocks_products_at_the_fp8_peak(capsys, tmp_path):
     import published_score
 
     row = next(r for r in published_score.json.loads(published_score.DATA.read_text()) if r["id"].startswith("mcore"))
-    assert "dtype" not in published_score.batch_lines(row)[0]
-    assert published_score.batch_lines(dict(row, precision="FP8 (Transformer Engine)"))[0]["dtype"] == "float8"
+    assert "dtype" not in published_score.batch_line(row)
+    assert published_score.batch_line(dict(row, precision="FP8 (Transformer Engine)"))["dtype"] == "float8"
 
 
 @pytest.mark.parametrize("tp, cp, dp, gpus_per_node", [(2, 4, 2, 8), (1, 8, 4, 8), (2, 2, 8, 4), (8, 2, 4, 8),

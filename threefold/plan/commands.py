@@ -281,11 +281,46 @@ def stage_split(o: dict, work: costs.Workload, layout: costs.Layout) -> tuple[in
     return split
 
 
+# What a run tunes by measuring, where estimate is not told it: the micro-batch, and on a pipeline
+# the schedule, among Megatron's two (1F1B; interleaved, 2 or 4 chunks a rank).
+TUNED_MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TUNED_SCHEDULES = (("1f1b", None), ("interleaved", 2), ("interleaved", 4))
+
+
+def tuned_estimate(o: dict, work: costs.Workload, gpu) -> tuple[costs.Layout, int, tuple | None, dict, list[str]]:
+    """(layout, GPU count, stage split, estimate, the knobs tuned) of estimate's options. A knob
+    left out that runs tune by measuring (``--micro-batch``; with ``--pp`` > 1, ``--schedule`` and
+    ``--virtual-stages``) is taken at the fastest choice that fits, as the authors of published
+    runs tuned theirs. Where none fits, the first (micro-batch 1, 1F1B), which holds the least
+    memory: what does not fit is reported as it is. Where none is a layout at all, the first's
+    error."""
+    open_batch = o.get("micro_batch") is None
+    open_schedule = _given(o, "pp", 1) > 1 and o.get("schedule") is None and o.get("virtual_stages") is None
+    batches = TUNED_MICRO_BATCHES if open_batch else (o["micro_batch"],)
+    schedules = TUNED_SCHEDULES if open_schedule else ((o.get("schedule"), o.get("virtual_stages")),)
+    tuned = ["micro_batch"] * open_batch + ["schedule", "virtual_stages"] * open_schedule
+    first_error, best = None, None
+    for batch, (schedule, virtual) in ((b, s) for b in batches for s in schedules):
+        options = dict(o, micro_batch=batch, schedule=schedule, virtual_stages=virtual)
+        try:
+            layout, num_gpus = build_layout(options, work)
+            split = stage_split(options, work, layout)
+        except ConfigError as err:
+            first_error = first_error or err
+            continue
+        est = costs.estimate(work, layout, gpu, split)
+        if best is None or (est["fits"] and (not best[3]["fits"] or est["tokens_per_s"] > best[3]["tokens_per_s"])):
+            best = (layout, num_gpus, split, est)
+    if best is None:
+        raise first_error
+    return (*best, tuned)
+
+
 def evaluate(o: dict) -> dict:
-    """One layout's estimate as JSON, from estimate's options."""
+    """One layout's estimate as JSON, from estimate's options (the knobs tuned listed under "tuned")."""
     work, gpu = build_workload(o)
-    layout, _ = build_layout(o, work)
-    return report.result_json(costs.estimate(work, layout, gpu, stage_split(o, work, layout)), layout)
+    layout, _, _, est, tuned = tuned_estimate(o, work, gpu)
+    return dict(report.result_json(est, layout), **({"tuned": tuned} if tuned else {}))
 
 
 def _title(o: dict, work: costs.Workload, num_gpus: int, gpu) -> str:
@@ -347,8 +382,10 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="Attention over the split sequence: ring, allgather (Llama 3) or ulysses (DeepSpeed).")
 @click.option("--ep", type=int, default=1, show_default=True,
               help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
-@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
+@click.option("--micro-batch", type=int,
+              help="Sequences per micro-batch; default: the fastest of 1, 2, 4, … 64 that fits, as a run tunes it.")
+@click.option("--virtual-stages", type=int,
+              help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=False,
               help="With --tp > 1, split the norms' activations over the tensor-parallel ranks along the sequence "
                    "(Megatron's sequence parallelism); default: off.")
@@ -365,8 +402,10 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
                    "(keep every other product's output and the attention's, rerun the rest; docs/planner.md).")
-@click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), default="1f1b", show_default=True,
-              help="Pipeline schedule, used with --pp > 1 (`threefold schedule` draws each).")
+@click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS),
+              help="Pipeline schedule, used with --pp > 1 (`threefold schedule` draws each); default there, "
+                   "without --virtual-stages: the fastest that fits of 1f1b and interleaved with 2 or 4 chunks a "
+                   "rank, as a run tunes it.")
 @click.option("--stage-layers", metavar="N,N,…",
               help="Blocks per pipeline stage, first to last (every model chunk: pp × virtual stages of them), "
                    "e.g. 3,2; the schedule is then played on each stage's own cost. Default: ceil(layers/pp) "
@@ -416,9 +455,10 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     check_picture_path("--out", out)
     with notes_after_checks():
         work, gpu = build_workload(options)
-        layout, num_gpus = build_layout(options, work)
-        split = stage_split(options, work, layout)
-    result = report.result_json(costs.estimate(work, layout, gpu, split), layout)
+        layout, num_gpus, split, est, tuned = tuned_estimate(options, work, gpu)
+    result = dict(report.result_json(est, layout), **({"tuned": tuned} if tuned else {}))
+    if tuned and not as_json:
+        note_once(f"note: {_tuned_words(tuned, layout, est)}")
     described = layout.describe() + (f" stages {'-'.join(map(str, split))}" if split else "")
     if out:
         draw_breakdown([result], [described], gpu.hbm_bytes / 2**30, out, _title(options, work, num_gpus, gpu))
@@ -433,6 +473,23 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
                       "torchtitan's) counts attention's whole s × s score matrix, of which causal flash attention "
                       "computes half (HFU counts the recomputed forward's too); at this sequence length attention "
                       "is most of the FLOPs")
+
+
+def _tuned_words(tuned: list[str], layout: costs.Layout, est: dict) -> str:
+    """``--micro-batch not given: 2, the fastest that fits …``: what estimate chose, and why."""
+    chosen = []
+    if "micro_batch" in tuned:
+        chosen.append(f"--micro-batch {int(layout.micro_batch)}")
+    if "schedule" in tuned:
+        schedule = costs.SCHEDULES[int(layout.schedule)]
+        chosen.append(f"--schedule {schedule}" + (f" --virtual-stages {int(layout.virtual_stages)}"
+                                                  if schedule == "interleaved" else ""))
+    knobs = " and ".join("--" + k.replace("_", "-") for k in tuned if k != "virtual_stages")
+    them = "them" if len(chosen) > 1 else "it"
+    if not est["fits"]:
+        return f"{knobs} not given: estimating {' '.join(chosen)}, the leanest; no choice fits"
+    return (f"{knobs} not given: estimating {' '.join(chosen)}, the fastest that fits, as a run tunes {them}; "
+            f"give {them} to estimate another")
 
 
 def _fixed_knobs(command):
