@@ -71,6 +71,8 @@ TINY = ["model.preset=tiny", "model.vocab_size=2048", "model.seq_len=256", "trai
     # of the model when it added them to the logits'), and under ZB-H1, whose B gathers them again
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 4),
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=zb-h1"], 4),
+    # rank 0 holds both ends: the head's moment, or the first stage's B with the embedding's root
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=dualpipev", "train.micro_batch=1"], 4),
 ])
 def test_trains_memory_model_is_the_dry_runs_live_peak(sets, world):
     """On the first and the last rank, what ``threefold train`` checks memory by (states + saved

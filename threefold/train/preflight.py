@@ -184,7 +184,9 @@ def backward_working_bytes(cfg: Config, share) -> float:
       (the loss's tensors above, the root, its gradient and the prefetched block) or a block's
       (the block rebuilt under full recomputation, a block, the next and a gradient). Adding the
       two over-counted Llama 3 8B's last rank at dp4·pp2 by 6 GB (the dry run's live peak 0.94
-      of it)."""
+      of it). DualPipeV's rank 0 holds the first stage too: its blocks' moment is the first
+      stage's B, with the embedding's root gathered and its gradient (the tiny model's live peak
+      read 0.84 of the model that added both ends' roots and the loss at once, 0.94 now)."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
@@ -207,8 +209,13 @@ def backward_working_bytes(cfg: Config, share) -> float:
         working += 4 * zero2_gradient_buffers(cfg, share, shards)
     if p.zero == 3 and shards > 1:
         root, block = zero3_units(cfg, share)
-        if share.last_stage and not share.first_stage:
-            working = max(working + 4 * (2 * root + block), rebuilt + 4 * (min(2, share.blocks) + 1) * block)
+        if share.last_stage and p.pp > 1:
+            # the head's moment apart from the blocks'; on DualPipeV's rank 0, which also holds the
+            # first stage, the blocks' moment is the first stage's B, with the embedding's root
+            head_root = root - (zero3_units(cfg, dataclasses.replace(share, last_stage=False))[0]
+                                if share.first_stage else 0)
+            blocks = rebuilt + 4 * (min(2, share.blocks) + 1) * block + 4 * 2 * (root - head_root)
+            working = max(working + 4 * (2 * head_root + block), blocks)
         else:
             working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
         if share.moe_blocks and shards // p.ep > 1:  # a block's routed experts: a unit of their own
