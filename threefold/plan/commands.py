@@ -7,6 +7,7 @@ the command line are the defaults every line starts from.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
@@ -299,8 +300,8 @@ def tuned_estimate(o: dict, work: costs.Workload, gpu) -> tuple[costs.Layout, in
     batches = TUNED_MICRO_BATCHES if open_batch else (o["micro_batch"],)
     schedules = TUNED_SCHEDULES if open_schedule else ((o.get("schedule"), o.get("virtual_stages")),)
     tuned = ["micro_batch"] * open_batch + ["schedule", "virtual_stages"] * open_schedule
-    first_error, best = None, None
-    for batch, (schedule, virtual) in ((b, s) for b in batches for s in schedules):
+    first_error, best, best_est = None, None, None
+    for batch, (schedule, virtual) in itertools.product(batches, schedules):
         options = dict(o, micro_batch=batch, schedule=schedule, virtual_stages=virtual)
         try:
             layout, num_gpus = build_layout(options, work)
@@ -309,11 +310,12 @@ def tuned_estimate(o: dict, work: costs.Workload, gpu) -> tuple[costs.Layout, in
             first_error = first_error or err
             continue
         est = costs.estimate(work, layout, gpu, split)
-        if best is None or (est["fits"] and (not best[3]["fits"] or est["tokens_per_s"] > best[3]["tokens_per_s"])):
-            best = (layout, num_gpus, split, est)
+        faster = best_est is not None and (not best_est["fits"] or est["tokens_per_s"] > best_est["tokens_per_s"])
+        if best_est is None or (est["fits"] and faster):
+            best, best_est = (layout, num_gpus, split), est
     if best is None:
         raise first_error
-    return (*best, tuned)
+    return (*best, best_est, tuned)
 
 
 def evaluate(o: dict) -> dict:

@@ -376,9 +376,10 @@ class Engine:
             self._build_runtime()
 
     def _placements_of(self, stage: int) -> dict[str, Placement]:
-        """Where stage ``stage``'s tensors sit. Where this rank holds both ends of tied embeddings,
-        the head's copy is a duplicate: the embedding's is the one counted (norms, checkpoints)."""
-        if stage in self.tied_copies and len(self.tied_copies) == 2 and not self.parts[stage].first:
+        """Where stage ``stage``'s tensors sit. The head's copy of a tied embedding is a duplicate:
+        the embedding's is the one counted (norms, checkpoints). Without the first stage the rank's
+        placements say so already (``cut_model``); here it also holds where one rank has both."""
+        if stage in self.tied_copies and not self.parts[stage].first:
             return {**self.placements, "embed.weight": dataclasses.replace(self.placements["embed.weight"],
                                                                            duplicate=True)}
         return self.placements

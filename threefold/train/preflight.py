@@ -212,9 +212,8 @@ def backward_working_bytes(cfg: Config, share) -> float:
         if share.last_stage and p.pp > 1:
             # the head's moment apart from the blocks'; on DualPipeV's rank 0, which also holds the
             # first stage, the blocks' moment is the first stage's B, with the embedding's root
-            head_root = root - (zero3_units(cfg, dataclasses.replace(share, last_stage=False))[0]
-                                if share.first_stage else 0)
-            blocks = rebuilt + 4 * (min(2, share.blocks) + 1) * block + 4 * 2 * (root - head_root)
+            embedding_root, head_root = zero3_roots(cfg, share)
+            blocks = rebuilt + 4 * (min(2, share.blocks) + 1) * block + 4 * 2 * embedding_root
             working = max(working + 4 * (2 * head_root + block), blocks)
         else:
             working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
@@ -241,16 +240,22 @@ def column_parallel_weights(cfg: Config, share) -> int:
     return numel
 
 
+def zero3_roots(cfg: Config, share) -> tuple[int, int]:
+    """Elements of what this rank's first and last stage hold outside their blocks, one tp shard
+    each (0 where it holds no such stage): the embedding's table, and the final norm and head."""
+    from threefold.models.sizes import padded_vocab
+
+    table = padded_vocab(cfg.model.vocab_size, cfg.parallel.tp) // cfg.parallel.tp * cfg.model.hidden
+    return (table if share.first_stage else 0), (cfg.model.hidden + table if share.last_stage else 0)
+
+
 def zero3_units(cfg: Config, share) -> tuple[int, int]:
     """Elements of ZeRO-3's units on this rank (parallel/fsdp.py), one tp shard: the root (what the
     stage holds outside its blocks: the vocabulary tables, the final norm) and the largest block."""
-    from threefold.models.sizes import padded_vocab
-
-    p, model = cfg.parallel, cfg.model
-    table = padded_vocab(model.vocab_size, p.tp) // p.tp * model.hidden
-    root = (table if share.first_stage else 0) + (model.hidden + table if share.last_stage else 0)
-    if model.tie_embeddings and p.pp == 1:
-        root -= table  # one table for both ends (a pipeline's ends hold a copy each, DualPipeV's rank 0 both)
+    embedding_root, head_root = zero3_roots(cfg, share)
+    root = embedding_root + head_root
+    if cfg.model.tie_embeddings and cfg.parallel.pp == 1:
+        root -= embedding_root  # one table for both ends (a pipeline's ends hold a copy each, DualPipeV's rank 0 both)
     return root, largest_block(cfg, share)
 
 
