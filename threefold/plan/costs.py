@@ -7,6 +7,7 @@ the search relies on that. Sources and derivations are in docs/planner.md.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -1390,6 +1391,27 @@ def pipeline_split_time(work: Workload, layout: Layout, stage_layers, stage_laye
             "compute_mb_s": functools.reduce(np.maximum, rank_compute), "mean_compute_mb_s": sum(rank_compute) / p}
 
 
+@functools.lru_cache(maxsize=None)
+def _expected_slowest(n: int) -> float:
+    if n <= 1:
+        return 0.0
+    x = np.linspace(-9.0, 9.0, 18001)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    with np.errstate(divide="ignore"):
+        density = n * pdf * np.exp((n - 1) * np.log(cdf))  # the maximum's: n·φ(x)·Φ(x)^(n−1)
+    return float(np.trapezoid(x * density, x))
+
+
+def expected_slowest(num_gpus):
+    """E[max of n standard normals] for each n of ``num_gpus``: how many standard deviations of
+    one GPU's speed the slowest of n lags the mean (0 for one GPU; 1.42 for 8, 2.60 for 128,
+    3.97 for 16,384). A synchronous step waits for its slowest rank (docs/planner.md §4)."""
+    n = np.asarray(num_gpus)
+    values = {int(k): _expected_slowest(int(k)) for k in np.unique(n)}
+    return _scalar_or_array(np.vectorize(values.__getitem__, otypes=[float])(n)) if n.ndim else values[int(n)]
+
+
 def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] | None = None) -> dict:
     """Memory, communication and time of one training step, for one layout or arrays of them.
 
@@ -1835,6 +1857,12 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         machine = m * mean_compute_mb_s + overhead
         busiest = m * compute_mb_s + overhead
         step_s = np.maximum(machine, busiest * gpu.core_share + (step_s - busiest))
+    # ---- stragglers: identical GPUs run at different speeds (power management and manufacturing:
+    # Sinha et al. 2022), and every rank waits at each step's collectives for the slowest of them,
+    # speed_spread standard deviations a GPU times the expected maximum of num_gpus draws behind
+    # the mean (docs/planner.md §4). 0 on a CPU, whose closed loop measures its own waits.
+    stragglers_s = gpu.speed_spread * expected_slowest(num_gpus) * step_s
+    step_s = step_s + stragglers_s
     step_tokens = work.global_batch * s
     model_flops = work.model_flops_per_token * step_tokens
     hardware_flops = model_flops + np.choose(recompute, work.recompute_flops_per_token) * step_tokens
@@ -1856,7 +1884,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         tp_exposed_s=m * tp_exposed_mb * per_mb_scale, cp_exposed_s=m * cp_exposed_mb * per_mb_scale,
         ep_exposed_s=m * ep_mb_s * per_mb_scale, pp_exposed_s=2 * busy_slots * p2p_s,
         bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
-        contention_s=contention_s, collective_calls=calls, collective_cpu_s=collective_cpu_s,
+        contention_s=contention_s, stragglers_s=stragglers_s, collective_calls=calls, collective_cpu_s=collective_cpu_s,
     )
     result["exposed_s"] = (result["tp_exposed_s"] + result["cp_exposed_s"] + result["ep_exposed_s"]
                            + result["pp_exposed_s"] + dp_exposed_s)

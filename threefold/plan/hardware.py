@@ -63,6 +63,9 @@ class GPU:
     peak_flops_fp32: float | None = None  # fp32 (or TF32) peak where known: --dtype float32 uses it
     peak_flops_fp8: float | None = None  # dense fp8 tensor-core peak (Hopper and later): --dtype float8
     overlap_slowdown: float = 0.0  # seconds of compute lost per second of communication overlapped with it
+    # The standard deviation of one GPU's speed about the mean of identical GPUs, as a fraction: a
+    # step waits for the slowest of its GPUs (costs.expected_slowest); 0 on a CPU.
+    speed_spread: float = 0.0
     # The attention core's executed FLOPs run at this fraction of the matmul rate: for the catalog's
     # GPUs, FlashAttention-2's (the kernel behind PyTorch's SDPA and the flash-attn package; see
     # _FA2_H100_FLOPS); on a CPU, the rate `threefold calibrate` measured for
@@ -193,28 +196,39 @@ class GPU:
 # attention at the GEMM rate; 0.50 and 0.26 at FlashAttention-2's, kept at 0.5: docs/planner.md §5); the A100
 # one moves from +14% to +9% with it; Korthikanti's runs (dp = 1) and Megatron-Core's (dp across
 # nodes) do not see it.
+# speed_spread: identical GPUs do not run at one speed. Power management and manufacturing
+# variation spread them (Sinha et al. 2022, "Not All GPUs Are Created Equal", SC22: 8% average
+# variation across the GPUs of one cluster, up to 22%), and a synchronous step waits for the
+# slowest of its GPUs, spread × E[max of n standard normals] behind the mean
+# (costs.expected_slowest). 1.5% is the joint fit with the matmul efficiencies to the visible
+# published runs (docs/planner.md §5); the two visible scaling pairs alone ask for more:
+# torchtitan's 8 → 128 H100s 2.5%, Megatron's 530B on 280 → 2,240 A100s 2.9%.
+SPEED_SPREAD = 0.015
 # Achievable fractions shared by the NVIDIA data-centre parts, fitted on A100 to Korthikanti et al.
-# 2022 and in line with public measurements: cuBLAS reaches ~80% of peak on large GEMMs;
+# 2022 (with the slowest GPU's lag above, so the mean GPU's rate) and in line with public
+# measurements: cuBLAS reaches ~80% of peak on large GEMMs;
 # nccl-tests all-reduce ~210 GB/s bus bandwidth of NVLink3's 300 GB/s at 50-100 MB messages and
 # ~23 of 25 GB/s on HDR InfiniBand; element-wise kernels stream at ~80% of HBM bandwidth.
-_NVIDIA = dict(matmul_efficiency=0.78, hbm_efficiency=0.80, intra_link_efficiency=0.70, inter_link_efficiency=0.90,
-               intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8, overlap_slowdown=0.5)
+_NVIDIA = dict(matmul_efficiency=0.80, hbm_efficiency=0.80, intra_link_efficiency=0.70, inter_link_efficiency=0.90,
+               intra_node_latency_s=1e-6, inter_node_latency_s=3e-6, gpus_per_node=8, overlap_slowdown=0.5,
+               speed_spread=SPEED_SPREAD)
 
 # peak_flops_fp32: the datasheets' plain fp32 (not TF32: PyTorch's fp32 matmuls do not use TF32 by
 # default); left out where we have no datasheet figure at hand. peak_flops_fp8: the datasheets'
 # dense fp8 figure, half the one "with sparsity" they headline (H100/H200 SXM 3,958 → 1,979
 # TFLOP/s; HGX B200 72 PFLOP/s for 8 → 4.5 each; MI300X 2,615); the A100 has no fp8 tensor cores.
 # Hopper and Blackwell reach a smaller fraction of a much higher peak in training (clocks drop at
-# the power limit; kernels are less tuned): ~55%, set from the llm-foundry MPT-7B and Megatron-Core
-# H100 runs (docs/planner.md). MI300X: ~45% of peak in published training GEMMs, and a ring over
+# the power limit; kernels are less tuned): ~57% of it for the mean GPU, set from the llm-foundry
+# and Megatron-Core H100 runs (docs/planner.md) with the slowest GPU's lag; the H200's and B200's
+# from the H100's. MI300X: ~45% of peak in published training GEMMs, and a ring over
 # its 7 point-to-point Infinity Fabric links (64 GB/s each way) uses them less well than NVSwitch.
 # FlashAttention-2 on an H100 SXM5 reaches at most 335 TFLOP/s forward and backward (Dao 2023,
-# "FlashAttention-2", §4.1), about a third of the peak, where its GEMMs reach 55%: the kernel does
+# "FlashAttention-2", §4.1), about a third of the peak, where its GEMMs reach 57%: the kernel does
 # not use Hopper's asynchronous tensor cores (FlashAttention-3, Shah et al. 2024, does, at 1.5-2×).
 # The flash-attn benchmarks count a backward as 2.5 forwards (it recomputes the scores), the
 # planner as 2, so the same seconds are 335·3/3.5 = 287 TFLOP/s in the planner's count. On an A100
 # the kernel reaches at most 73% of the peak (the paper's abstract: 50-73%), 195 TFLOP/s in the
-# planner's count, 0.80 of the 0.78·312 its GEMMs reach. Megatron-Core's Transformer Engine
+# planner's count, 0.78 of the 0.80·312 its GEMMs reach. Megatron-Core's Transformer Engine
 # attention (cuDNN) is faster on Hopper than this; a --cluster file's efficiency.attention says
 # so for a cluster that runs it. Eager attention (two batched GEMMs and a softmax) is not this
 # kernel: costs.part_seconds times its core at the GEMM rate.
@@ -239,13 +253,13 @@ CATALOG: dict[str, GPU] = {gpu.name: gpu for gpu in [
         description="A100 SXM4 40GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
     GPU("a100-80gb", 312e12, 81920 * MiB, 2.039e12, 300e9, 25e9, **_FA2_ON_AMPERE, rated_power_w=400,
         description="A100 SXM4 80GB; NVLink3, 8x HDR 200 Gb/s per node", peak_flops_fp32=19.5e12),
-    GPU("h100-sxm", 989e12, 81559 * MiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.55), rated_power_w=700,
+    GPU("h100-sxm", 989e12, 81559 * MiB, 3.35e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
         description="H100 SXM5 80GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
         peak_flops_fp8=1979e12),
-    GPU("h200", 989e12, 143771 * MiB, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.57), rated_power_w=700,
+    GPU("h200", 989e12, 143771 * MiB, 4.8e12, 450e9, 50e9, **_fa2_on_hopper(0.59), rated_power_w=700,
         description="H200 SXM 141GB; NVLink4, 8x NDR 400 Gb/s per node", peak_flops_fp32=67e12,
         peak_flops_fp8=1979e12),
-    GPU("b200", 2.25e15, 183359 * MiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.55), rated_power_w=1000,
+    GPU("b200", 2.25e15, 183359 * MiB, 8.0e12, 900e9, 50e9, **dict(_NVIDIA, matmul_efficiency=0.57), rated_power_w=1000,
         description="B200 180GB; NVLink5, 8x 400 Gb/s per node", peak_flops_fp8=4.5e15),
     GPU("mi300x", 1307e12, 205822885888, 5.3e12, 448e9, 50e9, rated_power_w=750,
         **dict(_NVIDIA, matmul_efficiency=0.45, intra_link_efficiency=0.60),
@@ -415,8 +429,9 @@ def get_gpu(name: str, dtype: str | None = None) -> GPU:
 #   intra_node_latency_us = 1       # optional (default: the NVIDIA catalog's)
 #   inter_node_latency_us = 3
 #   [efficiency]                    # optional: the achievable fractions (default: the NVIDIA ones)
-#   matmul = 0.55
-#   attention = 0.53                # the attention core's rate over the matmul rate (default 1)
+#   matmul = 0.57
+#   attention = 0.51                # the attention core's rate over the matmul rate (default 1)
+#   speed_spread = 0.015            # one GPU's speed's standard deviation over the mean (default the catalog's)
 #
 # A number is in the unit its key names; a string carries its own unit.
 
@@ -438,6 +453,7 @@ _CLUSTER_KEYS = {  # (section, key) → (quantity, factor of a bare number, requ
     ("node", "intra_node_latency_us"): ("time", 1e-6, False), ("node", "inter_node_latency_us"): ("time", 1e-6, False),
     **{("efficiency", k): ("fraction", 1, False) for k in ("matmul", "hbm", "intra_link", "inter_link",
                                                          "overlap_slowdown", "attention")},
+    ("efficiency", "speed_spread"): ("spread", 1, False),
 }
 
 
@@ -483,6 +499,10 @@ def _quantity(where: str, value, quantity: str, factor: float) -> float:
         number = float(value)
     else:
         raise ConfigError(f"{where}: must be a number, got {value!r}")
+    if quantity == "spread":  # a standard deviation as a fraction of the mean: 0 (no spread) allowed
+        if not (math.isfinite(number) and 0 <= number < 1):
+            raise ConfigError(f"{where}: must be in [0, 1), got {value!r}")
+        return number
     if not math.isfinite(number) or number <= 0 or (quantity == "fraction" and number > 1):
         raise ConfigError(f"{where}: must be {'in (0, 1]' if quantity == 'fraction' else 'positive'}, got {value!r}")
     if quantity == "count" and number != int(number):
@@ -536,5 +556,6 @@ def load_cluster(path: str | Path) -> GPU:
               peak_flops_fp32=values.get(("gpu", "peak_tflops_fp32")),
               peak_flops_fp8=values.get(("gpu", "peak_tflops_fp8")),
               overlap_slowdown=get("efficiency", "overlap_slowdown", _NVIDIA["overlap_slowdown"]),
-              attention_efficiency=get("efficiency", "attention", 1.0))
+              attention_efficiency=get("efficiency", "attention", 1.0),
+              speed_spread=get("efficiency", "speed_spread", _NVIDIA["speed_spread"]))
     return gpu.with_power_limit(values.get(("gpu", "power_limit_w")), flag=f"--cluster: {path}: gpu.power_limit_w")

@@ -11,7 +11,7 @@ GiB = 2**30
 
 # Seconds of one step, by where they go; they add up to step_time_s.
 TIME_PARTS = ("compute", "memory_bound", "tp_exposed", "cp_exposed", "ep_exposed", "pp_exposed", "bubble", "dp_exposed", "optimizer",
-              "contention")
+              "contention", "stragglers")
 
 
 def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
@@ -128,7 +128,7 @@ def gpu_table(gpus, width: int = 200) -> Table:
     lines = [] if wide else [f"{gpu.name}: {gpu.description}" for gpu in gpus]
     table.caption = "\n".join(lines + [
         "TFLOP/s: dense 16-bit peak (--dtype float32 and float8: their columns); node/net: bandwidth per GPU, one "
-        "direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs reach; W: the board "
+        "direction, within a node and across nodes; matmul eff: the fraction of peak large GEMMs reach on the mean GPU; W: the board "
         "power that fraction holds at (--power-limit-w below it slows the products)"])
     table.caption_justify = "left"
     return table

@@ -259,6 +259,9 @@ class SearchResult:
             return f"{seconds:.2f} s of memory-bound element-wise work ({sp} sequence parallelism)"
         if part == "contention":
             return f"{self._zero_phrase(lay)}: {seconds:.2f} s of compute slowed by the data-parallel traffic it hides"
+        if part == "stragglers":
+            n = int(self._get("num_gpus", i))
+            return f"{seconds:.2f} s waiting for the slowest of {n:,} GPUs (speed spread {self.gpu.speed_spread:.1%})"
         if part == "optimizer":
             return f"{seconds:.2f} s of optimizer step" + (" (unsharded)" if lay["zero"] == 0 else "")
         raise ValueError(f"no phrase for the step's part {part!r}")
@@ -267,7 +270,9 @@ class SearchResult:
         """Why layout ``i`` wins (its largest overhead) or loses (what it spends more on than #1)."""
         best = int(self.order[0])
         if i == best:
-            overhead = max((p for p in report.TIME_PARTS if p != "compute"), key=lambda p: self._get(f"{p}_s", i))
+            # the slowest GPU's lag is the same share of every layout's step: not what makes one win
+            overhead = max((p for p in report.TIME_PARTS if p not in ("compute", "stragglers")),
+                           key=lambda p: self._get(f"{p}_s", i))
             share = self._get("compute_s", i) / self._get("step_time_s", i)
             # What its expert and context parallelism cost, when that is not already the largest part
             also = "".join(f"; {self._phrase(part, i)}" for part, axis in (("ep_exposed", "ep"), ("cp_exposed", "cp"))
