@@ -189,3 +189,25 @@ def test_memory_out_draws_the_ranks_and_keeps_the_json_short(capsys, tmp_path):
     assert main(["dryrun", *sets, "--world-size", "2", "--memory-out", str(tmp_path / "memory.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --memory-out: ") and "\n" not in err
+
+
+def test_a_last_stages_root_is_reduced_right_after_the_heads_backward(monkeypatch):
+    """ZeRO-3's root on a last pipeline stage (final norm and head) is reduced before the blocks'
+    backward, each micro-batch, not after it: its weights' gradients go in as leaves. Through views
+    of its full buffer, autograd reached the buffer after every block (its view nodes are the
+    oldest), keeping the head's gradient through the blocks' backward (parallel/fsdp.py)."""
+    from threefold.parallel import fsdp
+
+    reduced = []
+    post_backward = fsdp.ShardedGradSync._post_backward
+
+    def record(self, unit):
+        reduced.append("root" if unit in self.roots else "block")
+        post_backward(self, unit)
+
+    monkeypatch.setattr(fsdp.ShardedGradSync, "_post_backward", record)
+    cfg = load(TINY + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 4)
+    dry_run_rank(cfg, 3)  # the last stage: its blocks and the root (final norm, head)
+    per_microbatch = len(reduced) // cfg.microbatches  # the roots (a tied head is a unit of its own) and blocks
+    roots = per_microbatch - cfg.model.layers // 2
+    assert roots >= 1 and reduced == (["root"] * roots + ["block"] * (per_microbatch - roots)) * cfg.microbatches

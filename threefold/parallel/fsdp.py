@@ -24,7 +24,13 @@ Per micro-batch that is two all-gathers and one reduce-scatter of every paramete
 (``costs.dp_bytes_per_step``). The root unit is gathered twice as well (FSDP keeps the root
 gathered between forward and backward instead; we follow the formula). At most one
 reduce-scatter is in flight: the next unit's finishes it first, bounding the full gradients
-alive at any time to about two units'.
+alive at any time to about two units'. A root that comes after the blocks (a last pipeline stage's
+final norm and head) installs its weights as leaves on the full buffer's storage, as W does
+below, and is reduced as soon as its weights' gradients are in: right after the head's backward.
+Through the views, autograd would reach the buffer only after every block's backward (its view
+nodes are older than the blocks'), keeping the head's fp32 gradient that long and leaving the
+root's reduction in flight into the next micro-batch (Llama 3 8B's last rank at dp2·tp2·pp2: 1.6
+GB more at its peak, docs/scale.md).
 
 Full recomputation runs a block's forward again inside the backward. A unit inside the block (an
 MoE block's experts: the block's own hooks sit outside the checkpoint) then gathers for that
@@ -167,6 +173,13 @@ class ShardedGradSync:
         self.blocks = [ShardedUnit([p for p in block.parameters() if id(p) in key_of], uses, mesh, self.axes)
                        for block in blocks]
         self.units = self.roots + self.blocks
+        # Roots after the blocks (a last stage's final norm and head, not the embedding) take their
+        # gradients as leaves, as W does (see the module docstring): reduced right after the head's
+        # backward, not when autograd reaches the full buffer. Its view nodes, made before the
+        # blocks' forward, run last, so the head's fp32 gradient was kept through the blocks'
+        # backward and its reduction was the one left in flight into the next micro-batch.
+        self.leaf_units = self.units if split_backward else (
+            self.roots if getattr(part, "embed", None) is None else [])
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
         self.replicating: tuple[ShardedUnit, Pending, torch.Tensor] | None = None  # HSDP's all-reduce
@@ -195,7 +208,7 @@ class ShardedGradSync:
             unit.gather, unit.gathered = None, True
 
     def _install(self, unit: ShardedUnit) -> None:
-        unit.install(None if not self.split_backward else lambda index, leaf: self._weight_grad(unit, index, leaf))
+        unit.install(None if unit not in self.leaf_units else lambda index, leaf: self._weight_grad(unit, index, leaf))
 
     # --- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -268,8 +281,9 @@ class ShardedGradSync:
         unit.free()
 
     def _weight_grad(self, unit: ShardedUnit, index: int, leaf: torch.Tensor) -> None:
-        """W accumulated one of the unit's weights' gradient (split backward): into the unit's full
-        gradient; once every weight's is in, the unit is reduced as after a whole backward."""
+        """One of the unit's weights' gradient accumulated (W of a split backward; a root's after
+        the blocks, in any backward): into the unit's full gradient; once every weight's is in,
+        the unit is reduced as after a whole backward."""
         if unit.full.grad is None:
             unit.full.grad = torch.zeros_like(unit.full)
         unit.layout.views(unit.full.grad)[index].add_(leaf.grad)

@@ -186,7 +186,10 @@ def backward_working_bytes(cfg: Config, share) -> float:
       two over-counted Llama 3 8B's last rank at dp4·pp2 by 6 GB (the dry run's live peak 0.94
       of it). DualPipeV's rank 0 holds the first stage too: its blocks' moment is the first
       stage's B, with the embedding's root gathered and its gradient (the tiny model's live peak
-      read 0.84 of the model that added both ends' roots and the loss at once, 0.94 now)."""
+      read 0.84 of the model that added both ends' roots and the loss at once, 0.94 now). Where
+      the stage holds the embedding, its unit's reduction, the micro-batch's last, is still in
+      flight in the next micro-batch: its sharded output too (Llama 3 8B's first rank at
+      dp2·tp2·pp2 under full recomputation read 1.022 of the model without it)."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
@@ -217,6 +220,11 @@ def backward_working_bytes(cfg: Config, share) -> float:
             working = max(working + 4 * (2 * head_root + block), blocks)
         else:
             working += 4 * (root + min(2, share.blocks) * block) + 4 * (root + block)
+        if share.first_stage and cfg.microbatches > 1:
+            # the embedding's unit is the micro-batch's last to reduce, and its reduction stays in
+            # flight until the next micro-batch's first (parallel/fsdp.py): its sharded output beside
+            # the full gradient counted above
+            working += 4 * zero3_roots(cfg, share)[0] / shards if p.pp > 1 else 4 * root / shards
         if share.moe_blocks and shards // p.ep > 1:  # a block's routed experts: a unit of their own
             from threefold.models.sizes import rank_expert_param_count
 
