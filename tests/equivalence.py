@@ -216,6 +216,9 @@ CASES = {
                              "parallel.sequence_parallel=true"],
     "dp2-pp2-interleaved-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1",
                                   "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+    # ZeRO-3 over two chunks a rank: one reduction in flight for both chunks' units (fsdp.Reductions)
+    "dp2-pp2-interleaved-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
     "dp2-pp2-zb-h1-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=zb-h1"],
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
     # ZeRO-3 under a split backward: B gathers each unit again, W reads no weight (fsdp.py)

@@ -73,6 +73,10 @@ TINY = ["model.preset=tiny", "model.vocab_size=2048", "model.seq_len=256", "trai
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=zb-h1"], 4),
     # rank 0 holds both ends: the head's moment, or the first stage's B with the embedding's root
     (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=dualpipev", "train.micro_batch=1"], 4),
+    # four chunks a rank under ZeRO-3: each chunk's last reduction stayed in flight until its next
+    # backward, four units' gradients at once (1.11 and 1.18 of the model before fsdp.Reductions)
+    (["model.layers=8", "parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=interleaved",
+      "parallel.virtual_stages=4", "train.micro_batch=1"], 4),
 ])
 def test_trains_memory_model_is_the_dry_runs_live_peak(sets, world):
     """On the first and the last rank, what ``threefold train`` checks memory by (states + saved

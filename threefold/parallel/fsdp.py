@@ -23,8 +23,9 @@ Per micro-batch that is two all-gathers and one reduce-scatter of every paramete
 ``m · (n−1)/n · numel · (2·4 + 4)`` bytes per rank, 1.5× DDP's all-reduce at m = 1
 (``costs.dp_bytes_per_step``). The root unit is gathered twice as well (FSDP keeps the root
 gathered between forward and backward instead; we follow the formula). At most one
-reduce-scatter is in flight: the next unit's finishes it first, bounding the full gradients
-alive at any time to about two units'. A root that comes after the blocks (a last pipeline stage's
+reduce-scatter is in flight on a rank, whichever of its model chunks it is from (``Reductions``):
+the next unit's finishes it first, bounding the full gradients alive at any time to about two
+units'. A root that comes after the blocks (a last pipeline stage's
 final norm and head) installs its weights as leaves on the full buffer's storage, as W does
 below, and is reduced as soon as its weights' gradients are in: right after the head's backward.
 Through the views, autograd would reach the buffer only after every block's backward (its view
@@ -130,6 +131,19 @@ class ShardedUnit:
         self.gathered = False
 
 
+class Reductions:
+    """The one reduction a rank keeps in flight for all its ZeRO-3 units: the reduce-scatter
+    (``reducing``: sync, unit, its pending work, the output chunk, the full gradient it reads) and
+    under hybrid sharding the all-reduce over the groups that follows it (``replicating``). Shared
+    by the syncs of a rank's model chunks (an interleaved or DualPipeV rank has one per chunk), so
+    that each chunk's last reduction does not stay in flight, its full gradient alive, until that
+    chunk's next backward: at four chunks a rank, four units' gradients at once."""
+
+    def __init__(self):
+        self.reducing: tuple | None = None
+        self.replicating: tuple | None = None
+
+
 def parameter_uses(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[tuple[nn.Module, str]]]]:
     """The distinct parameters under ``module`` and every (sub-module, attribute) holding each."""
     params: dict[int, nn.Parameter] = {}
@@ -150,12 +164,14 @@ class ShardedGradSync:
     def __init__(self, part: nn.Module, key_of: dict[int, str], placements: dict[str, Placement],
                  mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
                  axes: tuple[str, ...] = ("dp",), mean_over: int | None = None,
-                 replicate_axes: tuple[str, ...] = (), split_backward: bool = False):
+                 replicate_axes: tuple[str, ...] = (), split_backward: bool = False,
+                 in_flight: Reductions | None = None):
         """``key_of`` names the parameters synchronised here (others under ``part``, the experts
         that another sync shards over edp, are left alone); ``mean_over``: the ranks the sums are
         divided by (the groups' size, or all dp ranks for experts reduced over edp);
         ``replicate_axes``: hybrid sharding's groups holding the same shards ("dpr");
-        ``split_backward``: the pipeline runs B and W apart (see the module docstring)."""
+        ``split_backward``: the pipeline runs B and W apart (see the module docstring);
+        ``in_flight``: the rank's Reductions, shared with its other chunks' syncs (a new one if None)."""
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
         self.split_backward = split_backward
         self.free_after_backward = False  # B's end-of-pass callback is queued
@@ -181,8 +197,7 @@ class ShardedGradSync:
         self.leaf_units = self.units if split_backward else (
             self.roots if getattr(part, "embed", None) is None else [])
         self.tag = None  # "eval" for gathers of a forward without gradients
-        self.reducing: tuple[ShardedUnit, Pending, torch.Tensor, torch.Tensor] | None = None
-        self.replicating: tuple[ShardedUnit, Pending, torch.Tensor] | None = None  # HSDP's all-reduce
+        self.in_flight = in_flight if in_flight is not None else Reductions()
         part.register_forward_pre_hook(self._root_pre_forward)
         if getattr(part, "embed", None) is not None:
             part.embed.register_forward_pre_hook(self._root_pre_forward)  # the runtime embeds first
@@ -277,7 +292,7 @@ class ShardedGradSync:
         grad = unit.full.grad
         unit.full.grad = None
         out = torch.empty_like(unit.chunk)
-        self.reducing = (unit, self.comm.reduce_scatter(out, grad, self.axes, async_op=True), out, grad)
+        self.in_flight.reducing = (self, unit, self.comm.reduce_scatter(out, grad, self.axes, async_op=True), out, grad)
         unit.free()
 
     def _weight_grad(self, unit: ShardedUnit, index: int, leaf: torch.Tensor) -> None:
@@ -294,22 +309,24 @@ class ShardedGradSync:
             self._post_backward(unit)
 
     def _finish_reduce(self) -> None:
-        """Finish the reduction in flight: the reduce-scatter, and under hybrid sharding the
-        all-reduce over the groups, which then stays in flight behind the next unit's backward."""
-        if self.replicating is not None:
-            unit, pending, out = self.replicating
+        """Finish the rank's reduction in flight, whichever chunk's sync started it: the
+        reduce-scatter, and under hybrid sharding the all-reduce over the groups, which then stays
+        in flight behind the next unit's backward."""
+        flight = self.in_flight
+        if flight.replicating is not None:
+            sync, unit, pending, out = flight.replicating
             pending.wait()
-            unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)
-            self.replicating = None
-        if self.reducing is None:
+            unit.grad_chunk.add_(out, alpha=1.0 / sync.mean_over)
+            flight.replicating = None
+        if flight.reducing is None:
             return
-        unit, pending, out, _grad = self.reducing  # _grad: kept alive until the collective is done
+        sync, unit, pending, out, _grad = flight.reducing  # _grad: kept alive until the collective is done
         pending.wait()
-        self.reducing = None
-        if self.replicate_axes:
-            self.replicating = (unit, self.comm.all_reduce(out, self.replicate_axes, async_op=True), out)
+        flight.reducing = None
+        if sync.replicate_axes:
+            flight.replicating = (sync, unit, sync.comm.all_reduce(out, sync.replicate_axes, async_op=True), out)
             return
-        unit.grad_chunk.add_(out, alpha=1.0 / self.mean_over)  # sum → mean over the group (see __init__)
+        unit.grad_chunk.add_(out, alpha=1.0 / sync.mean_over)  # sum → mean over the group (see __init__)
 
     # --- the step, as the engine drives it -----------------------------------------------------
     def start_step(self) -> None:

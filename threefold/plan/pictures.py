@@ -18,7 +18,7 @@ from threefold.plan.report import capacity_gib as capacity_text
 FORMATS = (".png", ".svg", ".pdf")
 TIME_COLOURS = {"compute": "#4c72b0", "memory_bound": "#8172b3", "tp_exposed": "#dd8452", "cp_exposed": "#937860", "ep_exposed": "#8c8c3c",
                 "pp_exposed": "#da8bc3", "bubble": "#c8c8c8", "dp_exposed": "#c44e52", "optimizer": "#55a868",
-                "contention": "#b07aa1", "stragglers": "#9d755d"}
+                "contention": "#b07aa1", "stragglers": "#e0c341"}
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "reserved")
 MEMORY_COLOURS = dict(zip(MEMORY_PARTS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#c8c8c8")))
 

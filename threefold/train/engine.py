@@ -337,6 +337,9 @@ class Engine:
             experts |= routed_experts
         self.syncs = {}
         self.split_backward = self.schedule is not None and self.schedule.split_backward  # B and W apart
+        # ZeRO-3: one reduction in flight for the rank's dense units, one for its experts', whatever
+        # chunk of the model they are in (fsdp.Reductions)
+        self._reductions = {}
         for stage, part in self.parts.items():
             named = named_plain_parameters(part, self.tied)
             alone = (self.tied_copies[stage],) if stage in self.tied_copies else ()
@@ -349,7 +352,7 @@ class Engine:
 
                 sync = ShardedGradSync(part, {id(q): k for k, q in dense}, placements, mesh, comm,
                                        isolated=alone, split_backward=self.split_backward,
-                                       **self._shard_axes(self.grad_axes))
+                                       in_flight=self._in_flight("dense"), **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, placements, mesh, comm, zero, p.bucket_mb,
                                       overlap=p.overlap_grad_reduce, isolated=alone, **self._shard_axes(self.grad_axes))
@@ -384,6 +387,12 @@ class Engine:
                                                                            duplicate=True)}
         return self.placements
 
+    def _in_flight(self, kind: str):
+        """The rank's one ZeRO-3 reduction in flight for ``kind`` ("dense" or "experts")."""
+        from threefold.parallel.fsdp import Reductions
+
+        return self._reductions.setdefault(kind, Reductions())
+
     def _shard_axes(self, axes: tuple[str, ...]) -> dict:
         """ZeRO's groups for gradients reduced over ``axes``: shards over all of them, or under
         hybrid sharding over the group of dp_shard ranks within them (the dense weights' dps × ep;
@@ -414,7 +423,8 @@ class Engine:
             units = nn.Module()  # one unit per layer's local experts, gathered around its forward
             units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
             return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm,
-                                   split_backward=self.split_backward, **dict(self._shard_axes(axes), mean_over=dp))
+                                   split_backward=self.split_backward, in_flight=self._in_flight("experts"),
+                                   **dict(self._shard_axes(axes), mean_over=dp))
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
                               **dict(self._shard_axes(axes) if zero else {"axes": axes}, mean_over=dp))
 
