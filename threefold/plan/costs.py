@@ -1405,7 +1405,7 @@ def _expected_slowest(n: int) -> float:
 
 def expected_slowest(num_gpus):
     """E[max of n standard normals] for each n of ``num_gpus``: how many standard deviations of
-    one GPU's speed the slowest of n lags the mean (0 for one GPU; 1.42 for 8, 2.60 for 128,
+    one GPU's speed the slowest of n lags the mean (0 for one GPU; 1.42 for 8, 2.59 for 128,
     3.97 for 16,384). A synchronous step waits for its slowest rank (docs/planner.md §4)."""
     n = np.asarray(num_gpus)
     values = {int(k): _expected_slowest(int(k)) for k in np.unique(n)}
