@@ -252,6 +252,10 @@ CASES.update({
                                   "parallel.cp_method=ring", "parallel.overlap_grad_reduce=false"],
     "dp4-pp2-zb-h1-zero2-shard2": ["parallel.dp=4", "parallel.pp=2", "parallel.zero=2", "parallel.dp_shard=2",
                                    "parallel.schedule=zb-h1"],
+    # hybrid sharding over two chunks a rank: the chunks' one reduction in flight, then its
+    # all-reduce between the groups, whichever chunk started it (fsdp.Reductions)
+    "dp4-pp2-interleaved-hsdp2": ["parallel.dp=4", "parallel.pp=2", "parallel.zero=3", "parallel.dp_shard=2",
+                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
     "cp2-ulysses-full": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.recompute=full"],
 })
