@@ -337,10 +337,9 @@ class ShardedGradSync:
 
     def finish(self) -> None:
         partial = [i for i, unit in enumerate(self.units) if unit.weights_in]
-        if partial:  # a weight W gave no gradient: the unit would never be reduced
-            raise RuntimeError(f"ZeRO-3 under a split backward: unit {partial[0]} got gradients for "
-                               f"{self.units[partial[0]].weights_in} of its {len(self.units[partial[0]].params)} "
-                               "weights in the last W")
+        if partial:  # a weight got no gradient (in W, or a root's leaves): the unit would never be reduced
+            raise RuntimeError(f"ZeRO-3: unit {partial[0]} got gradients for {self.units[partial[0]].weights_in} of its "
+                               f"{len(self.units[partial[0]].params)} weights in the step's last backward")
         self._finish_reduce()
         self._finish_reduce()  # hybrid sharding: the last all-reduce, started by the first call
 
