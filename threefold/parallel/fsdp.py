@@ -112,7 +112,8 @@ class ShardedUnit:
                 del module._parameters[attr]  # the original parameter goes; install() sets a view
         self.gather: Pending | None = None
         self.gathered = False
-        self.weights_in = 0  # under a split backward: the weights whose gradient W has accumulated
+        self.weights_in = 0  # as leaves: the weights whose gradient has accumulated
+        self.as_leaves = False  # its weights installed as leaves of their own (see ShardedGradSync)
         self.free()
 
     def install(self, on_grad=None) -> None:
@@ -194,8 +195,9 @@ class ShardedGradSync:
         # backward, not when autograd reaches the full buffer. Its view nodes, made before the
         # blocks' forward, run last, so the head's fp32 gradient was kept through the blocks'
         # backward and its reduction was the one left in flight into the next micro-batch.
-        self.leaf_units = self.units if split_backward else (
-            self.roots if getattr(part, "embed", None) is None else [])
+        after_blocks = self.roots if getattr(part, "embed", None) is None else []
+        for unit in self.units if split_backward else after_blocks:
+            unit.as_leaves = True
         self.tag = None  # "eval" for gathers of a forward without gradients
         self.in_flight = in_flight if in_flight is not None else Reductions()
         part.register_forward_pre_hook(self._root_pre_forward)
@@ -223,7 +225,7 @@ class ShardedGradSync:
             unit.gather, unit.gathered = None, True
 
     def _install(self, unit: ShardedUnit) -> None:
-        unit.install(None if unit not in self.leaf_units else lambda index, leaf: self._weight_grad(unit, index, leaf))
+        unit.install((lambda index, leaf: self._weight_grad(unit, index, leaf)) if unit.as_leaves else None)
 
     # --- forward -----------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:

@@ -224,7 +224,8 @@ def backward_working_bytes(cfg: Config, share) -> float:
             # the embedding's unit is the micro-batch's last to reduce, and its reduction stays in
             # flight until the next micro-batch's first (parallel/fsdp.py): its sharded output beside
             # the full gradient counted above
-            working += 4 * zero3_roots(cfg, share)[0] / shards if p.pp > 1 else 4 * root / shards
+            embedding_unit = zero3_roots(cfg, share)[0] if p.pp > 1 else root
+            working += 4 * embedding_unit / shards
         if share.moe_blocks and shards // p.ep > 1:  # a block's routed experts: a unit of their own
             from threefold.models.sizes import rank_expert_param_count
 
