@@ -225,6 +225,12 @@ CASES = {
     "dp2-pp2-zb-h1-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
     # DualPipeV's rank 0 holds both ends of the tied embedding, a copy each, their gradients added there
     "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev"],
+    # ZeRO-3 kept gathered through the step (torchtitan's FSDP under a pipeline): the gradients
+    # accumulate over the micro-batches in the full buffers, one gather and one reduction a step
+    "dp2-pp2-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"],
+    "dp2-pp2-zb-h1-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1",
+                                 "parallel.reshard_after_forward=false"],
+    "dp4-hsdp2-keep": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
     "dp2-tp2-pp2-1f1b-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1"],
     "pp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
 }

@@ -175,6 +175,14 @@ def test_a_hybrid_sharding_the_engine_cannot_run_is_refused(capsys, sets, messag
     refused(capsys, ["dryrun", *world, *TINY, *BATCH, *sum((["--set", s] for s in sets), [])], message)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_keeping_units_gathered_needs_zero3(capsys, zero):
+    refused(capsys, ["dryrun", "--world-size", "2", *TINY, *BATCH, "--set", "parallel.dp=2", "--set", f"parallel.zero={zero}",
+                     "--set", "parallel.reshard_after_forward=false"],
+            f"parallel.reshard_after_forward: false keeps ZeRO-3's gathered weights through the step; it needs "
+            f"parallel.zero = 3, got zero={zero}")
+
+
 def test_hybrid_sharding_of_an_automatic_dp_is_checked_once_the_world_is_known(capsys):
     refused(capsys, ["dryrun", "--world-size", "6", *TINY, *BATCH, "--set", "parallel.dp=auto", "--set", "parallel.zero=3",
                      "--set", "parallel.dp_shard=4"], "parallel.dp_shard: must divide parallel.dp=6")

@@ -173,6 +173,10 @@ class ParallelConfig:
     # groups hold the same shards; 0: one group of all dp ranks
     dp_shard: int = 0
     zero: int = 0
+    # ZeRO-3 frees each unit's gathered weights after its forward and gathers them again for its
+    # backward; false keeps them gathered through the step, one gather a step, not two a
+    # micro-batch (FSDP2's reshard_after_forward, false in torchtitan under a pipeline; fsdp.py)
+    reshard_after_forward: bool = True
     sequence_parallel: bool = False
     tp_overlap: bool = False  # SP's gathers and reduce-scatters as rings of sends pipelined with the products
     schedule: str = "1f1b"
@@ -210,6 +214,9 @@ class ParallelConfig:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
+        if not self.reshard_after_forward and self.zero != 3:
+            raise ConfigError(f"parallel.reshard_after_forward: false keeps ZeRO-3's gathered weights through the step; "
+                              f"it needs parallel.zero = 3, got zero={self.zero}")
         if self.dp_shard < 0:
             raise ConfigError(f"parallel.dp_shard: must not be negative (0: shard over all dp ranks), got {self.dp_shard}")
         if self.cp_method not in CP_METHODS:

@@ -70,6 +70,18 @@ alone (one call from a full buffer would also redo the input gradients inside th
 lead to it through the unit's other weights), and once all of a unit's are in, they are packed
 into its full gradient and reduce-scattered as above. The bytes per micro-batch are 1F1B's: two
 all-gathers and one reduce-scatter.
+
+Keeping the units gathered through the step (``parallel.reshard_after_forward = false``; FSDP2's
+``reshard_after_forward=False`` under ``torch.distributed.pipelining``, torchtitan's default with a
+pipeline). Each unit is gathered at its first forward of the step and stays gathered until the
+backward that produces its last gradients of the step (the engine says which: ``last_microbatch``);
+its full gradient accumulates over the micro-batches, as autograd accumulates into a leaf, and is
+reduce-scattered once, after which the unit is freed. Per step that is one all-gather and one
+reduce-scatter of every parameter, ``(n−1)/n · numel · (4 + 4)`` bytes a rank, whatever the number
+of micro-batches: ZeRO-1's traffic and, inside the step, its memory (every unit's full weights and,
+from its first backward, its full gradient), while between steps a rank still keeps only its
+shards. A pipeline's stage runs many micro-batches, so this trades memory for m − 1 fewer
+gathers; a forward without gradients (validation) still frees each unit after it.
 """
 from __future__ import annotations
 
@@ -166,15 +178,18 @@ class ShardedGradSync:
                  mesh: ParallelMesh, comm: Comm, isolated: tuple[nn.Parameter, ...] = (),
                  axes: tuple[str, ...] = ("dp",), mean_over: int | None = None,
                  replicate_axes: tuple[str, ...] = (), split_backward: bool = False,
-                 in_flight: Reductions | None = None):
+                 in_flight: Reductions | None = None, reshard_after_forward: bool = True):
         """``key_of`` names the parameters synchronised here (others under ``part``, the experts
         that another sync shards over edp, are left alone); ``mean_over``: the ranks the sums are
         divided by (the groups' size, or all dp ranks for experts reduced over edp);
         ``replicate_axes``: hybrid sharding's groups holding the same shards ("dpr");
         ``split_backward``: the pipeline runs B and W apart (see the module docstring);
-        ``in_flight``: the rank's Reductions, shared with its other chunks' syncs (a new one if None)."""
+        ``in_flight``: the rank's Reductions, shared with its other chunks' syncs (a new one if None);
+        ``reshard_after_forward`` False: keep the units gathered through the step (see the docstring)."""
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
         self.split_backward = split_backward
+        self.keep_gathered = not reshard_after_forward
+        self.reduce_now = True  # keeping the units gathered: this backward is the step's last (last_microbatch)
         self.free_after_backward = False  # B's end-of-pass callback is queued
         self.axes, self.replicate_axes = tuple(axes), tuple(a for a in replicate_axes if mesh.size(a) > 1)
         self.mean_over = mean_over or mesh.size(*self.axes, *self.replicate_axes)
@@ -224,6 +239,10 @@ class ShardedGradSync:
             unit.gather.wait()
             unit.gather, unit.gathered = None, True
 
+    def _keeps(self) -> bool:
+        """Whether the units stay gathered after this forward: kept through the step, and training."""
+        return self.keep_gathered and self.tag is None
+
     def _install(self, unit: ShardedUnit) -> None:
         unit.install((lambda index, leaf: self._weight_grad(unit, index, leaf)) if unit.as_leaves else None)
 
@@ -251,13 +270,14 @@ class ShardedGradSync:
     def _block_post_forward(self, i: int, out: torch.Tensor) -> None:
         if in_backward():
             return  # recomputed for the backward about to use these weights: keep them gathered
-        self.blocks[i].free()
+        if not self._keeps():
+            self.blocks[i].free()
         if out.requires_grad:
             previous = self.blocks[i - 1] if i else None
             out.register_hook(lambda grad, i=i: self._pre_backward([self.blocks[i]], previous))
 
     def _root_post_forward(self, module, args, out: torch.Tensor) -> None:
-        for unit in self.roots:
+        for unit in self.roots if not self._keeps() else ():
             unit.free()
         if out.requires_grad and self.roots:
             last = self.blocks[-1] if self.blocks else None
@@ -267,7 +287,7 @@ class ShardedGradSync:
     def _pre_backward(self, units: list[ShardedUnit], next_unit: ShardedUnit | None) -> None:
         """The units' backward is about to run: gather their weights again, prefetch the next.
         In B of a split backward, the units B has gone past are freed here (see the docstring)."""
-        if self.split_backward:  # (on the first stage the roots' hook fires after the last block's)
+        if self.split_backward and not self.keep_gathered:  # (first stage: the roots' hook fires after the last block's)
             for unit in self.units:
                 if unit.gathered and unit not in units and unit is not next_unit:
                     unit.free()
@@ -289,7 +309,11 @@ class ShardedGradSync:
                 unit.free()
 
     def _post_backward(self, unit: ShardedUnit) -> None:
-        """All of the unit's gradients are in full.grad: reduce-scatter them, free the unit."""
+        """All of the unit's gradients are in full.grad: reduce-scatter them, free the unit. Kept
+        gathered through the step, before its last backward: leave them there, where the next
+        micro-batch's accumulate."""
+        if self.keep_gathered and not self.reduce_now:
+            return
         self._finish_reduce()
         grad = unit.full.grad
         unit.full.grad = None
@@ -332,10 +356,10 @@ class ShardedGradSync:
 
     # --- the step, as the engine drives it -----------------------------------------------------
     def start_step(self) -> None:
-        pass
+        self.reduce_now = not self.keep_gathered
 
     def last_microbatch(self) -> None:
-        pass  # every micro-batch's gradients are reduce-scattered as they arrive
+        self.reduce_now = True  # reshard after forward: every micro-batch's gradients are reduced as they arrive
 
     def finish(self) -> None:
         partial = [i for i, unit in enumerate(self.units) if unit.weights_in]

@@ -137,7 +137,8 @@ def hardware_flops_per_token(cfg: ModelConfig, recompute: str) -> float:
 ENGINE_BYTES = {"float32": (4, 4), "bfloat16": (2, 4)}
 
 
-def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4, shard=None):
+def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_bytes: int = 4, shard=None,
+                      reshard_after_forward=True):
     """Bytes each rank sends on the data-parallel axis per optimizer step (ring convention).
 
     ``numel`` is the number of parameter elements the dp group holds replicas of.
@@ -156,6 +157,8 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
                  as zero 3 over s ranks, and an all-reduce of each reduced shard over the r = n/s
                  groups holding it:  m · [(s−1)/s · numel · (2·param_bytes + grad_bytes)
                                           + 2(r−1)/r · numel/s · grad_bytes]
+      zero 3 kept gathered through the step (``reshard_after_forward`` False: FSDP2's, torchtitan's
+                 under a pipeline): one gather and one reduction a step, whatever m; zero 1's bytes
     With n = 1 every term is 0. Works elementwise on numpy arrays.
     """
     numel, dp, zero = np.asarray(numel, dtype=float), np.asarray(dp), np.asarray(zero)
@@ -165,8 +168,11 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
     in_group, between_groups = (shard - 1) / shard, hsdp_all_reduce_bytes(numel, shard, groups, 1, grad_bytes)
     sharded_optimizer = in_group * numel * (grad_bytes + param_bytes) + between_groups
     sharded_gradients = in_group * numel * (microbatches * grad_bytes + param_bytes) + between_groups
-    fully_sharded = (microbatches * (shard - 1) / shard * numel * (2 * param_bytes + grad_bytes)
-                     + hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes))
+    # ZeRO-3's gathers and reductions a step: two and one a micro-batch, or one each kept gathered
+    gathers = np.where(reshard_after_forward, 2 * np.asarray(microbatches), 1)
+    reductions = np.where(reshard_after_forward, microbatches, 1)
+    fully_sharded = (in_group * numel * (gathers * param_bytes + reductions * grad_bytes)
+                     + hsdp_all_reduce_bytes(numel, shard, groups, reductions, grad_bytes))
     return _scalar_or_array(np.select([zero == 0, zero == 1, zero == 2], [all_reduce, sharded_optimizer, sharded_gradients],
                                       fully_sharded))
 

@@ -189,7 +189,14 @@ def backward_working_bytes(cfg: Config, share) -> float:
       read 0.84 of the model that added both ends' roots and the loss at once, 0.94 now). Where
       the stage holds the embedding, its unit's reduction, the micro-batch's last, is still in
       flight in the next micro-batch: its sharded output too (Llama 3 8B's first rank at
-      dp2·tp2·pp2 under full recomputation read 1.022 of the model without it)."""
+      dp2·tp2·pp2 under full recomputation read 1.022 of the model without it).
+      Kept gathered through the step (``parallel.reshard_after_forward = false``): every unit's
+      weights, and with more than one micro-batch every unit's full gradient, accumulated over
+      them until the last backward reduces it, beside the gradient a unit's backward makes before
+      autograd adds it in (under a split backward W adds one weight's at a time). Under ZB-H1 the
+      gradients are made by the first W, after the last stage's fullest moment (the tiny model's
+      live peak reads 0.87-0.90 of this there: an upper bound; 0.92-0.98 under 1F1B and without
+      a pipeline)."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
@@ -210,7 +217,17 @@ def backward_working_bytes(cfg: Config, share) -> float:
     shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
     if p.zero == 2 and shards > 1:
         working += 4 * zero2_gradient_buffers(cfg, share, shards)
-    if p.zero == 3 and shards > 1:
+    if p.zero == 3 and shards > 1 and not p.reshard_after_forward:
+        from threefold.models.sizes import rank_expert_param_count
+
+        root, block = zero3_units(cfg, share)
+        units = share.numel + (share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0)
+        accumulated = units if cfg.microbatches > 1 else root + block
+        from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
+
+        split = p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].split_backward  # W adds one weight's at a time
+        working += 4 * (units + accumulated + (0 if split else max(root, block)))
+    elif p.zero == 3 and shards > 1:
         root, block = zero3_units(cfg, share)
         if share.last_stage and p.pp > 1:
             # the head's moment apart from the blocks'; on DualPipeV's rank 0, which also holds the
