@@ -227,6 +227,10 @@ def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
     if o.get("sequence_parallel") and tp == 1:
         note_once("note: --sequence-parallel has no effect at --tp 1; estimating without it")
         o["sequence_parallel"] = False
+    if o.get("reshard_after_forward") is False and o.get("zero") not in (None, 3):
+        note_once("note: --no-reshard-after-forward has no effect without --zero 3 (it keeps ZeRO-3's gathered "
+                  "weights through the step)")
+        o["reshard_after_forward"] = True
     if o.get("tp_comm_overlap") and (tp == 1 or o.get("sequence_parallel") is False):
         note_once("note: --tp-comm-overlap has no effect without tensor parallelism and --sequence-parallel (it "
                   "pipelines their all-gathers and reduce-scatters with the products, as Megatron-Core's does)")
@@ -255,7 +259,8 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=sequence_parallel,
-                                dp_shard=_given(o, "dp_shard", 0))
+                                dp_shard=_given(o, "dp_shard", 0),
+                                reshard_after_forward=_given(o, "reshard_after_forward", True))
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
@@ -400,6 +405,11 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
                    "instances): ZeRO shards the states over groups of this many dp ranks, which dp / N groups hold "
                    "alike, all-reducing gradients between them; needs --zero 1, 2 or 3 (plan searches every N at "
                    "ZeRO-3 only, and this N at each stage). 0: one group of all dp ranks.")
+@click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
+              help="ZeRO-3: free each unit's gathered weights after its forward and gather them again for its "
+                   "backward, every micro-batch (the engine's default); --no-reshard-after-forward keeps them "
+                   "gathered through the step (FSDP2's reshard_after_forward=False, torchtitan's default under a "
+                   "pipeline): one gather and one reduction a step, priced as ZeRO-1.")
 @click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "
@@ -508,6 +518,9 @@ def _fixed_knobs(command):
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
         click.option("--dp-shard", type=int, help="Fix hybrid sharding's shard group (dp ranks; ZeRO-3 only)."),
+        click.option("--no-reshard-after-forward", "reshard_after_forward", flag_value=False, default=None,
+                     help="Search ZeRO-3 with its units kept gathered through the step only (priced as ZeRO-1, "
+                          "which the search covers anyway)."),
         click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
         click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
     ]

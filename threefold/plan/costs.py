@@ -436,6 +436,7 @@ class Layout:
     ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
     cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
     dp_shard: Any = 0  # hybrid sharding: ZeRO's shard group, in dp ranks (0: all of them)
+    reshard_after_forward: Any = True  # ZeRO-3; False: its units kept gathered through the step
 
     @classmethod
     def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
@@ -458,6 +459,8 @@ class Layout:
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
+        if int(v["zero"]) == 3 and not bool(v["reshard_after_forward"]):
+            parts.append("no-reshard")
         if int(v["dp_shard"]) > 0:  # ZeRO-3's is FSDP's HSDP; ZeRO-1, 2's Megatron's optimizer instances
             parts.append(f"{'hsdp' if int(v['zero']) == 3 else 'shard'}={int(v['dp_shard'])}")
         if bool(v["sequence_parallel"]):
@@ -1438,6 +1441,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     q, kv = attention_width(cfg)
     t, p, d, c = (np.asarray(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp))
     zero, b, v = np.asarray(layout.zero), np.asarray(layout.micro_batch), np.asarray(layout.virtual_stages)
+    # ZeRO-3 kept gathered through the step is ZeRO-1 while the step runs: the full 16-bit weights
+    # and fp32 gradients, the states sharded, one reduce-scatter and one all-gather a step, the
+    # gathers behind the first micro-batch's forward and the reductions behind the last one's backward
+    zero = np.where((zero == 3) & ~np.asarray(layout.reshard_after_forward, dtype=bool), 1, zero)
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
     full = recompute == RECOMPUTE.index("full")

@@ -59,7 +59,7 @@ def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> boo
 
 
 KNOBS = ("tp", "pp", "dp", "cp", "ep", "cp_method", "zero", "micro_batch", "virtual_stages", "sequence_parallel",
-         "recompute", "schedule", "dp_shard")
+         "recompute", "schedule", "dp_shard", "reshard_after_forward")
 
 
 def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
@@ -130,11 +130,23 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                      sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method,
-                     dp_shard=np.zeros_like(zero))
+                     dp_shard=np.zeros_like(zero), reshard_after_forward=np.ones_like(zero, dtype=bool))
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
     layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
-    return _with_hybrid_sharding(layouts, num_gpus, fixed.get("dp_shard"))
+    layouts = _with_hybrid_sharding(layouts, num_gpus, fixed.get("dp_shard"))
+    return _with_kept_gathered(layouts, fixed.get("reshard_after_forward"))
+
+
+def _with_kept_gathered(layouts: Layout, reshard: bool | None) -> Layout:
+    """With --no-reshard-after-forward, the ZeRO-3 layouts with their units kept gathered through
+    the step, and only those. Otherwise none: priced as ZeRO-1 (costs.estimate), they would repeat
+    the search's ZeRO-1 rows."""
+    if reshard is not False:
+        return layouts
+    kept = layouts.take(np.flatnonzero(np.asarray(layouts.zero) == 3))
+    kept.reshard_after_forward = np.zeros_like(kept.zero, dtype=bool)
+    return kept
 
 
 def _with_hybrid_sharding(layouts: Layout, num_gpus: int, dp_shard: int | None) -> Layout:
