@@ -49,12 +49,14 @@ LAYOUTS = {
     # rank 0 holds both ends of the tied embedding, a copy each: saved once, both loaded
     "dp2·pp2·dualpipev·zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev",
                                 "train.micro_batch=1"],
+    # ZeRO-3 kept gathered through the step: between steps, the same shards as resharding's
+    "dp2·pp2·zero3·keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"],
 }
 PAIRS = [("single", "dp2·zero3"), ("dp2·zero3", "single"), ("dp2·tp2", "pp2·dp2"), ("pp2·dp2", "dp2·tp2"),
          ("dp2·tp2·pp2", "single"), ("single", "dp2·tp2·pp2"), ("dp2·cp2·zero1", "single"), ("cp2", "dp2·zero3"),
          ("dp4·hsdp2", "single"), ("dp2·zero3", "dp4·hsdp2"), ("dp4·zero2·shard2", "dp2·zero3"),
          ("dp4·hsdp2", "dp4·zero2·shard2"), ("dp2·pp2·dualpipev·zero3", "single"),
-         ("dp2·zero3", "dp2·pp2·dualpipev·zero3")]
+         ("dp2·zero3", "dp2·pp2·dualpipev·zero3"), ("dp2·pp2·zero3·keep", "dp2·tp2")]
 
 
 def make_config(layout: str, *extra):
