@@ -97,11 +97,12 @@ def assert_dry_run_is_the_planners(cfg, sets: list[str]) -> None:
 
 
 def hybrid_sharded(sets: list[str], rng: random.Random) -> list[str] | None:
-    """A random layout made ZeRO-3 with hybrid sharding over pairs of dp ranks (dp = 4 or 8); an
-    MoE layout's ep (1 or 2) lies inside a pair."""
+    """A random layout made ZeRO-3 with hybrid sharding over pairs of dp ranks (dp = 4 or 8; at 8
+    its units kept gathered through the step); an MoE layout's ep (1 or 2) lies inside a pair."""
     dp = rng.choice([4, 8])
     keep = [s for s in sets if not s.startswith(("parallel.dp=", "parallel.zero=", "train.global_batch="))]
-    return keep + [f"parallel.dp={dp}", "parallel.zero=3", "parallel.dp_shard=2", f"train.global_batch={dp * 8}"]
+    return keep + [f"parallel.dp={dp}", "parallel.zero=3", "parallel.dp_shard=2", f"train.global_batch={dp * 8}",
+                   f"parallel.reshard_after_forward={'false' if dp == 8 else 'true'}"]
 
 
 HYBRID = accepted_layouts(seed=20, count=4, reshape=hybrid_sharded)  # two with ep 2, one MoE at ep 1
