@@ -301,7 +301,8 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
     rows = []
     for axis, size, ledger_keys, predicted_keys, formula in (
             ("dp", p.dp * (p.cp if p.dp > 1 else 1), dp_keys, ("dp_exposed_s",),
-             "estimate()'s dp_exposed_s: buckets (ZeRO-3: units) behind the backward, the rest exposed"),
+             "estimate()'s dp_exposed_s: buckets (ZeRO-3: units; kept gathered, ZeRO-1's buckets) behind the "
+             "backward, the rest exposed"),
             ("tp", p.tp, ("tp", "tp.loss"), ("tp_exposed_s",),
              "estimate()'s tp_exposed_s: each tp collective between its products, the loss's included"),
             ("cp", p.cp, ("cp",), cp_alone, "estimate()'s cp_exposed_s: what exceeds the attention core"
