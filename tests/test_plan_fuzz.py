@@ -38,7 +38,8 @@ def random_line(rng: random.Random) -> dict:
             "tie_embeddings": pick([None, True, False]), "dtype": pick([None, "bf16", "fp16", "fp8"]),
             "tp_comm_overlap": pick([None, True, False]), "overlap_dp": pick([None, True, False]),
             "inter_node_gbps": pick([None, 25, 100, 200, 400]), "intra_node_gbps": pick([None, 600, 2400, 7200]),
-            "cp_method": pick([None, "ring", "allgather", "ulysses"])}
+            "cp_method": pick([None, "ring", "allgather", "ulysses"]),
+            "reshard_after_forward": pick([None, True, False])}
     if line["ffn"] and line["ffn"] % tp:
         line["ffn"] = None
     if rng.random() < 0.3:
@@ -80,6 +81,9 @@ def test_random_layouts_give_physical_results_or_one_line_errors(seed):
             with contextlib.suppress(ConfigError):  # (a split-backward schedule refuses full)
                 full = estimate_line(dict(line, recompute="full", **chosen))
                 assert full["step_time_s"] >= result["step_time_s"] * (1 - 1e-9), shown
+        if line["zero"] == 3:  # ZeRO-3 kept gathered sends at most what resharding sends
+            kept, resharded = (estimate_line(dict(line, reshard_after_forward=flag, **chosen)) for flag in (False, True))
+            assert kept["comm"]["dp_bytes"] <= resharded["comm"]["dp_bytes"] * (1 + 1e-9), shown
         if "inter_node_gbps" in line and "intra_node_gbps" in line:  # nor do faster links make it slower
             faster = dict(line, inter_node_gbps=2 * line["inter_node_gbps"], intra_node_gbps=2 * line["intra_node_gbps"])
             assert estimate_line(faster)["step_time_s"] <= result["step_time_s"] * (1 + 1e-9), shown
