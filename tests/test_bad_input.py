@@ -132,6 +132,26 @@ def test_memory_refusal_gives_the_numbers_and_a_layout_that_fits(workspace, monk
     assert warnings == []  # with the slack CPU runs show
 
 
+def test_a_zero3_run_kept_gathered_that_does_not_fit_is_told_to_reshard(workspace, monkeypatch):
+    """Keeping ZeRO-3's units gathered through the step holds every weight and gradient (here 2.1×
+    the memory of resharding them): resharding after the forward is the one key to change."""
+    from threefold.train.preflight import CPU_ALLOCATOR_SLACK as SLACK, rank_memory
+
+    monkeypatch.setattr("threefold.train.preflight.process_memory", lambda: 0.2 * 2**30)
+    monkeypatch.setattr("threefold.train.preflight.matmul_rate", lambda: 2e11)
+    sets = base(workspace) + ["model.vocab_size=320", "model.seq_len=64", "model.layers=8", "model.hidden=1024",
+                              "model.heads=8", "parallel.dp=8", "parallel.zero=3", "train.global_batch=16",
+                              "train.micro_batch=1"]
+    kept = load_config(None, sets + ["parallel.reshard_after_forward=false"])
+    need_kept, need = (sum(rank_memory(c, 0.2 * 2**30).values()) for c in (kept, load_config(None, sets)))
+    assert SLACK * need < need_kept  # a rank's share between them: kept refused, resharding fits with the slack
+    share = (SLACK * need + need_kept) / 2
+    monkeypatch.setattr("threefold.train.preflight.available_memory", lambda: (8 * share, 0, "available here"))
+    with pytest.raises(ConfigError) as err:
+        check_run(kept)
+    assert str(err.value).split("a layout that fits: --set ")[1].startswith("parallel.reshard_after_forward=true (about")
+
+
 def test_a_run_that_fits_only_without_the_cpu_slack_is_warned_about(workspace, monkeypatch):
     """Peak RSS of CPU runs reached 1.9× the model: between 1× and 2× a warning, not a refusal."""
     from threefold.train.preflight import rank_memory

@@ -435,15 +435,18 @@ def fitting_layout(cfg: Config, budget: float, process_bytes: float = 0.0) -> st
     p, t = cfg.parallel, cfg.train
     world = p.world_size // p.cp  # the run's cp stays: the search spreads the other ranks
     current = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "recompute": t.recompute, "micro_batch": t.micro_batch,
-               "dp_shard": p.dp_shard}
+               "reshard_after_forward": p.reshard_after_forward, "dp_shard": p.dp_shard}
     best = None
     for dp, tp in itertools.product(_divisors(world), _divisors(world)):
         if world % (dp * tp):
             continue
         pp = world // (dp * tp)
-        for zero, recompute, micro_batch in itertools.product(
-                (0, 1, 2, 3), ("none", "selective", "full"), sorted({t.micro_batch, 1})):
-            change = {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "micro_batch": micro_batch}
+        for zero, recompute, micro_batch, reshard in itertools.product(
+                (0, 1, 2, 3), ("none", "selective", "full"), sorted({t.micro_batch, 1}), {p.reshard_after_forward, True}):
+            if not reshard and zero != 3:
+                continue  # ZeRO-3's units kept gathered through the step: only at ZeRO-3
+            change = {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "micro_batch": micro_batch,
+                      "reshard_after_forward": reshard}
             candidate = _with(cfg, change)
             if candidate is None:
                 continue
@@ -457,7 +460,8 @@ def fitting_layout(cfg: Config, budget: float, process_bytes: float = 0.0) -> st
     if best is None:
         return None
     section = {"recompute": "train", "micro_batch": "train"}
-    return " --set ".join(f"{section.get(k, 'parallel')}.{k}={v}" for k, v in best[1].items() if v != current[k]) \
+    return " --set ".join(f"{section.get(k, 'parallel')}.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                          for k, v in best[1].items() if v != current[k]) \
         + f" (about {best[0][1] / GiB:.1f} GiB a rank)"
 
 
@@ -467,7 +471,7 @@ def _with(cfg: Config, change: dict) -> Config | None:
     dp_shard = dp_shard if change["zero"] >= 1 and change["dp"] % max(dp_shard, 1) == 0 and change["dp"] > dp_shard else 0
     parallel = dataclasses.replace(cfg.parallel, dp=change["dp"], tp=change["tp"], pp=change["pp"], zero=change["zero"],
                                    microbatches=None, sequence_parallel=cfg.parallel.sequence_parallel and change["tp"] > 1,
-                                   dp_shard=dp_shard)
+                                   dp_shard=dp_shard, reshard_after_forward=change["reshard_after_forward"])
     train = dataclasses.replace(cfg.train, recompute=change["recompute"], micro_batch=change["micro_batch"])
     candidate = dataclasses.replace(cfg, parallel=parallel, train=train)
     try:
