@@ -193,10 +193,10 @@ def backward_working_bytes(cfg: Config, share) -> float:
       Kept gathered through the step (``parallel.reshard_after_forward = false``): every unit's
       weights, and with more than one micro-batch every unit's full gradient, accumulated over
       them until the last backward reduces it, beside the gradient a unit's backward makes before
-      autograd adds it in (under a split backward W adds one weight's at a time). Under ZB-H1 the
-      gradients are made by the first W, after the last stage's fullest moment (the tiny model's
-      live peak reads 0.87-0.90 of this there: an upper bound; 0.92-0.98 under 1F1B and without
-      a pipeline)."""
+      autograd adds it in (under a split backward W adds one weight's at a time). Llama 3 8B at
+      dp4·pp2 reads 0.97-1.00 of this under 1F1B, interleaving and ZB-H1 (docs/scale.md); the tiny
+      model 0.92-0.98, but under ZB-H1 0.87-0.90, where its first W, which makes the gradients,
+      comes after the last stage's fullest moment."""
     from threefold.plan import costs
 
     p, t, model = cfg.parallel, cfg.train, cfg.model
