@@ -104,3 +104,11 @@ def test_a_run_of_the_engine_is_priced_as_it_runs():
                              "parallel.reshard_after_forward=false", "train.global_batch=16", "train.micro_batch=2"])
     _, layout = run_layout(cfg)
     assert layout.reshard_after_forward is False
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_plan_restricted_to_kept_zero3_at_another_stage_is_one_line(capsys, zero):
+    code, _, err = run(capsys, "plan", "--model", "llama3-8b", "--global-batch", "256", "--gpu", "h100-sxm",
+                       "--num-gpus", "64", "--zero", str(zero), "--no-reshard-after-forward")
+    assert code == 2 and err.strip() == (f"error: --no-reshard-after-forward: restricts the search to ZeRO-3 kept "
+                                         f"gathered through the step; it needs --zero 3 or no --zero, got {zero}")

@@ -519,8 +519,8 @@ def _fixed_knobs(command):
         click.option("--zero", type=click.IntRange(0, 3), help="Fix the ZeRO stage."),
         click.option("--dp-shard", type=int, help="Fix hybrid sharding's shard group (dp ranks; ZeRO-3 only)."),
         click.option("--no-reshard-after-forward", "reshard_after_forward", flag_value=False, default=None,
-                     help="Search ZeRO-3 with its units kept gathered through the step only (priced as ZeRO-1, "
-                          "which the search covers anyway)."),
+                     help="Restrict the search to ZeRO-3 with its units kept gathered through the step (left out "
+                          "otherwise: priced as ZeRO-1, they would repeat its rows)."),
         click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), help="Fix the recomputation."),
         click.option("--schedule", type=choice(costs.SCHEDULES, SCHEDULE_SYNONYMS), help="Fix the pipeline schedule."),
     ]
@@ -556,6 +556,9 @@ def plan(as_json, top, out, config_out, **options):
         from threefold.plan.engine_config import check_model
 
         check_model(work)
+    if options.get("reshard_after_forward") is False and options.get("zero") not in (None, 3):
+        raise ConfigError(f"--no-reshard-after-forward: restricts the search to ZeRO-3 kept gathered through the "
+                          f"step; it needs --zero 3 or no --zero, got {options['zero']}")
     knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
