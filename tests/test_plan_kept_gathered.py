@@ -89,6 +89,9 @@ def test_the_search_leaves_it_out_unless_asked_as_it_repeats_zero1():
 
 
 def test_without_zero3_it_is_a_note_and_changes_nothing(capsys):
+    from threefold import config
+
+    config.note_once.cache_clear()  # once a process: an earlier test may have printed it
     args = ["estimate", "--model", "llama3-8b", "--global-batch", "64", "--gpu", "h100-sxm", "--num-gpus", "8",
             "--zero", "1", "--micro-batch", "1", "--json"]
     code, out, err = run(capsys, *args, "--no-reshard-after-forward")
