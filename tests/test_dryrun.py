@@ -321,6 +321,9 @@ def test_the_json_shape(capsys):
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
     assert set(record["predicted"]) == {"memory", "comm_bytes", "live_peak"}
     assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]
+    # the [parallel] section the ranks ran, so that a reader can tell two dry runs' layouts apart
+    assert record["parallel"]["dp"] == 2 and record["parallel"]["zero"] == 0
+    assert record["parallel"]["reshard_after_forward"] is True
 
 
 # --- construction: a rank draws and keeps only its share --------------------------------------

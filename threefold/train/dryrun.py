@@ -429,8 +429,9 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, 
         if not as_json:
             click.echo(f"drew {drawn}")
     if as_json:
+        ran = dataclasses.asdict(cfg.parallel)  # the [parallel] section the ranks ran, dp resolved
         for result in results:
-            click.echo(json.dumps(result))
+            click.echo(json.dumps({**result, "parallel": ran}))
         return
     from rich.console import Console
 
