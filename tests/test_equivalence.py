@@ -41,7 +41,7 @@ def test_bytes_per_axis_equal_the_planner(distributed, name):
             cp_attention = round(cp_attention_bytes_per_step(cfg, r["layers_here"])) if p.cp > 1 else 0
             if p.dp_shard and p.cp > 1:  # the all-reduce between shard groups: over dp ranks alone
                 between = costs.hsdp_all_reduce_bytes(r["stage_numel"], shard, p.dp_replicate,
-                                                      m if zero == 3 and p.reshard_after_forward else 1)
+                                                      m if costs.priced_zero(zero, p.reshard_after_forward) == 3 else 1)
                 assert step["dp"] == round(between), name
                 step = dict(step, **{grad_key: step[grad_key] + step["dp"]})
             if grad_key == "cp":  # dp = 1: the attention and the gradients share the cp group's key

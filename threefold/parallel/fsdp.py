@@ -189,7 +189,7 @@ class ShardedGradSync:
         self.mesh, self.comm, self.key_of, self.placements = mesh, comm, key_of, placements
         self.split_backward = split_backward
         self.keep_gathered = not reshard_after_forward
-        self.reduce_now = True  # keeping the units gathered: this backward is the step's last (last_microbatch)
+        self.reduce_now = True  # whether a unit's complete gradient is reduced now (kept gathered: at the last backward)
         self.free_after_backward = False  # B's end-of-pass callback is queued
         self.axes, self.replicate_axes = tuple(axes), tuple(a for a in replicate_axes if mesh.size(a) > 1)
         self.mean_over = mean_over or mesh.size(*self.axes, *self.replicate_axes)
@@ -277,8 +277,9 @@ class ShardedGradSync:
             out.register_hook(lambda grad, i=i: self._pre_backward([self.blocks[i]], previous))
 
     def _root_post_forward(self, module, args, out: torch.Tensor) -> None:
-        for unit in self.roots if not self._keeps() else ():
-            unit.free()
+        if not self._keeps():
+            for unit in self.roots:
+                unit.free()
         if out.requires_grad and self.roots:
             last = self.blocks[-1] if self.blocks else None
             out.register_hook(lambda grad: self._pre_backward(self.roots, last))
@@ -356,10 +357,10 @@ class ShardedGradSync:
 
     # --- the step, as the engine drives it -----------------------------------------------------
     def start_step(self) -> None:
-        self.reduce_now = not self.keep_gathered
+        self.reduce_now = not self.keep_gathered  # resharding: every micro-batch's, as they arrive
 
     def last_microbatch(self) -> None:
-        self.reduce_now = True  # reshard after forward: every micro-batch's gradients are reduced as they arrive
+        self.reduce_now = True  # kept gathered: the gradients accumulated over the step
 
     def finish(self) -> None:
         partial = [i for i, unit in enumerate(self.units) if unit.weights_in]

@@ -161,20 +161,25 @@ def dp_bytes_per_step(numel, dp, zero, microbatches, grad_bytes: int = 4, param_
                  under a pipeline): one gather and one reduction a step, whatever m; zero 1's bytes
     With n = 1 every term is 0. Works elementwise on numpy arrays.
     """
-    numel, dp, zero = np.asarray(numel, dtype=float), np.asarray(dp), np.asarray(zero)
+    numel, dp, zero = np.asarray(numel, dtype=float), np.asarray(dp), priced_zero(zero, reshard_after_forward)
     shard = dp if shard is None else np.where(np.asarray(shard) > 0, shard, dp)
     share, groups = (dp - 1) / dp, dp / shard
     all_reduce = 2 * share * numel * grad_bytes
     in_group, between_groups = (shard - 1) / shard, hsdp_all_reduce_bytes(numel, shard, groups, 1, grad_bytes)
     sharded_optimizer = in_group * numel * (grad_bytes + param_bytes) + between_groups
     sharded_gradients = in_group * numel * (microbatches * grad_bytes + param_bytes) + between_groups
-    # ZeRO-3's gathers and reductions a step: two and one a micro-batch, or one each kept gathered
-    gathers = np.where(reshard_after_forward, 2 * np.asarray(microbatches), 1)
-    reductions = np.where(reshard_after_forward, microbatches, 1)
-    fully_sharded = (in_group * numel * (gathers * param_bytes + reductions * grad_bytes)
-                     + hsdp_all_reduce_bytes(numel, shard, groups, reductions, grad_bytes))
+    fully_sharded = (microbatches * (shard - 1) / shard * numel * (2 * param_bytes + grad_bytes)
+                     + hsdp_all_reduce_bytes(numel, shard, groups, microbatches, grad_bytes))
     return _scalar_or_array(np.select([zero == 0, zero == 1, zero == 2], [all_reduce, sharded_optimizer, sharded_gradients],
                                       fully_sharded))
+
+
+def priced_zero(zero, reshard_after_forward=True):
+    """The ZeRO stage a layout sends and holds as: ZeRO-3 with its units kept gathered through the
+    step (``reshard_after_forward`` False) gathers once and reduces once a step and holds every
+    weight and gradient while it runs, ZeRO-1's bytes and memory; else ``zero``. Elementwise."""
+    zero = np.asarray(zero)
+    return np.where((zero == 3) & ~np.asarray(reshard_after_forward, dtype=bool), 1, zero)
 
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
@@ -1441,10 +1446,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     q, kv = attention_width(cfg)
     t, p, d, c = (np.asarray(x) for x in (layout.tp, layout.pp, layout.dp, layout.cp))
     zero, b, v = np.asarray(layout.zero), np.asarray(layout.micro_batch), np.asarray(layout.virtual_stages)
-    # ZeRO-3 kept gathered through the step is ZeRO-1 while the step runs: the full 16-bit weights
-    # and fp32 gradients, the states sharded, one reduce-scatter and one all-gather a step, the
-    # gathers behind the first micro-batch's forward and the reductions behind the last one's backward
-    zero = np.where((zero == 3) & ~np.asarray(layout.reshard_after_forward, dtype=bool), 1, zero)
+    # ZeRO-3 kept gathered through the step is priced as ZeRO-1: the full 16-bit weights and fp32
+    # gradients, the states sharded, one reduce-scatter and one all-gather a step, the gathers behind
+    # the first micro-batch's forward and the reductions behind the last one's backward
+    zero = priced_zero(zero, layout.reshard_after_forward)
     sp, recompute, schedule = (np.asarray(layout.sequence_parallel, dtype=bool), np.asarray(layout.recompute),
                                np.asarray(layout.schedule))
     full = recompute == RECOMPUTE.index("full")

@@ -347,7 +347,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m, shard=shard,
                                                  reshard_after_forward=p.reshard_after_forward)
     # ZeRO-3 all-reduces each micro-batch's shards (kept gathered, the step's), ZeRO-1, 2 the step's
-    between_times = m if p.zero == 3 and p.reshard_after_forward else 1
+    between_times = m if costs.priced_zero(p.zero, p.reshard_after_forward) == 3 else 1
     if p.dp_shard and p.cp > 1:  # hybrid sharding's all-reduce between the shard groups: dp ranks alone
         comm["dp"] = costs.hsdp_all_reduce_bytes(share.numel, shard, p.dp_replicate, between_times)
         comm[grad_key] -= comm["dp"]

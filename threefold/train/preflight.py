@@ -219,12 +219,11 @@ def backward_working_bytes(cfg: Config, share) -> float:
         working += 4 * zero2_gradient_buffers(cfg, share, shards)
     if p.zero == 3 and shards > 1 and not p.reshard_after_forward:
         from threefold.models.sizes import rank_expert_param_count
+        from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 
         root, block = zero3_units(cfg, share)
         units = share.numel + (share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0)
         accumulated = units if cfg.microbatches > 1 else root + block
-        from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
-
         split = p.pp > 1 and SCHEDULE_REGISTRY[p.schedule].split_backward  # W adds one weight's at a time
         working += 4 * (units + accumulated + (0 if split else max(root, block)))
     elif p.zero == 3 and shards > 1:
