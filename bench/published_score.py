@@ -47,8 +47,6 @@ def batch_line(row: dict) -> dict:
             "attention": "eager" if row["group"].startswith("korthikanti") else "flash"}
     if "megatron_core" in row["group"]:
         base["tp_comm_overlap"] = True  # the runs' stated flags (--tp-comm-overlap)
-    if par.get("fsdp") and par["pp"] > 1:
-        base["reshard_after_forward"] = False  # FSDP2 under a pipeline, as torchtitan runs it
     if "fp8" in (row.get("precision") or "").lower():
         base["dtype"] = "float8"  # the blocks' products in fp8 (Transformer Engine, torchao)
     v = par.get("virtual_stages") or 1

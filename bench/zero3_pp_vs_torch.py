@@ -238,7 +238,7 @@ def results_table(results: dict) -> Table:
 @click.option("--warmup", default=2, show_default=True, help="Untimed steps of each first.")
 @click.option("--steps", default=6, show_default=True, help="Timed steps of each.")
 @click.option("--reshard/--no-reshard", default=False, show_default=True,
-              help="PyTorch's blocks reshard after the forward, as our default does (its gradients are then wrong).")
+              help="PyTorch's blocks reshard after the forward, as our resharding side does (its gradients are then wrong).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(layers, hidden, micro_batch, microbatches, warmup, steps, reshard, out) -> None:
     """Step time and losses of our ZeRO-3 under ZB-H1 (resharding, and kept gathered) vs FSDP2 under

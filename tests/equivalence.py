@@ -211,23 +211,31 @@ CASES = {
     "dp2-tp2-zero1-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1", "parallel.sequence_parallel=true"],
     "pp2-1f1b": ["parallel.pp=2"],
     "dp2-pp2-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2"],
-    "dp2-pp2-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"],
+    # ZeRO-3 under a pipeline, resharding after each forward (the default keeps the units: below)
+    "dp2-pp2-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.reshard_after_forward=true"],
     "dp2-tp2-pp2-zero3-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3",
-                             "parallel.sequence_parallel=true"],
+                             "parallel.sequence_parallel=true", "parallel.reshard_after_forward=true"],
     "dp2-pp2-interleaved-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1",
                                   "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
     # ZeRO-3 over two chunks a rank: one reduction in flight for both chunks' units (fsdp.Reductions)
     "dp2-pp2-interleaved-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
-                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                  "parallel.reshard_after_forward=true"],
     "dp2-pp2-zb-h1-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=zb-h1"],
     "dp2-pp2-zb-h1-zero2": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=2", "parallel.schedule=zb-h1"],
     # ZeRO-3 under a split backward: B gathers each unit again, W reads no weight (fsdp.py)
-    "dp2-pp2-zb-h1-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
+    "dp2-pp2-zb-h1-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1",
+                            "parallel.reshard_after_forward=true"],
     # DualPipeV's rank 0 holds both ends of the tied embedding, a copy each, their gradients added there
-    "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev"],
-    # ZeRO-3 kept gathered through the step (torchtitan's FSDP under a pipeline): the gradients
-    # accumulate over the micro-batches in the full buffers, one gather and one reduction a step
-    "dp2-pp2-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"],
+    "dp2-pp2-dualpipev-zero3": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev",
+                                "parallel.reshard_after_forward=true"],
+    # ZeRO-3 kept gathered through the step (torchtitan's FSDP under a pipeline, and the engine's
+    # default there: the key left out): the gradients accumulate over the micro-batches in the full
+    # buffers, one gather and one reduction a step
+    "dp2-pp2-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3"],
+    "dp2-pp2-interleaved-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
+                                       "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+    "dp2-pp2-dualpipev-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=dualpipev"],
     "dp2-pp2-zb-h1-zero3-keep": ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1",
                                  "parallel.reshard_after_forward=false"],
     "dp4-hsdp2-keep": ["parallel.dp=4", "parallel.zero=3", "parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
@@ -261,7 +269,8 @@ CASES.update({
     # hybrid sharding over two chunks a rank: the chunks' one reduction in flight, then its
     # all-reduce between the groups, whichever chunk started it (fsdp.Reductions)
     "dp4-pp2-interleaved-hsdp2": ["parallel.dp=4", "parallel.pp=2", "parallel.zero=3", "parallel.dp_shard=2",
-                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+                                  "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                  "parallel.reshard_after_forward=true"],
     "cp2-ring-selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.recompute=selective"],
     "cp2-ulysses-full": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.recompute=full"],
 })

@@ -69,18 +69,21 @@ TINY = ["model.preset=tiny", "model.vocab_size=2048", "model.seq_len=256", "trai
     (["parallel.pp=2", "parallel.tp=2", "parallel.schedule=zb-h1", "train.dtype=bfloat16"], 4),
     # ZeRO-3 in a pipeline: the last rank's head and blocks are gathered at different moments (0.81
     # of the model when it added them to the logits'), and under ZB-H1, whose B gathers them again
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 4),
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=zb-h1"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=true"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=zb-h1",
+      "parallel.reshard_after_forward=true"], 4),
     # rank 0 holds both ends: the head's moment, or the first stage's B with the embedding's root
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=dualpipev", "train.micro_batch=1"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=dualpipev", "train.micro_batch=1",
+      "parallel.reshard_after_forward=true"], 4),
     # four chunks a rank under ZeRO-3: each chunk's last reduction stayed in flight until its next
     # backward, four units' gradients at once (1.11 and 1.18 of the model before fsdp.Reductions)
     (["model.layers=8", "parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.schedule=interleaved",
-      "parallel.virtual_stages=4", "train.micro_batch=1"], 4),
+      "parallel.virtual_stages=4", "train.micro_batch=1", "parallel.reshard_after_forward=true"], 4),
     # ZeRO-3 kept gathered through the step: every unit's weights, and its gradient accumulated
-    # over the micro-batches (1.14 and 1.15 of the model that counted only the resharding units)
+    # over the micro-batches (1.14 and 1.15 of the model that counted only the resharding units);
+    # under a pipeline that is the default, the key left out
     (["parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"], 2),
-    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=false"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 4),
 ])
 def test_trains_memory_model_is_the_dry_runs_live_peak(sets, world):
     """On the first and the last rank, what ``threefold train`` checks memory by (states + saved
@@ -226,7 +229,7 @@ def test_a_last_stages_root_is_reduced_right_after_the_heads_backward(monkeypatc
         post_backward(self, unit)
 
     monkeypatch.setattr(fsdp.ShardedGradSync, "_post_backward", record)
-    cfg = load(TINY + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 4)
+    cfg = load(TINY + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.reshard_after_forward=true"], 4)
     dry_run_rank(cfg, 3)  # the last stage: its blocks and the root (final norm, head)
     per_microbatch = len(reduced) // cfg.microbatches  # the roots (a tied head is a unit of its own) and blocks
     roots = per_microbatch - cfg.model.layers // 2
@@ -243,7 +246,7 @@ def test_the_embeddings_reduction_in_flight_is_counted_where_another_micro_batch
     from threefold.train.preflight import backward_working_bytes, zero3_roots, zero3_units
 
     one, two = (load(TINY + [f"parallel.pp={pp}", "parallel.dp=2", "parallel.zero=3", f"train.global_batch={batch}",
-                             "train.micro_batch=1"], 2 * pp) for batch in (2, 4))
+                             "train.micro_batch=1", "parallel.reshard_after_forward=true"], 2 * pp) for batch in (2, 4))
     assert (one.microbatches, two.microbatches) == (1, 2)
     share = rank_share(two, 0)
     unit = zero3_roots(two, share)[0] if pp > 1 else zero3_units(two, share)[0]

@@ -36,12 +36,12 @@ def test_bytes_per_axis_equal_the_planner(distributed, name):
         zero = p.zero if p.dp * p.cp > 1 else 0
         shard = p.dp_shard * p.cp if p.dp_shard else None  # hybrid sharding: ZeRO over dp_shard × cp ranks
         grad_bytes = round(costs.dp_bytes_per_step(r["stage_numel"], p.dp * p.cp, zero, m, shard=shard,
-                                                   reshard_after_forward=p.reshard_after_forward))
+                                                   reshard_after_forward=p.resharding))
         for step in r["comm"]:
             cp_attention = round(cp_attention_bytes_per_step(cfg, r["layers_here"])) if p.cp > 1 else 0
             if p.dp_shard and p.cp > 1:  # the all-reduce between shard groups: over dp ranks alone
                 between = costs.hsdp_all_reduce_bytes(r["stage_numel"], shard, p.dp_replicate,
-                                                      m if costs.priced_zero(zero, p.reshard_after_forward) == 3 else 1)
+                                                      m if costs.priced_zero(zero, p.resharding) == 3 else 1)
                 assert step["dp"] == round(between), name
                 step = dict(step, **{grad_key: step[grad_key] + step["dp"]})
             if grad_key == "cp":  # dp = 1: the attention and the gradients share the cp group's key

@@ -38,15 +38,15 @@ LAYOUTS = {
     "pp2-dp2-ep2": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"] + BIAS,
     "pp2-dp2-ep2-first-dense": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "model.moe_first_dense=2"]
     + BIAS,  # stage 0 holds no MoE layer
-    "pp2-dp2-ep2-zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3"],
+    "pp2-dp2-ep2-zero3": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
+                          "parallel.reshard_after_forward=true"],
     # the dense units and the experts' kept gathered through the step, reduced once at its last backward
-    "pp2-dp4-ep2-zero3-keep": ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3",
-                               "parallel.reshard_after_forward=false"],
+    "pp2-dp4-ep2-zero3-keep": ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],  # the default
     "pp2-dp2-ep2-zb-h1-zero1": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1",
                                 "parallel.schedule=zb-h1"],
     # ZeRO-3 under a split backward, the experts sharded over edp = 2 by a sync of their own
     "pp2-dp4-ep2-zb-h1-zero3": ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3",
-                                "parallel.schedule=zb-h1"],
+                                "parallel.schedule=zb-h1", "parallel.reshard_after_forward=true"],
 }
 
 

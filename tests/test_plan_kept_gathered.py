@@ -1,8 +1,9 @@
 """ZeRO-3 with its units kept gathered through the step (``--no-reshard-after-forward``, batch key
 ``reshard_after_forward``; the engine's ``parallel.reshard_after_forward = false``, fsdp.py): FSDP2's
-``reshard_after_forward=False``, torchtitan's default under a pipeline. One gather and one
-reduction a step, the full weights and gradients while the step runs: priced as ZeRO-1, and its
-bytes the engine's (tests/test_equivalence.py holds the engine to ``costs.dp_bytes_per_step``)."""
+``reshard_after_forward=False``, torchtitan's default under a pipeline, and so the engine's and the
+planner's where the key is unset. One gather and one reduction a step, the full weights and
+gradients while the step runs: priced as ZeRO-1, and its bytes the engine's
+(tests/test_equivalence.py holds the engine to ``costs.dp_bytes_per_step``)."""
 from __future__ import annotations
 
 import json
@@ -64,10 +65,12 @@ def test_estimate_batch_and_plan_take_it_and_the_config_runs_it(capsys, tmp_path
     batch = tmp_path / "b.jsonl"
     line = {"model": "llama3-8b", "global_batch": 256, "gpu": "h100-sxm", "num_gpus": 64, "pp": 4, "zero": 3,
             "micro_batch": 1, "schedule": "1f1b"}
-    batch.write_text(json.dumps({**line, "reshard_after_forward": False}) + "\n" + json.dumps(line) + "\n")
+    batch.write_text("".join(json.dumps({**line, **flag}) + "\n" for flag in
+                             ({"reshard_after_forward": False}, {}, {"reshard_after_forward": True})))
     code, out, _ = run(capsys, "estimate", "--batch", str(batch))
-    kept, resharded = (json.loads(text) for text in out.splitlines())
-    assert code == 0 and kept["step_time_s"] == one["step_time_s"] and resharded["layout"]["reshard_after_forward"]
+    kept, default, resharded = (json.loads(text) for text in out.splitlines())
+    assert code == 0 and kept["step_time_s"] == one["step_time_s"] == default["step_time_s"]
+    assert resharded["layout"]["reshard_after_forward"] and not default["layout"]["reshard_after_forward"]
     assert kept["comm"]["dp_bytes"] < resharded["comm"]["dp_bytes"]
     path = tmp_path / "run.toml"
     code, out, err = run(capsys, "plan", *args, "--no-reshard-after-forward", "--top", "3", "--json",
@@ -115,3 +118,25 @@ def test_plan_restricted_to_kept_zero3_at_another_stage_is_one_line(capsys, zero
                        "--num-gpus", "64", "--zero", str(zero), "--no-reshard-after-forward")
     assert code == 2 and err.strip() == (f"error: --no-reshard-after-forward: restricts the search to ZeRO-3 kept "
                                          f"gathered through the step; it needs --zero 3 or no --zero, got {zero}")
+
+
+def test_unset_it_is_torchtitans_default_kept_under_a_pipeline_resharding_without(capsys):
+    """torchtitan sets FSDP2's reshard_after_forward to ``not pp_enabled``; the engine and the
+    planner do the same where the key is not given, so a published torchtitan run under a pipeline
+    is priced as it ran, and a config's ZeRO-3 trains as estimate priced it."""
+    from threefold.plan.compare import run_layout
+
+    assert costs.Layout.named(pp=4, zero=3).reshard_after_forward is False
+    assert costs.Layout.named(pp=1, zero=3).reshard_after_forward is True
+    assert list(costs.Layout(pp=np.array([1, 2, 4]), zero=3).reshard_after_forward) == [True, False, False]
+    tiny = ["model.preset=tiny", "model.vocab_size=256", "parallel.zero=3", "train.global_batch=16", "train.micro_batch=2"]
+    for sets, resharding in ((["parallel.dp=2", "parallel.pp=2"], False), (["parallel.dp=2"], True),
+                             (["parallel.dp=2", "parallel.pp=2", "parallel.reshard_after_forward=true"], True)):
+        cfg = load_config(None, tiny + sets)
+        assert cfg.parallel.resharding is resharding and run_layout(cfg)[1].reshard_after_forward is resharding
+    args = ["estimate", "--model", "llama3-8b", "--global-batch", "256", "--gpu", "h100-sxm", "--num-gpus", "64",
+            "--zero", "3", "--micro-batch", "1", "--schedule", "1f1b", "--json"]
+    for pp, same_as in (("4", "--no-reshard-after-forward"), ("1", "--reshard-after-forward")):
+        default = json.loads(run(capsys, *args, "--pp", pp)[1])
+        assert default["step_time_s"] == json.loads(run(capsys, *args, "--pp", pp, same_as)[1])["step_time_s"]
+        assert default["layout"]["reshard_after_forward"] is (pp == "1")

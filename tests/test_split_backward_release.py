@@ -98,7 +98,7 @@ def test_zero3_units_are_freed_as_b_goes_past_them_and_w_gathers_none():
     cfg = dry_run_config(load_config(None, ["model.preset=tiny", "model.layers=6", "model.vocab_size=256",
                                             "model.seq_len=64", "train.global_batch=8", "train.micro_batch=2",
                                             "parallel.dp=2", "parallel.pp=2", "parallel.zero=3",
-                                            "parallel.schedule=zb-h1"]), 4)
+                                            "parallel.schedule=zb-h1", "parallel.reshard_after_forward=true"]), 4)
     units, during_b, after = [], [], {}
     unit_init, pre_backward, execute = fsdp.ShardedUnit.__init__, fsdp.ShardedGradSync._pre_backward, \
         runtime.PipelineRuntime._execute

@@ -173,10 +173,11 @@ class ParallelConfig:
     # groups hold the same shards; 0: one group of all dp ranks
     dp_shard: int = 0
     zero: int = 0
-    # ZeRO-3 frees each unit's gathered weights after its forward and gathers them again for its
-    # backward; false keeps them gathered through the step, one gather a step, not two a
-    # micro-batch (FSDP2's reshard_after_forward, false in torchtitan under a pipeline; fsdp.py)
-    reshard_after_forward: bool = True
+    # ZeRO-3: true frees each unit's gathered weights after its forward and gathers them again for
+    # its backward; false keeps them gathered through the step, one gather a step, not two a
+    # micro-batch (FSDP2's reshard_after_forward; fsdp.py). Unset: torchtitan's default, false under
+    # a pipeline (pp > 1), true without one (the ``resharding`` property)
+    reshard_after_forward: bool | None = None
     sequence_parallel: bool = False
     tp_overlap: bool = False  # SP's gathers and reduce-scatters as rings of sends pipelined with the products
     schedule: str = "1f1b"
@@ -201,6 +202,13 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def resharding(self) -> bool:
+        """Whether ZeRO-3 frees each unit after its forward: the key, or where it is unset
+        torchtitan's default, only without a pipeline (a pipeline's m micro-batches would gather
+        every unit 2·m times a step; kept, once)."""
+        return self.pp == 1 if self.reshard_after_forward is None else bool(self.reshard_after_forward)
+
+    @property
     def dp_replicate(self) -> int:
         """Groups of ZeRO shards that hold the same states (hybrid sharding); 1 without it."""
         return self.dp // self.dp_shard if self.dp_shard and self.dp != AUTO else 1
@@ -214,7 +222,7 @@ class ParallelConfig:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
-        if not self.reshard_after_forward and self.zero != 3:
+        if self.reshard_after_forward is False and self.zero != 3:
             raise ConfigError(f"parallel.reshard_after_forward: false keeps ZeRO-3's gathered weights through the step; "
                               f"it needs parallel.zero = 3, got zero={self.zero}")
         if self.dp_shard < 0:

@@ -71,9 +71,9 @@ lead to it through the unit's other weights), and once all of a unit's are in, t
 into its full gradient and reduce-scattered as above. The bytes per micro-batch are 1F1B's: two
 all-gathers and one reduce-scatter.
 
-Keeping the units gathered through the step (``parallel.reshard_after_forward = false``; FSDP2's
-``reshard_after_forward=False`` under ``torch.distributed.pipelining``, torchtitan's default with a
-pipeline). Each unit is gathered at its first forward of the step and stays gathered until the
+Keeping the units gathered through the step (``parallel.reshard_after_forward = false``, and where
+the key is unset, under a pipeline; FSDP2's ``reshard_after_forward=False`` under
+``torch.distributed.pipelining``, torchtitan's default with a pipeline). Each unit is gathered at its first forward of the step and stays gathered until the
 backward that produces its last gradients of the step (the engine says which: ``last_microbatch``);
 its full gradient accumulates over the micro-batches, as autograd accumulates into a leaf, and is
 reduce-scattered once, after which the unit is freed. Per step that is one all-gather and one

@@ -260,7 +260,7 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=sequence_parallel,
                                 dp_shard=_given(o, "dp_shard", 0),
-                                reshard_after_forward=_given(o, "reshard_after_forward", True))
+                                reshard_after_forward=o.get("reshard_after_forward"))  # None: by --pp
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     return layout, num_gpus
@@ -405,11 +405,11 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
                    "instances): ZeRO shards the states over groups of this many dp ranks, which dp / N groups hold "
                    "alike, all-reducing gradients between them; needs --zero 1, 2 or 3 (plan searches every N at "
                    "ZeRO-3 only, and this N at each stage). 0: one group of all dp ranks.")
-@click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
+@click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
               help="ZeRO-3: free each unit's gathered weights after its forward and gather them again for its "
-                   "backward, every micro-batch (the engine's default); --no-reshard-after-forward keeps them "
-                   "gathered through the step (FSDP2's reshard_after_forward=False, torchtitan's default under a "
-                   "pipeline): one gather and one reduction a step, priced as ZeRO-1.")
+                   "backward, every micro-batch; --no-reshard-after-forward keeps them gathered through the step "
+                   "(FSDP2's reshard_after_forward=False): one gather and one reduction a step, priced as ZeRO-1. "
+                   "Default: torchtitan's and the engine's, kept under a pipeline (--pp > 1), resharding without.")
 @click.option("--recompute", type=choice(costs.RECOMPUTE, RECOMPUTE_SYNONYMS), default="none", show_default=True,
               help="selective: rerun the attention core (Korthikanti et al.; Megatron's), except on a ZeRO-3 "
                    "layout under flash attention, where it means op; op: torchtitan's op-level checkpointing "

@@ -111,7 +111,7 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
                                 pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard,
-                                reshard_after_forward=p.reshard_after_forward)
+                                reshard_after_forward=p.resharding)
     work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "autocast",
                           tp_comm_overlap=p.tp_overlap, sequence_copies=True,
                           bucket_params=p.bucket_mb * 2**20 / 4)  # the engine's buckets hold fp32 gradients

@@ -441,7 +441,14 @@ class Layout:
     ep: Any = 1  # expert-parallel ranks, carved out of the dp ranks (ep divides dp)
     cp_method: Any = 0  # index into CP_METHODS: ring, allgather, ulysses
     dp_shard: Any = 0  # hybrid sharding: ZeRO's shard group, in dp ranks (0: all of them)
-    reshard_after_forward: Any = True  # ZeRO-3; False: its units kept gathered through the step
+    # ZeRO-3: True frees each unit after its forward, False keeps it gathered through the step;
+    # None (unset) is torchtitan's default: False under a pipeline, True without one
+    reshard_after_forward: Any = None
+
+    def __post_init__(self):
+        if self.reshard_after_forward is None:
+            pp = np.asarray(self.pp)
+            self.reshard_after_forward = bool(pp == 1) if pp.ndim == 0 else pp == 1
 
     @classmethod
     def named(cls, recompute: str = "none", schedule: str = "1f1b", cp_method: str = "ring", **sizes) -> "Layout":
@@ -464,7 +471,9 @@ class Layout:
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
-        if int(v["zero"]) == 3 and not bool(v["reshard_after_forward"]):
+        if int(v["zero"]) == 3 and int(v["pp"]) > 1:  # which way, since a pipeline's default is the other
+            parts.append("reshard" if bool(v["reshard_after_forward"]) else "no-reshard")
+        elif int(v["zero"]) == 3 and not bool(v["reshard_after_forward"]):
             parts.append("no-reshard")
         if int(v["dp_shard"]) > 0:  # ZeRO-3's is FSDP's HSDP; ZeRO-1, 2's Megatron's optimizer instances
             parts.append(f"{'hsdp' if int(v['zero']) == 3 else 'shard'}={int(v['dp_shard'])}")

@@ -345,9 +345,9 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     grad_key = "+".join(a for a in ("dp", "cp") if getattr(p, a) > 1)
     if replicas > 1:
         comm[grad_key] = costs.dp_bytes_per_step(share.numel, replicas, p.zero, m, shard=shard,
-                                                 reshard_after_forward=p.reshard_after_forward)
+                                                 reshard_after_forward=p.resharding)
     # ZeRO-3 all-reduces each micro-batch's shards (kept gathered, the step's), ZeRO-1, 2 the step's
-    between_times = m if costs.priced_zero(p.zero, p.reshard_after_forward) == 3 else 1
+    between_times = m if costs.priced_zero(p.zero, p.resharding) == 3 else 1
     if p.dp_shard and p.cp > 1:  # hybrid sharding's all-reduce between the shard groups: dp ranks alone
         comm["dp"] = costs.hsdp_all_reduce_bytes(share.numel, shard, p.dp_replicate, between_times)
         comm[grad_key] -= comm["dp"]
@@ -357,7 +357,7 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
     if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
         comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(
-            experts, expert_replicas, expert_zero, m, shard=expert_shard, reshard_after_forward=p.reshard_after_forward)
+            experts, expert_replicas, expert_zero, m, shard=expert_shard, reshard_after_forward=p.resharding)
         if p.dp_shard and p.cp > 1:
             between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, between_times)
             comm["dp"], comm[grad_key] = comm["dp"] + between, comm[grad_key] - between

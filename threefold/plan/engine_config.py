@@ -40,8 +40,8 @@ def config_keys(work: costs.Workload, layout: costs.Layout, i: int) -> dict:
                     overlap_grad_reduce=work.overlap_dp)
     if lay["dp_shard"]:  # hybrid sharding: ZeRO-3 over groups of dp_shard dp ranks
         parallel["dp_shard"] = lay["dp_shard"]
-    if lay["zero"] == 3 and not lay["reshard_after_forward"]:  # the units kept gathered through the step
-        parallel["reshard_after_forward"] = False
+    if lay["zero"] == 3:  # resharding or kept gathered through the step, said either way
+        parallel["reshard_after_forward"] = lay["reshard_after_forward"]
     if lay["zero"] < 3 and lay["dp"] * lay["cp"] > 1:  # the gradient buckets the layout was priced with, of fp32
         parallel["bucket_mb"] = round(float(costs.bucket_params(work, lay["dp"] * lay["cp"])) * 4 / 2**20, 1)
     if work.tp_comm_overlap and parallel["sequence_parallel"]:  # the engine's overlap: SP's collectives as rings

@@ -429,7 +429,8 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, 
         if not as_json:
             click.echo(f"drew {drawn}")
     if as_json:
-        ran = dataclasses.asdict(cfg.parallel)  # the [parallel] section the ranks ran, dp resolved
+        # the [parallel] section the ranks ran, dp and reshard_after_forward resolved
+        ran = dict(dataclasses.asdict(cfg.parallel), reshard_after_forward=cfg.parallel.resharding)
         for result in results:
             click.echo(json.dumps({**result, "parallel": ran}))
         return

@@ -353,7 +353,7 @@ class Engine:
                 sync = ShardedGradSync(part, {id(q): k for k, q in dense}, placements, mesh, comm,
                                        isolated=alone, split_backward=self.split_backward,
                                        in_flight=self._in_flight("dense"),
-                                       reshard_after_forward=p.reshard_after_forward, **self._shard_axes(self.grad_axes))
+                                       reshard_after_forward=p.resharding, **self._shard_axes(self.grad_axes))
             else:
                 sync = BucketGradSync(dense, placements, mesh, comm, zero, p.bucket_mb,
                                       overlap=p.overlap_grad_reduce, isolated=alone, **self._shard_axes(self.grad_axes))
@@ -425,7 +425,7 @@ class Engine:
             units.blocks = nn.ModuleList(m for m in part.modules() if isinstance(m, GroupedExperts))
             return ShardedGradSync(units, {id(q): k for k, q in named}, self.placements, mesh, comm,
                                    split_backward=self.split_backward, in_flight=self._in_flight("experts"),
-                                   reshard_after_forward=p.reshard_after_forward,
+                                   reshard_after_forward=p.resharding,
                                    **dict(self._shard_axes(axes), mean_over=dp))
         return BucketGradSync(named, self.placements, mesh, comm, zero, p.bucket_mb, overlap=p.overlap_grad_reduce,
                               **dict(self._shard_axes(axes) if zero else {"axes": axes}, mean_over=dp))

@@ -190,7 +190,8 @@ def backward_working_bytes(cfg: Config, share) -> float:
       the stage holds the embedding, its unit's reduction, the micro-batch's last, is still in
       flight in the next micro-batch: its sharded output too (Llama 3 8B's first rank at
       dp2·tp2·pp2 under full recomputation read 1.022 of the model without it).
-      Kept gathered through the step (``parallel.reshard_after_forward = false``): every unit's
+      Kept gathered through the step (``parallel.reshard_after_forward = false``, or unset under
+      a pipeline): every unit's
       weights, and with more than one micro-batch every unit's full gradient, accumulated over
       them until the last backward reduces it, beside the gradient a unit's backward makes before
       autograd adds it in (under a split backward W adds one weight's at a time). Llama 3 8B at
@@ -217,7 +218,7 @@ def backward_working_bytes(cfg: Config, share) -> float:
     shards = p.dp_shard * p.cp if p.dp_shard else p.dp * p.cp
     if p.zero == 2 and shards > 1:
         working += 4 * zero2_gradient_buffers(cfg, share, shards)
-    if p.zero == 3 and shards > 1 and not p.reshard_after_forward:
+    if p.zero == 3 and shards > 1 and not p.resharding:
         from threefold.models.sizes import rank_expert_param_count
         from threefold.parallel.pipeline.schedule import SCHEDULE_REGISTRY
 
@@ -441,8 +442,8 @@ def fitting_layout(cfg: Config, budget: float, process_bytes: float = 0.0) -> st
             continue
         pp = world // (dp * tp)
         for zero, recompute, micro_batch, reshard in itertools.product(
-                (0, 1, 2, 3), ("none", "selective", "full"), sorted({t.micro_batch, 1}), {p.reshard_after_forward, True}):
-            if not reshard and zero != 3:
+                (0, 1, 2, 3), ("none", "selective", "full"), sorted({t.micro_batch, 1}), dict.fromkeys((p.reshard_after_forward, True))):
+            if reshard is False and zero != 3:
                 continue  # ZeRO-3's units kept gathered through the step: only at ZeRO-3
             change = {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "micro_batch": micro_batch,
                       "reshard_after_forward": reshard}
