@@ -93,6 +93,44 @@ def alternate_steps(cfg: Config, sides: dict, warmup: int, steps: int) -> dict:
     return out
 
 
+def dp_rows_step(engine, inputs, targets) -> float:
+    """One training step of ``engine`` on its data-parallel rank's rows of the global batch
+    (``inputs``, ``targets``), in its micro-batches, an MoE model's end of step included."""
+    rows = inputs.shape[0] // engine.dp_size
+    mine = slice(engine.dp_rank * rows, (engine.dp_rank + 1) * rows)
+    micro = list(zip(inputs[mine].split(engine.cfg.train.micro_batch),
+                     targets[mine].split(engine.cfg.train.micro_batch)))
+    loss = train_step(engine, micro, engine.cfg)
+    engine.end_moe_step()
+    return loss
+
+
+def report_sides(rank: int, queue, engines: dict, out: dict, per_rank: dict) -> None:
+    """The end of a worker that timed ``engines`` side by side (``alternate_steps``'s ``out``):
+    gathers every rank's ``per_rank`` figures ({figure: {side: value}}), and rank 0 puts on
+    ``queue``, per side, its median step time, the timed steps, each figure of every rank (as
+    "<figure>_per_rank") and the losses; then the engines and the process group shut down."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, per_rank)
+    if rank == 0:
+        queue.put({name: {"step_time_s": statistics.median(out[name]["times"]), "step_times_s": out[name]["times"],
+                          **{f"{figure}_per_rank": [e[figure][name] for e in everyone] for figure in per_rank},
+                          "losses": out[name]["losses"]} for name in engines})
+    for engine in engines.values():
+        engine.shutdown()
+    dist.destroy_process_group()
+
+
+def same_losses(a: dict, b: dict, tolerance: float) -> float:
+    """The largest difference between two sides' losses; one line and exit where it is above
+    ``tolerance`` (sides that should train alike did not)."""
+    difference = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+    if not difference <= tolerance:
+        raise click.ClickException(f"the two sides must train alike: losses differ by {difference:.3g} "
+                                   f"(> {tolerance:g}); {a['losses']} against {b['losses']}")
+    return difference
+
+
 def summarise_pair(out: dict) -> dict:
     """Adds to ``alternate_steps``'s ``ours`` and ``torch`` their median step times, the ratio
     ours / torch (below 1: ours is faster) and the largest difference between their losses."""

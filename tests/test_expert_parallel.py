@@ -34,6 +34,17 @@ LAYOUTS = {
     "dp2-ep2-zero2-full": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=2", "train.recompute=full"],
     "dp2-ep2-zero3-selective": ["parallel.dp=2", "parallel.ep=2", "parallel.zero=3", "train.recompute=selective"],
     "dp2-tp2-ep2-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    # under SP each tp rank runs the experts on its own positions (tensor_parallel.SequenceSplitMoE):
+    # their gradients partial sums over tp, the balance loss's given back 1/t on each rank
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2-sp-capacity-bias": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.moe_capacity_factor=0.5",
+                             "model.moe_bias_rate=0.01", "model.moe_router_z_loss_coef=0.001"],
+    "dp2-tp2-ep2-sp-zero3-full": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+                                  "parallel.zero=3", "train.recompute=full"],
+    "tp2-cp2-sp-capacity": ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                            "model.moe_capacity_factor=0.5"],
+    "pp2-tp2-sp-zb-h1": ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "parallel.schedule=zb-h1"],
     "dp2-tp2-ep2-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.zero=1"],  # without SP
     "pp2-dp2-ep2": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2"] + BIAS,
     "pp2-dp2-ep2-first-dense": ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "model.moe_first_dense=2"]
@@ -59,9 +70,12 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     results = case(distributed, overrides(name))
     ref = reference(overrides(name))
     assert_same_training(results, ref)
+    expert_parallel = any(o.startswith("parallel.ep=") for o in overrides(name))
     for r in results:  # the tokens did travel, on the ranks that hold MoE layers
         holds_moe = "model.moe_first_dense=2" not in overrides(name) or r["pp_rank"] == 1
-        assert (r["comm"][0].get("ep", 0) > 0) == holds_moe
+        assert (r["comm"][0].get("ep", 0) > 0) == (holds_moe and expert_parallel)
+        if "parallel.sequence_parallel=true" in overrides(name):  # the MoE blocks' partial gradients
+            assert r["comm"][0].get("tp.partial_grads", 0) > 0
     assert_same_routing(results, ref)
     if "capacity" in name:  # the capacity rule dropped tokens, the same ones as on one process
         assert all(m["dropped"] > 0 for m in ref["moe"])

@@ -338,10 +338,53 @@ def test_dry_run_of_an_moe_layout_equals_the_planner(layout, rank):
 
 def test_a_replicated_moe_block_has_only_the_attentions_tp_collectives():
     """In all-reduces of a micro-batch's activations: a dense Llama block 4 (SP 5); an MoE block,
-    replicated over tp, 2 (SP 3½: the attention's 2½ and the block input's gather and its
-    output gradient's gather); recomputation the same 1 (SP 1½) for both."""
+    replicated over tp, 2 (SP 3½: the attention's 2½, and the block input's gather for the router
+    and its gradient's reduce-scatter); recomputation the same 1 (SP 1½) for both."""
     dense = costs.tp_collectives_per_microbatch(4, False, "none")
     assert dense == 4 * 4 + 1 + 1
     assert costs.tp_collectives_per_microbatch(4, False, "none", moe_layers=3) == 4 + 3 * 2 + 1 + 1
     assert costs.tp_collectives_per_microbatch(4, True, "none", moe_layers=4) == 4 * 3.5 + 1 + 1.5
     assert costs.tp_collectives_per_microbatch(4, True, "full", moe_layers=4) == 4 * 5 + 1 + 1.5
+
+
+def test_under_sp_a_tp_rank_runs_the_experts_on_its_own_positions():
+    """tensor_parallel.SequenceSplitMoE: with sequence parallelism each of t tp ranks runs the
+    experts and the shared experts on 1/t of the tokens (the router on all of them), where
+    without SP every tp rank repeats the whole block's experts. So the experts' products, the
+    rows each rank dispatches and the experts' saved tensors are 1/t of tp 1's, and the MoE
+    blocks' gradients, partial sums over tp, are all-reduced once a step."""
+    mixtral = costs.ModelConfig(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=32_000,
+                                seq_len=4096, moe_experts=8, moe_top_k=2, moe_ffn=14336)
+    gpu, work = CATALOG["h100-sxm"], costs.Workload(mixtral, 64)
+    assert costs.moe_token_share(2, True) == 0.5 and costs.moe_token_share(2, False) == costs.moe_token_share(1, True) == 1
+
+    def experts_gemm(tp, sp):
+        parts = costs.part_seconds(work, costs.Layout.named(tp=tp, dp=8, ep=8, sequence_parallel=sp), gpu)
+        return parts["moe_block"]["gemm"] - parts["block"]["gemm"]
+
+    assert experts_gemm(2, True) == pytest.approx(experts_gemm(1, False) / 2, rel=0.05)  # the attention's thinner shards aside
+    assert experts_gemm(2, False) > 0.9 * experts_gemm(1, False)  # without SP: repeated on both tp ranks
+    one, split = (costs.estimate(work, costs.Layout.named(tp=tp, dp=8, ep=8, sequence_parallel=tp > 1, zero=1), gpu)
+                  for tp in (1, 2))
+    assert split["ep_bytes"] == pytest.approx(one["ep_bytes"] / 2, rel=1e-3)  # the counts' exchange aside
+    assert split["mfu"] > 0.75 * one["mfu"]  # it was half of it while the experts were repeated
+    # fp32 gradients of this rank's one expert of each of the 4 layers (no other dp rank holds it:
+    # ep = dp) and of the router, whose ZeRO-1 shard is one of 8
+    expert = 3 * 4096 * 14336
+    assert split["tp_partial_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * 4 * (expert + 8 * 4096 / 8))
+
+
+def test_the_moe_blocks_partial_gradients_are_the_engines():
+    """The bytes the planner prices for summing the MoE blocks' partial gradients over tp once a
+    step are what the engine's dry run sends under "tp.partial_grads", but for the norm gains'
+    (2 a block and the final one, h each), which the planner leaves out."""
+    from tests.equivalence import dry_run
+    from threefold.configure import load_config
+    from threefold.plan.compare import run_layout
+    from threefold.train.dryrun import dry_run_config
+
+    cfg = dry_run_config(load_config(None, TINY_MOE + ["parallel.tp=2", "parallel.sequence_parallel=true"]), 2)
+    measured = dry_run(cfg, 0)["comm_bytes"]["tp.partial_grads"]
+    norms = 2 * (2 - 1) / 2 * 4 * (2 * cfg.model.layers + 1) * cfg.model.hidden
+    work, layout = run_layout(cfg)
+    assert measured - norms == costs.estimate(work, layout, CATALOG["h100-sxm"])["tp_partial_bytes"] > 0

@@ -104,9 +104,9 @@ def test_ledger(distributed, tp, dp, zero, sp):
         for step in r["comm"]:
             assert_ledger(step, want)
             # SP: the norm gains' gradients this rank holds after the dp reduction, summed over tp.
-            assert step.get("tp.norm_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["partial_numel"]) if sp else 0)
+            assert step.get("tp.partial_grads", 0) == (round(2 * (tp - 1) / tp * 4 * r["partial_numel"]) if sp else 0)
             assert step["tp.scalar"] == round(2 * (tp - 1) / tp * 4)  # the gradient norm's squares
-            assert set(step) <= {"tp", "tp.loss", "tp.norm_grads", "tp.scalar", "dp", "dp.scalar"}
+            assert set(step) <= {"tp", "tp.loss", "tp.partial_grads", "tp.scalar", "dp", "dp.scalar"}
         assert "tp.eval" in r["eval_comm"] and set(r["eval_comm"]) <= {"tp.eval", "dp.eval"}  # not the step's
 
 

@@ -363,17 +363,24 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.route(tokens, tuple(x.shape[:-1]))
-        x_perm, counts, order = permute(tokens, routing)  # ← expert parallelism: dispatch here
-        y = self.experts(x_perm, counts)
-        out = unpermute(y, order, routing)  # ← and combine before this
-        if self.shared is not None:
-            out = out + self.shared(tokens)
-        out = out.view(*x.shape[:-1], out.shape[-1])
+        out = self.compute(tokens, routing).view(*x.shape[:-1], x.shape[-1])
         if self.training and torch.is_grad_enabled():
             out = self._attach_aux_loss(out, routing)
         return out
 
-    def _attach_aux_loss(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def compute(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(T, h): the routed experts' outputs for ``tokens`` (T, h), combined with their
+        ``routing`` weights, plus the shared experts'."""
+        x_perm, counts, order = permute(tokens, routing)  # ← expert parallelism: dispatch here
+        y = self.experts(x_perm, counts)
+        out = unpermute(y, order, routing)  # ← and combine before this
+        return out if self.shared is None else out + self.shared(tokens)
+
+    def _attach_aux_loss(self, out: torch.Tensor, routing: Routing, grad_share: float = 1.0) -> torch.Tensor:
+        """``out`` carrying the balance and z losses of ``routing`` into the backward.
+        ``grad_share``: the part of their gradient this call gives back, where several calls
+        route the same tokens and their gradients are then summed (1/t under tensor parallelism
+        with sequence parallelism, parallel/tensor_parallel.SequenceSplitMoE)."""
         routed = count_per_expert(routing.experts, self.num_experts)  # this call's: the step's counters add calls
         aux = (self.aux_loss_coef * load_balancing_loss(routing.scores, routing.experts, self.router_kind,
                                                         self.micro_batch.routed_counts(routed))
@@ -388,7 +395,7 @@ class MoE(nn.Module):
             self.step_aux_loss += aux.detach()
             self.step_micro_batches += 1
 
-        return AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale, record)
+        return AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale * grad_share, record)
 
     @torch.no_grad()
     def end_step(self, counts: torch.Tensor, update_bias: bool = True) -> None:

@@ -43,8 +43,9 @@ expert gradients ep times too large, the bug users of DeepSpeed and torchtitan k
 An expert that gets no tokens is still an operand of the grouped product, so its gradient is a
 tensor of zeros and its Adam state steps like any other.
 
-Composition: after tensor parallelism (the experts are replicated over tp; tensor_parallel.py
-makes each tp rank run the block on the whole sequence), before the pipeline split (MoE layers
+Composition: after tensor parallelism (the experts are replicated over tp; without SP each tp
+rank runs the block on the whole sequence, under SP on its own positions, whose rows it
+dispatches: tensor_parallel.SequenceSplitMoE), before the pipeline split (MoE layers
 in any stage: the ep group lies within one stage); ZeRO 0–3 shard expert states over edp.
 Under context parallelism the ep group is the dp ranks of one cp coordinate, which dispatch
 their shares of the sequences to each other; the cp ranks hold the same experts, so expert

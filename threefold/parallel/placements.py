@@ -231,13 +231,24 @@ def full_tensors(shards: list[Shard], shapes: dict[str, tuple[int, ...]], mesh, 
     return full
 
 
+# A partial gradient this large is all-reduced in place, not copied into the flat buffer of the
+# small ones: an MoE rank's experts would otherwise be held twice.
+PARTIAL_IN_PLACE_NUMEL = 1 << 20
+
+
 def sum_partial_grads(grads: list[Shard], comm) -> None:
     """Sum, over each axis named in their ``partial``, the gradient pieces that are partial sums
-    there (sequence parallelism's norm gains over tp), in place, one flat all-reduce per axis."""
+    there (sequence parallelism's norm gains and MoE blocks over tp), in place: per axis one flat
+    all-reduce of the small ones, and one of each large one. Ledger key "<axis>.partial_grads"."""
     axes = sorted({a for s in grads for a in s.partial})
     for axis in axes:
         parts = [s.tensor for s in grads if axis in s.partial]
-        flat = torch.cat([t.reshape(-1) for t in parts])
-        comm.all_reduce(flat, axis, tag="norm_grads")
-        for t, summed in zip(parts, flat.split([t.numel() for t in parts])):
-            t.copy_(summed.view_as(t))
+        large = [t for t in parts if t.numel() >= PARTIAL_IN_PLACE_NUMEL and t.is_contiguous()]
+        small = [t for t in parts if not any(t is x for x in large)]
+        for t in large:
+            comm.all_reduce(t, axis, tag="partial_grads")
+        if small:
+            flat = torch.cat([t.reshape(-1) for t in small])
+            comm.all_reduce(flat, axis, tag="partial_grads")
+            for t, summed in zip(small, flat.split([t.numel() for t in small])):
+                t.copy_(summed.view_as(t))

@@ -52,8 +52,9 @@ Communication per micro-batch on the tp axis (B = micro_batch · seq_len · hidd
               checkpoint stops recomputing there, so the MLP's g is not repeated): L · a · B
               without SP, 1.5 · L · a · B with SP.
 Under "tp.loss": per micro-batch, an all-reduce of 3 fp32 numbers per token. Under
-"tp.norm_grads" (SP only): once per step, the norm gains' gradients this rank holds, summed
-over tp (each rank saw only its part of the sequence).
+"tp.partial_grads" (SP only): once per step, the gradients this rank holds of the norm gains and
+of the MoE blocks (router, experts, shared experts: ``SequenceSplitMoE``), summed over tp (each
+rank saw only its part of the sequence).
 
 Composition: ``apply_tp`` is the first transformation of the plain model (train/engine.py
 applies them in order). It returns each parameter's ``Placement`` (the slice it keeps, or
@@ -64,7 +65,7 @@ gradient norm, the full state dict and the checkpoint pieces are computed for ev
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ from torch.autograd.graph import get_gradient_edge
 from threefold.config import ConfigError
 from threefold.distributed.comm import Comm, ring_pass, ring_reduce_scatter
 from threefold.models.llama import Llama
-from threefold.models.moe import MoE
+from threefold.models.moe import MoE, Routing
 from threefold.parallel.placements import Placement
 from threefold.words import plural
 
@@ -613,8 +614,9 @@ class PrepareInput:
 
 
 class SequenceWhole(torch.autograd.Function):
-    """Into a block every tp rank runs whole (an MoE block under SP): forward, all-gather the
-    sequence; backward, this rank's part of the gradient, which is the same on every tp rank."""
+    """The sequence an MoE block routes under SP: forward, all-gather it; backward, reduce-scatter
+    the gradient (the router's, which every tp rank computes for the whole sequence, and each
+    rank's own positions' combine, summed), each rank keeping its positions'."""
 
     @staticmethod
     def forward(ctx, shard, tp: TensorParallelGroup, tag: str | None):
@@ -623,43 +625,66 @@ class SequenceWhole(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        piece = grad.shape[1] // ctx.tp.size
-        return grad.narrow(1, ctx.tp.rank * piece, piece).contiguous(), None, None
+        return reduce_scatter_sequence(grad.contiguous(), ctx.tp, None), None, None
 
 
-class SequencePart(torch.autograd.Function):
-    """Out of such a block: forward, this rank's part of the sequence of the whole output;
-    backward, all-gather the parts' gradients, so every tp rank back-propagates the same one."""
+def positions_of(routing: Routing, batch_shape: tuple[int, int], tp: TensorParallelGroup) -> Routing:
+    """The rows of ``routing``, over the (batch, positions) tokens of ``batch_shape``, for this
+    rank's s/t positions of each sequence (SP's split)."""
+    b, s = batch_shape
+    piece = s // tp.size
 
-    @staticmethod
-    def forward(ctx, full, tp: TensorParallelGroup):
-        ctx.tp = tp
-        piece = full.shape[1] // tp.size
-        return full.narrow(1, tp.rank * piece, piece).contiguous()
+    def mine(rows: torch.Tensor | None) -> torch.Tensor | None:
+        if rows is None:
+            return None
+        return rows.view(b, s, *rows.shape[1:]).narrow(1, tp.rank * piece, piece).reshape(b * piece, *rows.shape[1:])
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad.contiguous(), ctx.tp, None), None
+    return Routing(*(mine(getattr(routing, f.name)) for f in fields(Routing)))
+
+
+class SequenceSplitMoE(MoE):
+    """An MoE block under sequence parallelism (the class ``ReplicatedMoE`` gives it). Every tp
+    rank routes the whole sequence, all-gathered (``SequenceWhole``), so routing, capacity, the
+    balance loss and the step's counters are exactly one process's, and the same on every tp
+    rank; then it runs the experts (dispatched under ep) and the shared experts on its own s/t
+    positions only, so the experts' work is split over tp, not repeated. The router is whole on
+    every rank (E·h per token, small). Its weights, the experts' and the shared experts' see
+    this rank's positions, so their gradients are partial sums over tp, summed once a step
+    (placements); the balance loss's gradient, which every rank computes in full, is given back
+    1/t on each (``grad_share``), so that sum counts it once. Per block and micro-batch: one
+    all-gather forward and one reduce-scatter backward, the bytes of the replicated block's."""
+
+    tp: TensorParallelGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = SequenceWhole.apply(x, self.tp, traffic_tag())
+        batch_shape = tuple(whole.shape[:-1])
+        routing = self.route(whole.reshape(-1, whole.shape[-1]), batch_shape)
+        tokens = x.reshape(-1, x.shape[-1])
+        out = self.compute(tokens, positions_of(routing, batch_shape, self.tp)).view(*x.shape)
+        if self.training and torch.is_grad_enabled():
+            out = self._attach_aux_loss(out, routing, grad_share=1 / self.tp.size)
+        return out
 
 
 class ReplicatedMoE:
-    """An MoE block stays whole on every tp rank: its router, experts (or this rank's ep slice of
-    them, expert_parallel.py), shared experts and routing bias are replicated over tp, and their
-    gradients are the same on every tp rank (not partial sums). Each tp rank runs the block on
-    its replica's whole sequence, so routing, capacity and the balance loss see exactly the
-    tokens one process would: without SP it holds them already; with SP the input is
-    all-gathered along the sequence and this rank keeps its part of the output (``SequenceWhole``,
-    ``SequencePart``: one all-gather forward and one backward per block). The price is compute
-    repeated tp times, the experts are not split over tp."""
+    """An MoE block's weights stay whole on every tp rank: its router, experts (or this rank's ep
+    slice of them, expert_parallel.py), shared experts and routing bias are replicated over tp
+    (Megatron-LM splits each expert over tp instead; not done here). Without SP each tp rank
+    holds the whole sequence and runs the block on all of it, as one process would: the experts'
+    work is repeated on every tp rank, and their gradients are the same there. With SP the block
+    becomes a ``SequenceSplitMoE``: each rank runs the experts on its own positions, and their
+    gradients are partial sums over tp."""
 
     def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
+        split = slicer.tp.sequence_parallel
+        parameters = {key for key, _ in module.named_parameters()}
         for key, tensor in module.state_dict(keep_vars=True).items():
-            slicer.placements[f"{name}.{key}"] = Placement(tuple(tensor.shape))
-        if slicer.tp.sequence_parallel:
-            tp = slicer.tp
-            module.register_forward_pre_hook(lambda m, args: (SequenceWhole.apply(args[0], tp, traffic_tag()),
-                                                              *args[1:]))
-            module.register_forward_hook(lambda m, args, out: SequencePart.apply(out, tp))
+            partial = ("tp",) if split and key in parameters else ()
+            slicer.placements[f"{name}.{key}"] = Placement(tuple(tensor.shape), partial=partial)
+        if split:
+            module.__class__ = SequenceSplitMoE  # as FSDP2's fully_shard swaps a module's class: same keys
+            module.tp = slicer.tp
         return module
 
 

@@ -221,9 +221,9 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     product. With SP: 3, per sublayer the gather of the norm's output, its gradient's
     reduce-scatter and the re-gather for the weight gradient (½ each); the reduce-scatter of the
     product and its gradient's gather carry the product. Full recomputation: none without SP (it
-    repeats the attention's g), with SP the attention's and the MLP's gathers, 1. A replicated
-    MoE block: the attention's (1, SP 1½), and with SP the gather of the block's input (½); its
-    output, the experts' combined rows, is a product's: 1 (SP 2). The embedding's lookup and the
+    repeats the attention's g), with SP the attention's and the MLP's gathers, 1. An MoE block:
+    the attention's (1, SP 1½), and with SP the gather of the block's input and its gradient's
+    reduce-scatter (½ + ½: tensor_parallel.SequenceSplitMoE), 2½. The embedding's lookup and the
     head's input are the residual stream: all of theirs, 1 (SP 1) and 1 (SP 1½). With
     ``tp_overlap`` (SP only) the reduce-scatter of dL/dx is a ring of the addends each product's
     gradient gives, in the products' dtype: ½ less per column-parallel sublayer (a dense block 1,
@@ -232,7 +232,7 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     sp = np.asarray(sequence_parallel, dtype=bool)
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     per_block = np.where(sp, 3.0, 2.0) + np.where(full & sp, 1.0, 0.0)
-    residual = layers * per_block - moe_layers * 1.0 + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
+    residual = layers * per_block - moe_layers * np.where(sp, 0.5, 1.0) + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
     ringed = np.asarray(tp_overlap, dtype=bool) & sp
     return _scalar_or_array(residual - np.where(ringed, (layers - moe_layers) * 1.0 + moe_layers * 0.5 + 0.5, 0.0))
 
@@ -259,11 +259,12 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
       its gradient backward, 1). Head (column-parallel over the vocabulary): f backward, 1 (SP:
       gather forward, reduce-scatter backward, re-gather for the weight gradient, 1½).
     An MoE block (``moe_layers`` of the ``layers``) is replicated over tp, as the engine runs it
-      (tensor_parallel.ReplicatedMoE: each tp rank runs the whole block on the whole sequence):
-      its feed-forward has no f or g, so without SP the block has only the attention's 2; with
-      SP the block's input is all-gathered forward and its output's gradient all-gathered
-      backward (½ + ½) besides the attention's 2½: 3½. Its full recomputation repeats what a
-      dense block's does (the attention's g, and with SP the block input's gather): 1 (SP 1½).
+      (tensor_parallel.ReplicatedMoE): its feed-forward has no f or g, so without SP (each tp
+      rank runs it on the whole sequence) the block has only the attention's 2; with SP the
+      block's input is all-gathered forward for the router and its gradient reduce-scattered
+      backward (½ + ½; SequenceSplitMoE) besides the attention's 2½: 3½. Its full recomputation
+      repeats what a dense block's does (the attention's g, and with SP the block input's
+      gather): 1 (SP 1½).
     Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
     the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
     """
@@ -821,32 +822,51 @@ def moe_layers_below(cfg: ModelConfig, n):
     return np.ceil(after / cfg.moe_every)
 
 
+def moe_token_share(tp, sequence_parallel):
+    """The share of a micro-batch's tokens whose experts one tp rank runs: under sequence
+    parallelism its own s/t positions (tensor_parallel.SequenceSplitMoE), else all of them (the
+    block replicated, its experts' work repeated on every tp rank). Elementwise."""
+    t = np.asarray(tp)
+    return _scalar_or_array(np.where(np.asarray(sequence_parallel, dtype=bool) & (t > 1), 1 / t, 1.0))
+
+
 def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
                          dtype_bytes: int = ACTIVATION_BYTES):
     """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
     on one tp rank, for the ``tokens`` of a micro-batch: the tensors autograd saves for
     threefold/models/moe.py's block, counted with saved-tensor hooks on one process (the input,
     already counted as the norm's output, and the weights left out). The block is replicated
-    over tp and runs on the whole sequence on every tp rank (tensor_parallel.ReplicatedMoE), so
-    all of it is whole. Per token: the SwiGLU internals (gate, up, silu(gate), product) of its k
-    routed and the shared experts, 4·(k + S)·f_e, in place of the dense SwiGLU's 4·f/tp; three
-    tensors of k rows of h (the permuted input, the experts' output and its weighted copy);
-    under SP the gathered input (h), in place of the norm's output shard (h/tp, which nothing
-    keeps: the router and the experts read the gathered sequence); in fp32 and int64 whatever the dtype, the router's logits
-    and scores (8·E bytes), the choices' indices and sort orders (32·k), their weights (8·k)
-    and the renormalising sum (4). Expert parallelism's regrouping adds a few bytes (not
-    counted). Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
+    over tp. Without SP it runs on the whole sequence on every tp rank, so all of it is whole;
+    under SP the router runs on the gathered sequence and the experts on this rank's positions
+    (tensor_parallel.SequenceSplitMoE), so what the experts and the sort keep is of
+    ``moe_token_share`` of the tokens. Per token, the experts': the SwiGLU internals (gate, up,
+    silu(gate), product) of its k routed and the shared experts, 4·(k + S)·f_e, in place of the
+    dense SwiGLU's 4·f/tp; three tensors of k rows of h (the permuted input, the experts' output
+    and its weighted copy); the sort orders and the gathered weights (28·k, int64 and fp32). The
+    router's, whole: in fp32 and int64 whatever the dtype, its logits and scores (8·E bytes),
+    the choices' indices and weights (12·k) and the renormalising sum (4); under SP the gathered
+    input (h), in place of the norm's output shard (h/tp), which nothing else keeps unless
+    shared experts read it. Expert parallelism's regrouping adds a few bytes (not counted). Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
     keeps an MoE block's feed-forward whole (``op_recomputed_products``: the policy predates MoE
     blocks) where the dense block it replaces kept w_gate's and w_down's outputs, d·(f/tp + h),
     and not the norm's output, which the experts' input then is."""
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     recompute = _recompute_index(recompute)
-    gathered = np.where(sp, h * d - h * d / t, 0)  # the gathered sequence, where nothing keeps the norm's shard
-    whole = 4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 8 * model.moe_experts + 40 * k + 4
+    gathered = _moe_gathered_bytes(model, t, sp, d)
+    experts = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 28 * k) * moe_token_share(t, sp)
+    router = 8 * model.moe_experts + 12 * k + 4
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
-    return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0, tokens * (whole + gathered - dense_ffn)))
+    return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0,
+                                     tokens * (experts + router + gathered - dense_ffn)))
+
+
+def _moe_gathered_bytes(model: ModelConfig, t, sp, d):
+    """Per token, under SP: the gathered sequence the router reads, in place of the norm's output
+    shard, unless the shared experts keep that (they read this rank's positions)."""
+    shard = np.where(model.moe_shared_experts > 0, 0, model.hidden * d / t)
+    return np.where(sp, model.hidden * d - shard, 0)
 
 
 def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
@@ -854,15 +874,14 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     """Of what an MoE block saves beyond a dense one (``moe_activation_bytes``), the part a split
     backward keeps from B to W, beyond the dense block's ``weight_input_bytes``: the experts'
     inputs, the k permuted rows of h (read by gate and up) and the (k + S) SwiGLU products of f_e
-    (read by w_down), in place of the dense w_down's input (f/tp); under SP the gathered
-    sequence the router and the experts read, in place of the norm's shard. Released at B: the
+    (read by w_down), of ``moe_token_share`` of the tokens, in place of the dense w_down's input
+    (f/tp); under SP the gathered sequence the router reads, in place of the norm's shard. Released at B: the
     router's scores and choices, the SwiGLU internals, the combine's rows. Nothing is released
     under op-level or full recomputation (``weight_input_bytes``)."""
     d, k, h = dtype_bytes, model.moe_top_k_experts, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
-    gathered = np.where(sp, h * d - h * d / t, 0)
-    kept = tokens * (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden + gathered
-                     - d * model.ffn_hidden / t)
+    experts = (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden) * moe_token_share(t, sp)
+    kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d) - d * model.ffn_hidden / t)
     recompute = _recompute_index(recompute)
     checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
     return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute, d),
@@ -882,9 +901,9 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
         sequence, gathered under SP), of the attention's and the feed-forward's output (a tp
         rank's partial sum), in the products' ``dtype_bytes``; and of its two RMSNorms, fp32
         (the norm multiplies in fp32), of the rank's tokens (1/tp of them under SP);
-      an MoE block (replicated over tp, on the whole sequence): the router's fp32 logits and
-        the gate, up and output rows of its k routed and its shared experts in place of the
-        dense feed-forward's;
+      an MoE block: the router's fp32 logits (of the whole sequence) and the gate, up and output
+        rows of its k routed and its shared experts (of ``moe_token_share`` of it) in place of
+        the dense feed-forward's;
       the head: the final norm's (fp32) and the logits' (the vocabulary's tp shard, padded);
       the embedding: its output's, the first stage's input gradient, of the ``residual_bytes``
         stream."""
@@ -898,7 +917,8 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
     moe = 0 * dense
     if model.moe_experts:
         experts = model.moe_top_k_experts + model.moe_shared_experts
-        moe = shared + tokens * (4 * model.moe_experts + d * experts * (2 * model.moe_ffn_hidden + h))
+        rows = moe_token_share(t, sequence_parallel) * d * experts * (2 * model.moe_ffn_hidden + h)
+        moe = shared + tokens * (4 * model.moe_experts + rows)
     head = rank_tokens * h * 4 + tokens * d * padded_vocab(model.vocab_size, t) / t
     return tuple(_scalar_or_array(x) for x in (dense, moe, head, rank_tokens * h * residual_bytes))
 
@@ -936,7 +956,8 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
     attention_copies = np.where(rows, 0, q * h + np.where(sp, 0, h * q + 2 * h * kv)) * d / t
     if moe:
         k, f_e, shared = model.moe_top_k_experts, model.moe_ffn_hidden, model.moe_shared_experts
-        ffn_outputs = (r - d) * h + k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)
+        # the router's fp32 input (whole), the experts' rows and the shared experts' casts (its share)
+        ffn_outputs = (r - d) * h + (k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)) * moe_token_share(t, sp)
         ffn_copies = (model.moe_experts / np.asarray(ep) + shared) * 3 * h * f_e * d
     else:
         ffn_outputs = np.where(sp, (r - d) * h / t, d * h)
@@ -1127,17 +1148,21 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
              "head": {"math": 3 * head_gemm_s, "gemm": 3 * head_gemm_s,
                       "memory": tokens * work.loss_pass_bytes * V / t / hbm}}
     if cfg.moe_experts:
-        # An MoE block: the attention's products (over tp); then, whole on every tp rank and on
-        # the micro-batch's whole sequence, the router, the shared experts and this rank's E/ep
-        # experts, each on its share of the T·k rows the dispatch brings (balanced routing:
-        # T·k·ep/E rows each). The same 3× for backward as any product.
+        # An MoE block: the attention's products (over tp); the router, whole on every tp rank
+        # and on the micro-batch's whole sequence; then, on this rank's share of the tokens
+        # (moe_token_share: its own positions under SP, all of them without), the shared experts
+        # and this rank's E/ep experts, each on its share of the T·k rows the dispatch brings
+        # (balanced routing: T·k·ep/E rows each). The same 3× for backward as any product.
         k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
-        dense = layer_products(cfg, t)[:4] + ([(h, shared * f_e)] * 2 + [(shared * f_e, h)] if shared else [])
+        attention = layer_products(cfg, t)[:4]
+        shared_experts = [(h, shared * f_e)] * 2 + [(shared * f_e, h)] if shared else []
         expert = [(h, f_e), (h, f_e), (f_e, h)]
-        expert_rows, local_experts = rows * k * e / cfg.moe_experts, cfg.moe_experts / e
-        moe_gemm_s = (products_s(dense) + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes)
-                      + local_experts * products_s(expert, expert_rows))
-        dense_casts, expert_casts = cast_seconds(dense), cast_seconds(expert, expert_rows)
+        moe_rows = rows * moe_token_share(t, sp)
+        expert_rows, local_experts = moe_rows * k * e / cfg.moe_experts, cfg.moe_experts / e
+        moe_gemm_s = (products_s(attention) + products_s(shared_experts, moe_rows)
+                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes) + local_experts * products_s(expert, expert_rows))
+        dense_casts = tuple(a + x for a, x in zip(cast_seconds(attention), cast_seconds(shared_experts, moe_rows)))
+        expert_casts = cast_seconds(expert, expert_rows)
         moe_casts = tuple(d + local_experts * x for d, x in zip(dense_casts, expert_casts))
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes)
         parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all,
@@ -1730,8 +1755,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # NVLink, the others over the network, in parallel; an all-to-all takes ep − 1 pairwise rounds.
     ep_mb_s = ep_sent_mb = np.zeros(np.shape(num_gpus))
     if moe:
-        ep_sent_mb = ep_bytes_per_step(tokens, cfg.moe_top_k_experts, h, e, moe_last, 1, cfg.moe_experts, recompute,
-                                       work.activation_bytes)
+        ep_sent_mb = ep_bytes_per_step(tokens * moe_token_share(t, sp), cfg.moe_top_k_experts, h, e, moe_last, 1,
+                                       cfg.moe_experts, recompute, work.activation_bytes)
         in_node = members_in_node(gpu.gpus_per_node, (t * c, e))  # ep ranks in one node, this one included
         peers = np.maximum(e - 1, 1)
         intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
@@ -1849,6 +1874,22 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     optimizer_numel = last_numel / np.where(zero >= 1, shards, 1) + expert_last / np.where(zero >= 1, expert_replicas, 1)
     optimizer_s = optimizer_numel * (work.optimizer_pass_bytes + 3 * work.grad_bytes) / gpu.elementwise_rate
 
+    # ---- tensor parallel, once a step: under SP each tp rank runs an MoE block's router, shared
+    # experts and experts on its own positions, so their gradients are partial sums over tp,
+    # all-reduced before the optimizer (placements.sum_partial_grads), this rank's reduced shards
+    # of them where ZeRO shards the gradients; exposed (the norm gains' too, O(L·h): left out).
+    tp_partial_bytes = tp_partial_s = tp_partial_calls = np.zeros(np.shape(num_gpus))
+    if moe:
+        replicated_numel = cfg.moe_experts * h + 3 * h * cfg.moe_shared_experts * cfg.moe_ffn_hidden
+        partial_numel = moe_last * (replicated_numel / np.where(zero >= 1, shards, 1)
+                                    + expert_block / np.where(zero >= 1, expert_replicas, 1))
+        split = sp & (t > 1) & (moe_last > 0)
+        tp_partial_bytes = np.where(split, 2 * (t - 1) / t * partial_numel * work.grad_bytes, 0)
+        tp_partial_calls = np.where(split, 1 + 3 * moe_last, 0)  # the small ones flat, each expert tensor alone
+        tp_partial_s = np.where(split, _collective_time(gpu, ("all_reduce",), tp_partial_bytes, tp_partial_calls,
+                                                        2 * (t - 1), tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node),
+                                                        tp_wait), 0)
+
     # ---- contention: overlapped data-parallel traffic is not free. NCCL's kernels run on the SMs
     # of the compute they hide behind and stream their bytes through its HBM, which slows by
     # overlap_slowdown seconds per second of NVLink-rate traffic: the cost is per byte overlapped,
@@ -1862,13 +1903,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
 
     # ---- the collectives' own CPU (a CPU's gloo; 0 on a GPU): every call this rank makes in a
     # step (a pipeline's middle stage sends and receives both ways) and the bytes it sends
-    calls = (np.where(t > 1, m * tp_calls, 0) + np.where(single_stage, 0, np.where(p > 2, 4, 2) * m * v)
+    calls = (np.where(t > 1, m * tp_calls, 0) + tp_partial_calls + np.where(single_stage, 0, np.where(p > 2, 4, 2) * m * v)
              + dp_last["calls"] + np.where(c > 1, m * cp_messages, 0) + (m * all_to_alls * (e > 1) if moe else 0))
     per_byte = float(np.mean([1 / bw for _, bw in gpu.collectives.values()])) if gpu.collectives else 0.0
     collective_cpu_s = (calls * call_cpu(gpu, runnable)
-                        + (tp_bytes + pp_bytes + dp_bytes + cp_bytes + m * ep_sent_mb) * per_byte)
+                        + (tp_bytes + tp_partial_bytes + pp_bytes + dp_bytes + cp_bytes + m * ep_sent_mb) * per_byte)
 
-    step_s = pipeline_s + dp_exposed_s + optimizer_s + contention_s
+    step_s = pipeline_s + dp_exposed_s + tp_partial_s + optimizer_s + contention_s
     if gpu.core_share < 1:
         # More workers than cores (a CPU): a rank waiting in a collective or the bubble gives its
         # core to a rank that computes. Brent's bounds: the step takes at least the machine's CPU
@@ -1880,7 +1921,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         # its bytes at gloo's rate. With every core busy (8 ranks on 2 cores: /proc/stat reads
         # 97% busy through the demo's step) the waits cost nothing but that CPU: another rank
         # computes meanwhile, so the step is the machine's work, not compute plus waits.
-        overhead = optimizer_s + contention_s + collective_cpu_s / gpu.core_share
+        overhead = tp_partial_s + optimizer_s + contention_s + collective_cpu_s / gpu.core_share
         machine = m * mean_compute_mb_s + overhead
         busiest = m * compute_mb_s + overhead
         step_s = np.maximum(machine, busiest * gpu.core_share + (step_s - busiest))
@@ -1905,10 +1946,12 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         memory_bytes=memory_total, reserved_bytes=np.full(np.shape(memory_total), float(RESERVED_BYTES)),
         fits=memory_total <= gpu.hbm_bytes,
         block_states_bytes=block_states, block_activations_bytes=stage_layers * per_layer * in_flight_first,
-        dp_bytes=dp_bytes, tp_bytes=tp_bytes, pp_bytes=pp_bytes, cp_bytes=cp_bytes, ep_bytes=m * ep_sent_mb,
-        dp_s=dp_s, tp_s=m * tp_mb_s, pp_s=2 * busy_slots * p2p_s, cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
+        dp_bytes=dp_bytes, tp_bytes=tp_bytes + tp_partial_bytes, tp_partial_bytes=tp_partial_bytes,
+        pp_bytes=pp_bytes, cp_bytes=cp_bytes,
+        ep_bytes=m * ep_sent_mb, dp_s=dp_s, tp_s=m * tp_mb_s + tp_partial_s, pp_s=2 * busy_slots * p2p_s,
+        cp_s=m * cp_mb_s, ep_s=m * ep_mb_s,
         compute_s=m * math_s * per_mb_scale, memory_bound_s=m * memory_bound_s * per_mb_scale,
-        tp_exposed_s=m * tp_exposed_mb * per_mb_scale, cp_exposed_s=m * cp_exposed_mb * per_mb_scale,
+        tp_exposed_s=m * tp_exposed_mb * per_mb_scale + tp_partial_s, cp_exposed_s=m * cp_exposed_mb * per_mb_scale,
         ep_exposed_s=m * ep_mb_s * per_mb_scale, pp_exposed_s=2 * busy_slots * p2p_s,
         bubble_s=bubble_s, rank0_bubble_s=rank0_bubble_s, dp_exposed_s=dp_exposed_s, optimizer_s=optimizer_s,
         contention_s=contention_s, stragglers_s=stragglers_s, collective_calls=calls, collective_cpu_s=collective_cpu_s,

@@ -369,8 +369,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             comm["cp.routing"] = moe_cp
     if p.ep > 1 and share.moe_blocks:
         # Under bf16 autocast the engine sends the dispatched and the combined rows in bf16 alike
-        comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq, model.moe_top_k_experts, model.hidden, p.ep,
-                                             share.moe_blocks, m, model.moe_experts, t.recompute, act_bytes)
+        # under SP each tp rank dispatches its own positions' rows (tensor_parallel.SequenceSplitMoE)
+        comm["ep"] = costs.ep_bytes_per_step(t.micro_batch * seq * costs.moe_token_share(p.tp, sp),
+                                             model.moe_top_k_experts, model.hidden, p.ep, share.moe_blocks, m,
+                                             model.moe_experts, t.recompute, act_bytes)
     if p.tp > 1:
         tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, sp, t.recompute, act_bytes,
                    model.arch)

@@ -201,7 +201,8 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
     if mesh.size("ep") > 1:
         from threefold.parallel.expert_parallel import apply_ep
 
-        placements.update(apply_ep(model, comm))
+        for key, placement in apply_ep(model, comm).items():  # a tp partial sum (SP's MoE) stays one
+            placements[key] = dataclasses.replace(placement, partial=placements[key].partial)
 
     # 4. pipeline: this rank's stages (one part per stage), or the whole model as one part
     cut = CutModel({0: model}, placements, tp, None)
