@@ -74,7 +74,7 @@ def test_exposed_rows_are_the_planners_terms_beside_the_measured_waits(name):
     least = cmp.estimate_run(cmp.with_run_split(cfg, steps), gpu.without_skew())
     assert gpu.on_core_wait_s > 0 and least["step_time_s"] <= est["step_time_s"]
     expected = {"dp": (p.dp > 1, least["dp_exposed_s"], ("dp",)),
-                "tp": (p.tp > 1, least["tp_exposed_s"], ("tp", "tp.loss")),
+                "tp": (p.tp > 1, least["tp_exposed_s"], ("tp", "tp.loss", "tp.partial_grads")),
                 "pp": (p.pp > 1, est["pp_exposed_s"] + est["rank0_bubble_s"], ("pp",))}
     for axis, (present, predicted, keys) in expected.items():
         row = rows.get(f"exposed comm: {axis}")

@@ -227,7 +227,7 @@ def test_a_context_parallel_step_equals_the_planner(method):
 
 
 # Ledger keys of bookkeeping the planner leaves out (scalars, the tied embedding's gradient, the
-# timeline, the norm gains' partial gradients under SP): everything else must be predicted.
+# timeline, the partial gradients summed over tp under SP): everything else must be predicted.
 UNMODELLED = (".scalar", ".tied", ".timeline", ".partial_grads")
 CP_BF16 = ["model.preset=tiny", "model.vocab_size=512", "parallel.tp=2", "parallel.cp=2", "parallel.dp=2",
            "parallel.sequence_parallel=true", "parallel.cp_method=ring", "train.recompute=selective",
@@ -324,6 +324,14 @@ def test_the_json_shape(capsys):
     # the [parallel] section the ranks ran, so that a reader can tell two dry runs' layouts apart
     assert record["parallel"]["dp"] == 2 and record["parallel"]["zero"] == 0
     assert record["parallel"]["reshard_after_forward"] is True
+    # resolved as estimate's JSON says it: under a pipeline ZeRO-3 keeps its units (the default),
+    # and below ZeRO-3 nothing is kept, so a section fed back as a config is accepted
+    for zero, resharding in ((1, True), (3, False)):
+        sets = [x for o in ["model.preset=tiny", "model.vocab_size=512", "model.layers=2", "parallel.dp=2",
+                            "parallel.pp=2", f"parallel.zero={zero}", "train.global_batch=8", "train.micro_batch=1"]
+                for x in ("--set", o)]
+        assert main(["dryrun", *sets, "--world-size", "4", "--rank", "0", "--json", "--no-progress"]) == 0
+        assert json.loads(capsys.readouterr().out)["parallel"]["reshard_after_forward"] is resharding
 
 
 # --- construction: a rank draws and keeps only its share --------------------------------------

@@ -303,8 +303,9 @@ def exposed_rows(cfg: Config, steps: list[dict], est: dict | None, missing: str 
             ("dp", p.dp * (p.cp if p.dp > 1 else 1), dp_keys, ("dp_exposed_s",),
              "estimate()'s dp_exposed_s: buckets (ZeRO-3: units; kept gathered, ZeRO-1's buckets) behind the "
              "backward, the rest exposed"),
-            ("tp", p.tp, ("tp", "tp.loss"), ("tp_exposed_s",),
-             "estimate()'s tp_exposed_s: each tp collective between its products, the loss's included"),
+            ("tp", p.tp, ("tp", "tp.loss", "tp.partial_grads"), ("tp_exposed_s",),
+             "estimate()'s tp_exposed_s: each tp collective between its products, the loss's included, and "
+             "under SP an MoE model's once-a-step sum of partial gradients"),
             ("cp", p.cp, ("cp",), cp_alone, "estimate()'s cp_exposed_s: what exceeds the attention core"
              + ("" if p.dp > 1 else ", and dp_exposed_s: the gradients' reduction over cp")),
             ("pp", p.pp, ("pp",), ("pp_exposed_s", "rank0_bubble_s"),

@@ -27,8 +27,10 @@ Under context parallelism a rank holds seq_len / cp tokens of each sequence: its
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
 when dp = 1; hybrid sharding's all-reduce between its shard groups, over dp ranks alone, under "dp"); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
-Keys the planner does not model (scalars, the tied embedding, the timeline, the norm gains'
-gradients under SP) are left out, so a dry run shows them as measured only.
+Keys the planner does not model (scalars, the tied embedding, the timeline, the partial
+gradients summed over tp under SP: the norm gains' and an MoE block's, whose bytes estimate
+prices as ``tp_partial_bytes`` but which a ZeRO shard cuts where its buckets fall) are left
+out, so a dry run shows them as measured only.
 
 A bf16 run is the engine's autocast (costs.ENGINE_BYTES): the products' outputs are bf16, the
 residual stream fp32; pp and the residual's tp collectives carry 4 bytes an element, and the

@@ -429,8 +429,10 @@ def dryrun(config_path, overrides, world_size, ranks, compare, device, as_json, 
         if not as_json:
             click.echo(f"drew {drawn}")
     if as_json:
-        # the [parallel] section the ranks ran, dp and reshard_after_forward resolved
-        ran = dict(dataclasses.asdict(cfg.parallel), reshard_after_forward=cfg.parallel.resharding)
+        # the [parallel] section the ranks ran, dp and reshard_after_forward resolved (only ZeRO-3
+        # keeps units gathered: true below it, as estimate's JSON says)
+        p = cfg.parallel
+        ran = dict(dataclasses.asdict(p), reshard_after_forward=p.resharding or p.zero != 3)
         for result in results:
             click.echo(json.dumps({**result, "parallel": ran}))
         return

@@ -546,7 +546,7 @@ class Engine:
         for sync in self.syncs.values():
             sync.finish()
         self._sum_tied_grads()
-        if any(pl.partial for pl in self.placements.values()):  # sequence parallelism's norm gains
+        if any(pl.partial for pl in self.placements.values()):  # SP's norm gains and MoE blocks, over tp
             sum_partial_grads(self.grad_shards(), self.comm)
         if self.runtime is not None:
             self.comm.all_reduce(loss_sum, "pp", tag="scalar")  # the loss lives on the last stage

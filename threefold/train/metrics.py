@@ -140,7 +140,7 @@ class LiveTensorMeter(TorchDispatchMode):
 # that traffic on the group's key). Not pp: its stages wait for different things (the bubble).
 # Last, hybrid sharding's all-reduce between its groups ("dpr", keyed "dp"): a group of its own
 # only beside cp, where the gradients' key is "dp+cp" (without cp "dp" already holds it).
-EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss")), (("cp",), ("",)), (("dpr",), ("",)))
+EXPOSED_GROUPS = ((("dp", "cp"), ("",)), (("tp",), ("", ".loss", ".partial_grads")), (("cp",), ("",)), (("dpr",), ("",)))
 
 
 def least_exposed(comm, calls: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
