@@ -846,7 +846,8 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     router's, whole: in fp32 and int64 whatever the dtype, its logits and scores (8·E bytes),
     the choices' indices and weights (12·k) and the renormalising sum (4); under SP the gathered
     input (h), in place of the norm's output shard (h/tp), which nothing else keeps unless
-    shared experts read it. Expert parallelism's regrouping adds a few bytes (not counted). Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
+    shared experts read it. Expert parallelism's regrouping adds a few bytes (not counted).
+    Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
     keeps an MoE block's feed-forward whole (``op_recomputed_products``: the policy predates MoE
     blocks) where the dense block it replaces kept w_gate's and w_down's outputs, d·(f/tp + h),
     and not the norm's output, which the experts' input then is."""
