@@ -157,6 +157,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "2bw", "piped
 CP_METHODS = ("ring", "allgather", "ulysses")  # parallel/context_parallel.py's cores
 
 
+# placements.sum_partial_grads all-reduces a partial gradient this large in place, not in the flat
+# buffer of the small ones (an MoE rank's experts would be held twice); the planner counts its calls
+PARTIAL_IN_PLACE_NUMEL = 1 << 20
+
 AUTO = "auto"  # parallel.dp = "auto": the data-parallel degree the world size leaves (see resolve_world)
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from threefold.config import PARTIAL_IN_PLACE_NUMEL
+
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's states of each parameter, named as torch names them
 MESH_AXES = ("pp", "dpr", "dps", "ep", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
 # mesh.py's: the dp ranks are edp × ep (expert parallelism splits dp), edp is dpr × dps (hybrid sharding)
@@ -229,11 +231,6 @@ def full_tensors(shards: list[Shard], shapes: dict[str, tuple[int, ...]], mesh, 
     for axis in reduce_over:
         comm.all_reduce(flat, axis, tag=tag)
     return full
-
-
-# A partial gradient this large is all-reduced in place, not copied into the flat buffer of the
-# small ones: an MoE rank's experts would otherwise be held twice.
-PARTIAL_IN_PLACE_NUMEL = 1 << 20
 
 
 def sum_partial_grads(grads: list[Shard], comm) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import PARTIAL_IN_PLACE_NUMEL, ConfigError, ModelConfig
 from threefold.models.sizes import (attention_width, block_param_count, count_parameters, moe_layer_count,
                                     moe_parameter_counts, padded_vocab, rank_expert_param_count,
                                     tp_block_param_count, tp_moe_block_param_count)
@@ -1886,7 +1886,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                                     + expert_block / np.where(zero >= 1, expert_replicas, 1))
         split = sp & (t > 1) & (moe_last > 0)
         tp_partial_bytes = np.where(split, 2 * (t - 1) / t * partial_numel * work.grad_bytes, 0)
-        tp_partial_calls = np.where(split, 1 + 3 * moe_last, 0)  # the small ones flat, each expert tensor alone
+        # one call for the small ones, flat, and one for each large tensor (the stacked experts', the
+        # shared experts' matrices), as sum_partial_grads makes them
+        experts_shard = rank_expert_param_count(cfg, e) / 3 / np.where(zero >= 1, expert_replicas, 1)
+        shared_shard = h * cfg.moe_shared_experts * cfg.moe_ffn_hidden / np.where(zero >= 1, shards, 1)
+        large = (3 * (experts_shard >= PARTIAL_IN_PLACE_NUMEL)
+                 + 3 * (shared_shard >= PARTIAL_IN_PLACE_NUMEL) * (cfg.moe_shared_experts > 0))
+        tp_partial_calls = np.where(split, 1 + moe_last * large, 0)
         tp_partial_s = np.where(split, _collective_time(gpu, ("all_reduce",), tp_partial_bytes, tp_partial_calls,
                                                         2 * (t - 1), tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node),
                                                         tp_wait), 0)
