@@ -388,3 +388,17 @@ def test_the_moe_blocks_partial_gradients_are_the_engines():
     norms = 2 * (2 - 1) / 2 * 4 * (2 * cfg.model.layers + 1) * cfg.model.hidden
     work, layout = run_layout(cfg)
     assert measured - norms == costs.estimate(work, layout, CATALOG["h100-sxm"])["tp_partial_bytes"] > 0
+
+
+def test_an_moe_estimate_with_tp_but_without_sp_says_the_experts_repeat(capsys):
+    from threefold import config
+
+    config.note_once.cache_clear()  # once a process: an earlier test may have printed it
+    args = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "256",
+            "--tp", "2", "--ep", "8", "--micro-batch", "1", "--json"]
+    assert main(args) == 0
+    assert capsys.readouterr().err.strip() == (
+        "note: without --sequence-parallel each of the --tp 2 ranks runs the experts on the whole sequence, "
+        "repeating their work; with it each runs them on its own positions (Megatron-LM requires it for MoE under TP)")
+    config.note_once.cache_clear()
+    assert main(args + ["--sequence-parallel"]) == 0 and capsys.readouterr().err == ""

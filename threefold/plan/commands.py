@@ -263,6 +263,10 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 reshard_after_forward=o.get("reshard_after_forward"))  # None: by --pp
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
+    if work.model.moe_experts and tp > 1 and not sequence_parallel:
+        note_once(f"note: without --sequence-parallel each of the --tp {tp} ranks runs the experts on the whole "
+                  "sequence, repeating their work; with it each runs them on its own positions (Megatron-LM "
+                  "requires it for MoE under TP)")
     return layout, num_gpus
 
 
