@@ -182,3 +182,14 @@ def test_within_10_percent_after_fitting_on_other_layouts():
     train, targets = train_and_targets()
     report = fit.fit_and_predict(train, targets, json.loads((RUNS / "local.json").read_text()))
     assert report["max_abs_error"] <= 0.10, report["runs"]
+
+
+def test_a_recording_made_before_the_partial_gradients_key_was_renamed_reads_as_it_is_now():
+    """The tp run was recorded when SP's once-a-step sum of partial gradients counted under
+    "tp.norm_grads"; records.read_records reads it as "tp.partial_grads", which predict_rank now
+    prices where the gradients are whole (ZeRO 0): the norm gains' 9,216 bytes, to the byte."""
+    _, metrics = recorded("tp")
+    assert '"tp.norm_grads"' in metrics.read_text()
+    assert all("tp.norm_grads" not in s["comm_bytes"] for s in cmp.read_steps(metrics))
+    row = rows_of("tp")["bytes/step: tp.partial_grads"]
+    assert row.predicted == row.measured == 9216

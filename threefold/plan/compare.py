@@ -188,6 +188,8 @@ def bytes_formulas(cfg: Config, share: RankShare) -> dict[str, str]:
             "tp": f"tp_bytes_per_step, {plural(share.blocks, 'block')}" + (", the embedding" if share.first_stage else "")
                   + (", the head" if share.last_stage else ""),
             "tp.loss": "tp_loss_bytes_per_step",
+            "tp.partial_grads": "2(t−1)/t · 4 · tp_partial_numel: the norm gains'" + (" and MoE blocks'" if share.moe_blocks
+                                                                                    else "") + " gradients, summed over tp",
             "tp.scatter_gather": "scatter_gather_bytes_per_step: the stage boundary's tp scatter and gather",
             "pp": "pp_bytes_per_step of pipeline rank 0"}
 

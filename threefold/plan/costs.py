@@ -822,6 +822,20 @@ def moe_layers_below(cfg: ModelConfig, n):
     return np.ceil(after / cfg.moe_every)
 
 
+def tp_partial_numel(model: ModelConfig, blocks, moe_blocks, last_stage, ep=1):
+    """The parameters of a tp rank whose gradients are partial sums over tp under sequence
+    parallelism, summed once a step (placements.sum_partial_grads): the RMSNorm gains (two a
+    block, the final one on the last stage) and an MoE block's router, shared experts and this
+    rank's E/ep experts (tensor_parallel.SequenceSplitMoE). ``(norm gains, MoE blocks')``."""
+    h = model.hidden
+    norms = 2 * h * np.asarray(blocks) + h * np.asarray(last_stage, dtype=float)
+    moe = 0 * norms
+    if model.moe_experts:
+        replicated = model.moe_experts * h + 3 * h * model.moe_shared_experts * model.moe_ffn_hidden
+        moe = np.asarray(moe_blocks) * (replicated + rank_expert_param_count(model, ep))
+    return _scalar_or_array(norms), _scalar_or_array(moe)
+
+
 def moe_token_share(tp, sequence_parallel):
     """The share of a micro-batch's tokens whose experts one tp rank runs: under sequence
     parallelism its own s/t positions (tensor_parallel.SequenceSplitMoE), else all of them (the
@@ -1881,9 +1895,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # of them where ZeRO shards the gradients; exposed (the norm gains' too, O(L·h): left out).
     tp_partial_bytes = tp_partial_s = tp_partial_calls = np.zeros(np.shape(num_gpus))
     if moe:
-        replicated_numel = cfg.moe_experts * h + 3 * h * cfg.moe_shared_experts * cfg.moe_ffn_hidden
-        partial_numel = moe_last * (replicated_numel / np.where(zero >= 1, shards, 1)
-                                    + expert_block / np.where(zero >= 1, expert_replicas, 1))
+        _, moe_partial = tp_partial_numel(cfg, 0, moe_last, False, e)
+        experts_partial = moe_last * expert_block
+        partial_numel = ((moe_partial - experts_partial) / np.where(zero >= 1, shards, 1)
+                         + experts_partial / np.where(zero >= 1, expert_replicas, 1))
         split = sp & (t > 1) & (moe_last > 0)
         tp_partial_bytes = np.where(split, 2 * (t - 1) / t * partial_numel * work.grad_bytes, 0)
         # one call for the small ones, flat, and one for each large tensor (the stacked experts', the

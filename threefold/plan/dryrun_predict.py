@@ -27,10 +27,11 @@ Under context parallelism a rank holds seq_len / cp tokens of each sequence: its
 tp and pp messages are those of its tokens; cp: plan/context.cp_bytes_per_step of its blocks;
 the gradients are reduced over dp × cp, counted under "dp+cp" ("cp" with the attention's bytes
 when dp = 1; hybrid sharding's all-reduce between its shard groups, over dp ranks alone, under "dp"); an MoE block's routing statistics: plan/context.moe_bytes_per_step ("cp.routing").
-Keys the planner does not model (scalars, the tied embedding, the timeline, the partial
-gradients summed over tp under SP: the norm gains' and an MoE block's, whose bytes estimate
-prices as ``tp_partial_bytes`` but which a ZeRO shard cuts where its buckets fall) are left
-out, so a dry run shows them as measured only.
+tp.partial_grads under SP (the norm gains' and an MoE block's gradients summed over tp once a
+step: costs.tp_partial_numel) where the rank holds them whole (ZeRO 0, or one replica).
+Keys the planner does not model (scalars, the tied embedding, the timeline, and the partial
+gradients where a ZeRO shard cuts them where its buckets fall) are left out, so a dry run
+shows them as measured only.
 
 A bf16 run is the engine's autocast (costs.ENGINE_BYTES): the products' outputs are bf16, the
 residual stream fp32; pp and the residual's tp collectives carry 4 bytes an element, and the
@@ -385,6 +386,9 @@ def predict_rank(cfg: Config, rank: int) -> dict:
             comm["tp"] -= costs.tp_bytes_per_step(0, *tp_args, embedding=False, **widths)
         if share.last_stage:
             comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
+        if sp and (p.zero == 0 or replicas == 1):  # whole gradients: where ZeRO shards them, its buckets cut them
+            partial = sum(costs.tp_partial_numel(model, share.blocks, share.moe_blocks, share.last_stage, p.ep))
+            comm["tp.partial_grads"] = 2 * (p.tp - 1) / p.tp * 4 * partial  # fp32 gradients
     if p.pp > 1:
         # a stage's output and its gradient are the residual stream
         comm["pp"] = costs.pp_bytes_per_step(pp_rank, p.pp, m, p.virtual_stages, t.micro_batch, seq,

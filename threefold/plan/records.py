@@ -91,10 +91,23 @@ def read_records(metrics_path: str | Path, flag: str = "--metrics-file", require
         if why:
             raise ConfigError(f"{flag}: {metrics_path} line {number} is not a step record of "
                               f"`threefold train --metrics-file` ({why})")
-        records.append(record)
+        records.append(_current_keys(record))
     if not records:
         raise ConfigError(f"{flag}: {metrics_path} holds no steps")
     return records
+
+
+# Ledger keys renamed since a metrics file may have been written: old name → new
+RENAMED_KEYS = {"tp.norm_grads": "tp.partial_grads"}  # 2026-12-07: MoE blocks' partial gradients too
+PER_KEY_FIGURES = ("comm_bytes", "comm_exposed_s", "comm_exposed_least_s", "comm_exposed_call_least_s")
+
+
+def _current_keys(record: dict) -> dict:
+    """``record`` with the ledger keys of its per-key figures under their current names."""
+    for figure in PER_KEY_FIGURES:
+        if isinstance(record.get(figure), dict):
+            record[figure] = {RENAMED_KEYS.get(key, key): value for key, value in record[figure].items()}
+    return record
 
 
 TIMELINE_INTS = ("pp", "microbatches", "virtual_stages")
