@@ -73,8 +73,9 @@ all-gathers and one reduce-scatter.
 
 Keeping the units gathered through the step (``parallel.reshard_after_forward = false``, and where
 the key is unset, under a pipeline; FSDP2's ``reshard_after_forward=False`` under
-``torch.distributed.pipelining``, torchtitan's default with a pipeline). Each unit is gathered at its first forward of the step and stays gathered until the
-backward that produces its last gradients of the step (the engine says which: ``last_microbatch``);
+``torch.distributed.pipelining``, torchtitan's default with a pipeline). Each unit is gathered
+at its first forward of the step and stays gathered until the backward that produces its last
+gradients of the step (the engine says which: ``last_microbatch``);
 its full gradient accumulates over the micro-batches, as autograd accumulates into a leaf, and is
 reduce-scattered once, after which the unit is freed. Per step that is one all-gather and one
 reduce-scatter of every parameter, ``(n−1)/n · numel · (4 + 4)`` bytes a rank, whatever the number

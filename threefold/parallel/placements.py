@@ -240,10 +240,12 @@ def sum_partial_grads(grads: list[Shard], comm) -> None:
     axes = sorted({a for s in grads for a in s.partial})
     for axis in axes:
         parts = [s.tensor for s in grads if axis in s.partial]
-        large = [t for t in parts if t.numel() >= PARTIAL_IN_PLACE_NUMEL and t.is_contiguous()]
-        small = [t for t in parts if not any(t is x for x in large)]
-        for t in large:
-            comm.all_reduce(t, axis, tag="partial_grads")
+        small = []
+        for t in parts:
+            if t.numel() >= PARTIAL_IN_PLACE_NUMEL and t.is_contiguous():
+                comm.all_reduce(t, axis, tag="partial_grads")
+            else:
+                small.append(t)
         if small:
             flat = torch.cat([t.reshape(-1) for t in small])
             comm.all_reduce(flat, axis, tag="partial_grads")

@@ -472,10 +472,9 @@ class Layout:
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
-        if int(v["zero"]) == 3 and int(v["pp"]) > 1:  # which way, since a pipeline's default is the other
-            parts.append("reshard" if bool(v["reshard_after_forward"]) else "no-reshard")
-        elif int(v["zero"]) == 3 and not bool(v["reshard_after_forward"]):
-            parts.append("no-reshard")
+        reshard = bool(v["reshard_after_forward"])
+        if int(v["zero"]) == 3 and (int(v["pp"]) > 1 or not reshard):  # where it is not the default's way
+            parts.append("reshard" if reshard else "no-reshard")
         if int(v["dp_shard"]) > 0:  # ZeRO-3's is FSDP's HSDP; ZeRO-1, 2's Megatron's optimizer instances
             parts.append(f"{'hsdp' if int(v['zero']) == 3 else 'shard'}={int(v['dp_shard'])}")
         if bool(v["sequence_parallel"]):
@@ -831,9 +830,14 @@ def tp_partial_numel(model: ModelConfig, blocks, moe_blocks, last_stage, ep=1):
     norms = 2 * h * np.asarray(blocks) + h * np.asarray(last_stage, dtype=float)
     moe = 0 * norms
     if model.moe_experts:
-        replicated = model.moe_experts * h + 3 * h * model.moe_shared_experts * model.moe_ffn_hidden
-        moe = np.asarray(moe_blocks) * (replicated + rank_expert_param_count(model, ep))
+        moe = np.asarray(moe_blocks) * (moe_replicated_param_count(model) + rank_expert_param_count(model, ep))
     return _scalar_or_array(norms), _scalar_or_array(moe)
+
+
+def moe_replicated_param_count(model: ModelConfig) -> int:
+    """An MoE block's parameters outside its routed experts and attention: the router (E·h)
+    and the shared experts' three matrices."""
+    return model.moe_experts * model.hidden + 3 * model.hidden * model.moe_shared_experts * model.moe_ffn_hidden
 
 
 def moe_token_share(tp, sequence_parallel):
@@ -1895,18 +1899,15 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # of them where ZeRO shards the gradients; exposed (the norm gains' too, O(L·h): left out).
     tp_partial_bytes = tp_partial_s = tp_partial_calls = np.zeros(np.shape(num_gpus))
     if moe:
-        _, moe_partial = tp_partial_numel(cfg, 0, moe_last, False, e)
-        experts_partial = moe_last * expert_block
-        partial_numel = ((moe_partial - experts_partial) / np.where(zero >= 1, shards, 1)
-                         + experts_partial / np.where(zero >= 1, expert_replicas, 1))
+        dense_shards, expert_shards = np.where(zero >= 1, shards, 1), np.where(zero >= 1, expert_replicas, 1)
+        partial_numel = moe_last * (moe_replicated_param_count(cfg) / dense_shards + expert_block / expert_shards)
         split = sp & (t > 1) & (moe_last > 0)
         tp_partial_bytes = np.where(split, 2 * (t - 1) / t * partial_numel * work.grad_bytes, 0)
-        # one call for the small ones, flat, and one for each large tensor (the stacked experts', the
-        # shared experts' matrices), as sum_partial_grads makes them
-        experts_shard = rank_expert_param_count(cfg, e) / 3 / np.where(zero >= 1, expert_replicas, 1)
-        shared_shard = h * cfg.moe_shared_experts * cfg.moe_ffn_hidden / np.where(zero >= 1, shards, 1)
-        large = (3 * (experts_shard >= PARTIAL_IN_PLACE_NUMEL)
-                 + 3 * (shared_shard >= PARTIAL_IN_PLACE_NUMEL) * (cfg.moe_shared_experts > 0))
+        # one call for the small ones, flat, and one for each large tensor (the three stacked expert
+        # matrices, the shared experts' three), as sum_partial_grads makes them
+        shared_matrix = h * cfg.moe_shared_experts * cfg.moe_ffn_hidden
+        large = 3 * (expert_block / 3 / expert_shards >= PARTIAL_IN_PLACE_NUMEL) + 3 * (
+            (shared_matrix > 0) & (shared_matrix / dense_shards >= PARTIAL_IN_PLACE_NUMEL))
         tp_partial_calls = np.where(split, 1 + moe_last * large, 0)
         tp_partial_s = np.where(split, _collective_time(gpu, ("all_reduce",), tp_partial_bytes, tp_partial_calls,
                                                         2 * (t - 1), tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node),
