@@ -73,6 +73,13 @@ def main(argv=None) -> int:
     except click.exceptions.Abort:  # Ctrl-C reaches every rank of a job: one of them says it
         if os.environ.get("RANK", "0") == "0":
             click.echo("aborted", err=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank of a job leaves at once, as on a broken group (train/commands.py): the
+            # interpreter's teardown can destroy a native thread of the process group still
+            # running, and the C++ runtime's "terminate called …" would follow "aborted"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     except click.exceptions.NoArgsIsHelpError as err:  # `threefold`, `threefold data`: what there is to run
         click.echo(err.ctx.get_help())
