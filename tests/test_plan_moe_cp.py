@@ -395,7 +395,7 @@ def test_an_moe_estimate_with_tp_but_without_sp_says_the_experts_repeat(capsys):
 
     config.note_once.cache_clear()  # once a process: an earlier test may have printed it
     args = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "256",
-            "--tp", "2", "--ep", "8", "--micro-batch", "1", "--json"]
+            "--tp", "2", "--ep", "8", "--micro-batch", "1", "--json", "--expert-tp", "0"]  # the engine's placement
     assert main(args) == 0
     assert capsys.readouterr().err.strip() == (
         "note: without --sequence-parallel each of the --tp 2 ranks runs the experts on the whole sequence, "

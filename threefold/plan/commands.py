@@ -260,7 +260,12 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=sequence_parallel,
                                 dp_shard=_given(o, "dp_shard", 0),
-                                reshard_after_forward=o.get("reshard_after_forward"))  # None: by --pp
+                                reshard_after_forward=o.get("reshard_after_forward"),  # None: by --pp
+                                expert_tp=expert_tp_of(o, work.model, tp, dp, cp))
+    if work.model.moe_experts and layout.expert_tp >= 1 and tp > 1 and not sequence_parallel:
+        note_once("note: Megatron-Core runs an MoE model under --tp only with --sequence-parallel; estimating with "
+                  "it (--expert-tp 0 prices threefold's engine, which runs without)")
+        layout.sequence_parallel = sequence_parallel = True
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     if work.model.moe_experts and tp > 1 and not sequence_parallel:
@@ -268,6 +273,24 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                   "sequence, repeating their work; with it each runs them on its own positions (Megatron-LM "
                   "requires it for MoE under TP)")
     return layout, num_gpus
+
+
+def expert_tp_of(o: dict, model, tp: int, dp: int, cp: int) -> int:
+    """--expert-tp, or where it is not given Megatron-Core's default: the experts split over the tp
+    ranks, or with ep larger than cp·dp allows there, whole experts with ep folded over tp·cp·dp
+    (its MoE parallel folding); 0 (threefold's engine) at tp 1 where ep divides dp, alike there."""
+    given = o.get("expert_tp")
+    if not model.moe_experts:
+        if given is not None:
+            raise ConfigError("--expert-tp: set without --moe-experts (a dense model)")
+        return 0
+    if given is not None:
+        return given
+    ep = _given(o, "ep", 1)
+    if tp > 1 and (cp * dp) % ep == 0:
+        return tp
+    folds = (tp * cp * dp) % ep == 0 and dp % ep != 0
+    return 1 if folds else 0  # where neither runs, the engine's check says why (ep over the dp ranks)
 
 
 def stage_split(o: dict, work: costs.Workload, layout: costs.Layout) -> tuple[int, ...] | None:
@@ -392,7 +415,13 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
 @click.option("--cp-method", type=choice(costs.CP_METHODS), default="ring", show_default=True,
               help="Attention over the split sequence: ring, allgather (Llama 3) or ulysses (DeepSpeed).")
 @click.option("--ep", type=int, default=1, show_default=True,
-              help="Expert-parallel size, carved out of the data-parallel ranks (divides --dp and the experts).")
+              help="Expert-parallel size (divides the experts): carved out of the data-parallel ranks on threefold's "
+                   "engine (--expert-tp 0), out of cp × dp (or with --expert-tp 1, tp × cp × dp) on Megatron-Core's.")
+@click.option("--expert-tp", type=int,
+              help="An MoE model's experts over the tp ranks. 0: as threefold's engine and DeepSpeed-MoE run them, "
+                   "whole on every tp rank, each running them on its own positions; 1 or --tp: Megatron-Core's "
+                   "--expert-tensor-parallel-size, each expert whole (ep folded over tp × cp × dp) or split over the "
+                   "tp ranks. Default: Megatron-Core's, --tp, or 1 where --ep does not divide cp × dp.")
 @click.option("--micro-batch", type=int,
               help="Sequences per micro-batch; default: the fastest of 1, 2, 4, … 64 that fits, as a run tunes it.")
 @click.option("--virtual-stages", type=int,
@@ -517,6 +546,9 @@ def _fixed_knobs(command):
         click.option("--cp", type=int, help="Fix the context-parallel size."),
         click.option("--cp-method", type=choice(costs.CP_METHODS), help="Fix the context-parallel method."),
         click.option("--ep", type=int, help="Fix the expert-parallel size."),
+        click.option("--expert-tp", type=int, help="Fix how the experts sit over tp (estimate --help); default: "
+                                                   "Megatron-Core's, split over tp; 0 (threefold's engine) with "
+                                                   "--config-out."),
         click.option("--micro-batch", type=int, help="Fix the micro-batch."),
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),
@@ -565,6 +597,19 @@ def plan(as_json, top, out, config_out, **options):
                           f"step; it needs --zero 3 or no --zero, got {options['zero']}")
     knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
+    if fixed["expert_tp"] is not None and not work.model.moe_experts:
+        raise ConfigError("--expert-tp: set without --moe-experts (a dense model)")
+    if fixed["expert_tp"] is not None and fixed["expert_tp"] < 0:
+        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or a tp size, got {fixed['expert_tp']}")
+    if config_out is not None and fixed["expert_tp"] is None:  # a config for the engine: price its experts
+        fixed["expert_tp"] = 0
+    if fixed["expert_tp"] not in (None, 0, 1) and fixed["tp"] not in (None, 1, fixed["expert_tp"]):
+        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or --tp {fixed['tp']}, "
+                          f"got {fixed['expert_tp']}")
+    if (work.model.moe_experts and fixed["sequence_parallel"] is False and (fixed["tp"] or 1) > 1
+            and fixed["expert_tp"] != 0):
+        raise ConfigError("--no-sequence-parallel: Megatron-Core, whose experts plan prices by default, runs an MoE "
+                          "model under tp only with sequence parallelism; add --expert-tp 0 for threefold's engine")
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)

@@ -184,7 +184,7 @@ def priced_zero(zero, reshard_after_forward=True):
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
                       dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0,
-                      residual_bytes: int | None = None, tp_overlap=False):
+                      residual_bytes: int | None = None, tp_overlap=False, expert_tp=0, top_k=1):
     """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
     embedding and the head (the CommLedger's key ``tp``; ring convention).
 
@@ -192,7 +192,8 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     a = 2(t−1)/t (an all-reduce of B sends a·B; an all-gather or reduce-scatter a/2·B), each
     micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
     ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
-    ``moe_layers``: how many of the ``layers`` blocks hold experts.
+    ``moe_layers``: how many of the ``layers`` blocks hold experts; ``expert_tp`` and ``top_k``:
+    how their experts sit over tp (``Layout.expert_tp``) and each token's routed experts.
     ``residual_bytes``: the width of the residual stream where it differs from the products'
     outputs (``dtype_bytes``): 4 in the engine's bf16 runs (``ENGINE_BYTES``); the collectives of
     ``tp_residual_collectives_per_microbatch`` carry it (``tp_overlap`` changes which), the others
@@ -201,17 +202,18 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     Works elementwise on numpy arrays (``recompute`` then as indices into RECOMPUTE).
     """
     ring = 2 * (np.asarray(tp) - 1) / tp
-    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers)
+    collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers,
+                                                expert_tp, top_k)
     if residual_bytes is None or residual_bytes == dtype_bytes:
         return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
     residual = tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding,
-                                                      moe_layers, tp_overlap)
+                                                      moe_layers, tp_overlap, expert_tp)
     widths = (collectives - residual) * dtype_bytes + residual * residual_bytes
     return _scalar_or_array(microbatches * ring * micro_batch * seq_len * hidden * widths)
 
 
 def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama",
-                                           embedding=True, moe_layers=0, tp_overlap=False):
+                                           embedding=True, moe_layers=0, tp_overlap=False, expert_tp=0):
     """Of ``tp_collectives_per_microbatch``, those whose tensor is the residual stream or a
     norm's output, or their gradients (autograd gives a gradient its tensor's dtype); the others
     carry a row-parallel product's output or its gradient. They differ in width where the
@@ -223,7 +225,10 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     product and its gradient's gather carry the product. Full recomputation: none without SP (it
     repeats the attention's g), with SP the attention's and the MLP's gathers, 1. An MoE block:
     the attention's (1, SP 1½), and with SP the gather of the block's input and its gradient's
-    reduce-scatter (½ + ½: tensor_parallel.SequenceSplitMoE), 2½. The embedding's lookup and the
+    reduce-scatter (½ + ½: tensor_parallel.SequenceSplitMoE), 2½; placed as Megatron-Core places
+    experts (``expert_tp`` ≥ 1) the attention's only, 1½ (full recomputation ½ more): the router
+    reads this rank's positions and the all-to-all carries the rest (an expert-tp gather carries
+    the dispatched rows, a product's width). The embedding's lookup and the
     head's input are the residual stream: all of theirs, 1 (SP 1) and 1 (SP 1½). With
     ``tp_overlap`` (SP only) the reduce-scatter of dL/dx is a ring of the addends each product's
     gradient gives, in the products' dtype: ½ less per column-parallel sublayer (a dense block 1,
@@ -232,13 +237,14 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     sp = np.asarray(sequence_parallel, dtype=bool)
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     per_block = np.where(sp, 3.0, 2.0) + np.where(full & sp, 1.0, 0.0)
-    residual = layers * per_block - moe_layers * np.where(sp, 0.5, 1.0) + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
+    moe_less = np.where(np.asarray(expert_tp) >= 1, 1.5 + 0.5 * full, np.where(sp, 0.5, 1.0))
+    residual = layers * per_block - moe_layers * moe_less + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
     ringed = np.asarray(tp_overlap, dtype=bool) & sp
     return _scalar_or_array(residual - np.where(ringed, (layers - moe_layers) * 1.0 + moe_layers * 0.5 + 0.5, 0.0))
 
 
 def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True,
-                                  moe_layers=0):
+                                  moe_layers=0, expert_tp=0, top_k=1):
     """The tensor-parallel collectives of one micro-batch, in all-reduces of its activations
     (an all-gather or a reduce-scatter of the same tensor counts ½), as the engine
     (threefold/parallel/tensor_parallel.py) runs them.
@@ -265,6 +271,13 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
       backward (½ + ½; SequenceSplitMoE) besides the attention's 2½: 3½. Its full recomputation
       repeats what a dense block's does (the attention's g, and with SP the block input's
       gather): 1 (SP 1½).
+    An MoE block placed as Megatron-Core places experts (``expert_tp`` ≥ 1, under SP, which it
+      requires): the attention's 2½; its router reads this rank's positions and the all-to-all
+      dispatches them (no tp collective), and with the experts' weights split over tp
+      (``expert_tp`` > 1, its default) the dispatched rows are all-gathered over tp before the
+      experts and their output reduce-scattered, forward and backward: each a ``top_k``-times
+      larger tensor, 2k more (Megatron-Core's token dispatcher, gather_from_sequence_parallel_region
+      over the expert-tp group). Full recomputation repeats the attention's 1, and those k.
     Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
     the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
     """
@@ -278,6 +291,8 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     op_recomputed = np.where(sp, 1.0, 1.0 if arch == "llama" else 2.0)
     per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, np.where(op, op_recomputed, 0.0))
     moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
+    split_experts = np.where(np.asarray(expert_tp) > 1, 2 * top_k * (1 + 0.5 * full), 0)
+    moe_saves = np.where(np.asarray(expert_tp) >= 1, per_block - (2.5 + 1.0 * full + split_experts), moe_saves)
     return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
                             + np.where(sp, 1.5, 1.0))
 
@@ -445,6 +460,12 @@ class Layout:
     # ZeRO-3: True frees each unit after its forward, False keeps it gathered through the step;
     # None (unset) is torchtitan's default: False under a pipeline, True without one
     reshard_after_forward: Any = None
+    # How an MoE model's experts sit over tp. 0: threefold's engine (and DeepSpeed-MoE): whole on
+    # every tp rank, under SP each rank running them on its own positions, ep carved out of dp.
+    # ≥ 1: Megatron-Core's expert grid (--expert-tensor-parallel-size), which folds the tp·cp·dp
+    # ranks of a stage into expert-tp × ep × expert-dp: 1, whole experts, ep over tp·cp·dp; tp, each
+    # expert's matrices split over the tp ranks, ep over cp·dp (Megatron-Core's default).
+    expert_tp: Any = 0
 
     def __post_init__(self):
         if self.reshard_after_forward is None:
@@ -469,6 +490,8 @@ class Layout:
         parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
         if int(v["ep"]) > 1:
             parts.append(f"EP={int(v['ep'])}")
+        if int(v["expert_tp"]) >= 1 and int(v["tp"]) > 1:  # Megatron-Core's expert grid, where it differs
+            parts.append(f"ETP={int(v['expert_tp'])}")
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
@@ -523,7 +546,9 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         if c > 1 and method == "ulysses" and heads % c:
             raise ConfigError(f"--cp-method ulysses: --cp {c} does not divide the {plural(heads, kind + ' head')} "
                               f"of one tp rank (Ulysses splits the heads over cp)")
-    check_experts(model, e, d)
+    check_experts(model, e, d, t, c, int(layout.expert_tp))
+    if model.moe_experts and int(layout.expert_tp) >= 1 and t > 1 and not layout.sequence_parallel:
+        raise ConfigError("--expert-tp: Megatron-Core runs an MoE model under --tp only with --sequence-parallel")
     check_hybrid_sharding(int(layout.dp_shard), int(layout.zero), d, e)
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
     if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
@@ -577,16 +602,25 @@ def balanced_layers(layers: int, chunks: int) -> int:
     return -(-layers // chunks) * chunks
 
 
-def check_experts(model: ModelConfig, ep: int, dp: int) -> None:
-    """ConfigError, one line, for an expert-parallel size the model or the dp ranks cannot take."""
+def check_experts(model: ModelConfig, ep: int, dp: int, tp: int = 1, cp: int = 1, expert_tp: int = 0) -> None:
+    """ConfigError, one line, for an expert-parallel size (or an expert-tp, ``Layout.expert_tp``)
+    the model or the ranks cannot take."""
+    if expert_tp not in (0, 1, tp):
+        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or --tp {tp}, got {expert_tp}")
+    if expert_tp > 1 and model.moe_ffn_hidden % expert_tp:
+        raise ConfigError(f"--expert-tp: {expert_tp} does not divide the experts' FFN width {model.moe_ffn_hidden}")
     if ep == 1:
         return
     if not model.moe_experts:
         raise ConfigError(f"--ep: {ep} needs an MoE model (--moe-experts); this one is dense")
     if model.moe_experts % ep:
         raise ConfigError(f"--ep: {ep} does not divide the {plural(model.moe_experts, 'expert')} (--moe-experts)")
-    if dp % ep:
+    if expert_tp == 0 and dp % ep:
         raise ConfigError(f"--ep: {ep} does not divide --dp {dp} (the expert-parallel ranks are data-parallel ranks)")
+    if expert_tp >= 1 and (tp * cp * dp // expert_tp) % ep:
+        ranks = "--tp × --cp × --dp" if expert_tp == 1 else "--cp × --dp"
+        raise ConfigError(f"--ep: {ep} does not divide {ranks} = {tp * cp * dp // expert_tp} (Megatron-Core's "
+                          f"expert grid at --expert-tp {expert_tp})")
 
 
 PLAN_FLAGS = {"schedule": "--schedule", "pp": "--pp", "virtual_stages": "--virtual-stages",
@@ -849,7 +883,7 @@ def moe_token_share(tp, sequence_parallel):
 
 
 def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
-                         dtype_bytes: int = ACTIVATION_BYTES):
+                         dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0):
     """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
     on one tp rank, for the ``tokens`` of a micro-batch: the tensors autograd saves for
     threefold/models/moe.py's block, counted with saved-tensor hooks on one process (the input,
@@ -868,13 +902,18 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     Full recomputation keeps only the block's input, as for a dense block. Op-level SAC
     keeps an MoE block's feed-forward whole (``op_recomputed_products``: the policy predates MoE
     blocks) where the dense block it replaces kept w_gate's and w_down's outputs, d·(f/tp + h),
-    and not the norm's output, which the experts' input then is."""
+    and not the norm's output, which the experts' input then is.
+    Placed as Megatron-Core places experts (``expert_tp`` ≥ 1, under SP): the router reads this
+    rank's positions, so its tensors are of 1/tp of the tokens and nothing is gathered; with the
+    experts split over tp (``expert_tp`` > 1) their input is the k dispatched rows of every tp
+    rank's positions, gathered: k·h more a token, less this rank's share."""
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
+    megatron, etp = np.asarray(expert_tp) >= 1, np.asarray(expert_tp)
     recompute = _recompute_index(recompute)
-    gathered = _moe_gathered_bytes(model, t, sp, d)
+    gathered = np.where(megatron, np.where(etp > 1, d * k * h * (1 - 1 / t), 0), _moe_gathered_bytes(model, t, sp, d))
     experts = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 28 * k) * moe_token_share(t, sp)
-    router = 8 * model.moe_experts + 12 * k + 4
+    router = (8 * model.moe_experts + 12 * k + 4) * np.where(megatron, moe_token_share(t, sp), 1)
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
     return _scalar_or_array(np.where(recompute == RECOMPUTE.index("full"), 0,
@@ -1178,12 +1217,16 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         expert = [(h, f_e), (h, f_e), (f_e, h)]
         moe_rows = rows * moe_token_share(t, sp)
         expert_rows, local_experts = moe_rows * k * e / cfg.moe_experts, cfg.moe_experts / e
+        # the router reads every position under the engine's split, this rank's on Megatron-Core's grid
+        placed = np.where(np.asarray(layout.expert_tp) >= 1, layout.expert_tp, 0)
+        router_rows = np.where(placed >= 1, moe_rows, rows)
         moe_gemm_s = (products_s(attention) + products_s(shared_experts, moe_rows)
-                      + matmul_seconds(rows, h, cfg.moe_experts, gpu, a_bytes) + local_experts * products_s(expert, expert_rows))
+                      + matmul_seconds(router_rows, h, cfg.moe_experts, gpu, a_bytes)
+                      + local_experts * products_s(expert, expert_rows))
         dense_casts = tuple(a + x for a, x in zip(cast_seconds(attention), cast_seconds(shared_experts, moe_rows)))
         expert_casts = cast_seconds(expert, expert_rows)
         moe_casts = tuple(d + local_experts * x for d, x in zip(dense_casts, expert_casts))
-        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes)
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes, placed)
         parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all,
                                    products_s(op_recomputed_products(cfg, t, attention_only=True)), moe_casts)
     return parts
@@ -1523,15 +1566,22 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     shard_dp = np.where((zero >= 1) & (np.asarray(layout.dp_shard) > 0), layout.dp_shard, d)
     shards, groups = shard_dp * c, d / shard_dp
     # Mixture-of-Experts: the blocks with experts on stage 0 (blocks 0 … n−1) and on the last
-    # stage (L−n … L−1); each rank holds E/ep whole experts (an MoE block is replicated over tp,
-    # as the engine runs it), their states replicated on dp·cp/ep ranks.
+    # stage (L−n … L−1). As the engine runs them (expert_tp 0) each rank holds E/ep whole experts,
+    # the same on every tp rank, their states replicated on dp·cp/ep ranks. On Megatron-Core's
+    # expert grid (expert_tp ≥ 1) the t·c·d ranks of a stage are expert_tp × ep × expert-dp, the
+    # expert-tp ranks innermost: each holds 1/expert_tp of E/ep experts, their states replicated
+    # on t·c·d/(expert_tp·ep) ranks (with expert_tp 1 the tp ranks among them).
     moe = cfg.moe_experts > 0
     e = np.asarray(layout.ep)
+    expert_tp = np.asarray(layout.expert_tp)
+    megatron_experts = moe & (expert_tp >= 1)
+    etp = np.maximum(expert_tp, 1)
     moe_first = moe_layers_below(cfg, stage_layers)
     moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
     # the experts' states shard over their own replicas (dp·cp/ep); under hybrid sharding over
     # the dp_shard/ep ranks of a shard group that hold the same experts, all-reduced between groups
-    expert_replicas = np.where(shard_dp < d, shards, replicas) / e
+    folded = np.where(megatron_experts, t / etp, 1)  # the tp ranks an expert's replicas span
+    expert_replicas = np.where(shard_dp < d, shards, replicas) * folded / e
     expert_dp = np.where(shard_dp < d, shard_dp, d) / e  # dp ranks of that group, t·c·ep apart
 
     # ---- activations (Korthikanti et al. 2022, §4) -------------------------------------------
@@ -1549,8 +1599,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     recompute_workspace = np.where(full | op, layer_all, np.where(selective, tokens * coef["core"] / t, 0))
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
     if moe:
-        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes)
-        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes)
+        placed = np.where(megatron_experts, expert_tp, 0)
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes, placed)
+        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed)
         recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
@@ -1624,7 +1675,10 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     block_numel = stage_layers * block_params
     expert_first = expert_last = 0
     if moe:  # per MoE block on one rank: the attention over tp; norms, router, shared and E/ep experts whole
-        moe_block, expert_block = tp_moe_block_param_count(cfg, t), rank_expert_param_count(cfg, e)
+        # (Megatron-Core: the shared experts over tp, as a dense MLP; the experts over expert_tp)
+        shared_numel = 3 * h * cfg.moe_shared_experts * cfg.moe_ffn_hidden
+        moe_block = tp_moe_block_param_count(cfg, t) - np.where(megatron_experts, shared_numel * (1 - 1 / t), 0)
+        expert_block = rank_expert_param_count(cfg, e) / etp
         block_numel_last = block_numel + moe_last * (moe_block - block_params)
         block_numel = block_numel + moe_first * (moe_block - block_params)
         expert_first, expert_last = moe_first * expert_block, moe_last * expert_block
@@ -1721,14 +1775,16 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # ---- tensor parallel: the engine's collectives (tp_collectives_per_microbatch) on the last
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
+    moe_tp = dict(moe_layers=moe_last, expert_tp=np.where(megatron_experts, expert_tp, 0),
+                  top_k=cfg.moe_top_k_experts if moe else 1)
     tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage,
-                                                   moe_layers=moe_last)
+                                                   **moe_tp)
     if work.sequence_copies:  # two SP calls per all-reduce's worth, each a copy read and written
         full_tensor_bytes = tokens * h * work.activation_bytes
         memory_bound_s = memory_bound_s + np.where(sp & (t > 1) & (b > 1), 2 * tp_collectives * 2 * full_tensor_bytes
                                                    / gpu.elementwise_rate, 0)
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
-                                    embedding=single_stage, moe_layers=moe_last)
+                                    embedding=single_stage, **moe_tp)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
@@ -1746,7 +1802,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # the adjacent product: transfers of C seconds beside products of G leave max(0, C − (t−1)/t·G)
     # exposed. The embedding's pair and the loss's all-reduces have no product beside them.
     ringed_mb_s = tp_mb_s * tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes,
-                                              cfg.arch, embedding=False, moe_layers=moe_last) / np.maximum(tp_sent_mb, 1)
+                                              cfg.arch, embedding=False, **moe_tp) / np.maximum(tp_sent_mb, 1)
     tp_exposed_mb = np.where(work.tp_comm_overlap & sp,
                              tp_mb_s - ringed_mb_s + np.maximum(0, ringed_mb_s - (t - 1) / t * gemm_mb_s), tp_mb_s)
 
@@ -1776,7 +1832,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     if moe:
         ep_sent_mb = ep_bytes_per_step(tokens * moe_token_share(t, sp), cfg.moe_top_k_experts, h, e, moe_last, 1,
                                        cfg.moe_experts, recompute, work.activation_bytes)
-        in_node = members_in_node(gpu.gpus_per_node, (t * c, e))  # ep ranks in one node, this one included
+        # ep ranks in one node, this one included: t·c apart, or expert_tp apart on Megatron-Core's grid
+        in_node = members_in_node(gpu.gpus_per_node, (np.where(megatron_experts, etp, t * c), e))
         peers = np.maximum(e - 1, 1)
         intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
         inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)
@@ -1843,9 +1900,12 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                               forward_s, mb_s, 0, root_numel=first_root, unit_numel=block_params,
                               head=single_stage | v_shape, embedding=True, **dp_kinds)
     if moe:  # the experts' states reduce (and gather) over their own replicas (dp·cp/ep), behind the
-        # same backward as the rest: the two groups' exposure together
-        expert_members = members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, expert_dp))
-        expert_bw, expert_lat = link(t * c * e * expert_dp, members_per_node=expert_members)
+        # same backward as the rest: the two groups' exposure together. On Megatron-Core's grid
+        # those are expert_tp·ep ranks apart.
+        expert_members = np.where(megatron_experts, members_in_node(gpu.gpus_per_node, (etp * e, expert_replicas)),
+                                  members_in_node(gpu.gpus_per_node, (t, c), (t * c * e, expert_dp)))
+        expert_bw, expert_lat = link(np.where(megatron_experts, etp * e * expert_replicas, t * c * e * expert_dp),
+                                     members_per_node=expert_members)
         expert_kinds = dict(dp_kinds, members_per_node=expert_members,  # "between": hybrid sharding's, as the rest's
                             wait=group_wait(wait, expert_replicas, runnable, pair_wait))
         expert_group, expert_zero = expert_replicas, zero
@@ -1901,13 +1961,16 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     if moe:
         dense_shards, expert_shards = np.where(zero >= 1, shards, 1), np.where(zero >= 1, expert_replicas, 1)
         partial_numel = moe_last * (moe_replicated_param_count(cfg) / dense_shards + expert_block / expert_shards)
+        # Megatron-Core's grid: the experts reduce over their expert-dp group, the shared experts
+        # are split over tp; only the router's gradient is summed over tp
+        partial_numel = np.where(megatron_experts, moe_last * cfg.moe_experts * h / dense_shards, partial_numel)
         split = sp & (t > 1) & (moe_last > 0)
         tp_partial_bytes = np.where(split, 2 * (t - 1) / t * partial_numel * work.grad_bytes, 0)
         # one call for the small ones, flat, and one for each large tensor (the three stacked expert
         # matrices, the shared experts' three), as sum_partial_grads makes them
         shared_matrix = h * cfg.moe_shared_experts * cfg.moe_ffn_hidden
-        large = 3 * (expert_block / 3 / expert_shards >= PARTIAL_IN_PLACE_NUMEL) + 3 * (
-            (shared_matrix > 0) & (shared_matrix / dense_shards >= PARTIAL_IN_PLACE_NUMEL))
+        large = np.where(megatron_experts, 0, 3 * (expert_block / 3 / expert_shards >= PARTIAL_IN_PLACE_NUMEL) + 3 * (
+            (shared_matrix > 0) & (shared_matrix / dense_shards >= PARTIAL_IN_PLACE_NUMEL)))
         tp_partial_calls = np.where(split, 1 + moe_last * large, 0)
         tp_partial_s = np.where(split, _collective_time(gpu, ("all_reduce",), tp_partial_bytes, tp_partial_calls,
                                                         2 * (t - 1), tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node),

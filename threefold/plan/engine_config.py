@@ -23,6 +23,8 @@ SHAPE = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "
 
 OP = ("op-level checkpointing, which the engine does not run (its selective recomputation is the attention "
       "core at every ZeRO stage): plan with --recompute full or none, or a ZeRO stage below 3")
+EXPERT_TP = ("Megatron-Core's expert grid (--expert-tp), which the engine does not run (its experts are whole on "
+             "every tp rank): plan with --expert-tp 0, the default with --config-out")
 
 
 def config_keys(work: costs.Workload, layout: costs.Layout, i: int) -> dict:
@@ -78,6 +80,8 @@ def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[
         try:
             if keys["train"]["recompute"] == "op":
                 raise ConfigError(OP)
+            if work.model.moe_experts and int(np.asarray(layouts.expert_tp)[int(i)]) >= 1 and keys["parallel"]["tp"] > 1:
+                raise ConfigError(EXPERT_TP)
             with notes_after_checks():
                 load_config(None, overrides(keys))
         except ConfigError as err:

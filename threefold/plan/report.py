@@ -36,7 +36,8 @@ def result_json(est: dict, layout: Layout, i: int | None = None) -> dict:
                    "recompute": RECOMPUTE[int(lay("recompute"))], "schedule": SCHEDULES[int(lay("schedule"))],
                    "ep": int(lay("ep")), "cp_method": CP_METHODS[int(lay("cp_method"))],
                    "dp_shard": int(lay("dp_shard")),  # only ZeRO-3 keeps units gathered: true below it
-                   "reshard_after_forward": bool(lay("reshard_after_forward")) or int(lay("zero")) != 3},
+                   "reshard_after_forward": bool(lay("reshard_after_forward")) or int(lay("zero")) != 3,
+                   "expert_tp": int(lay("expert_tp"))},
         "parameters": {"total": int(get("params_total")), "active": int(get("params_active"))},
         "num_gpus": int(get("num_gpus")), "microbatches": int(get("microbatches")),
         "step_time_s": get("step_time_s"), "tokens_per_s": get("tokens_per_s"), "tflops_per_gpu": get("tflops_per_gpu"),

@@ -59,7 +59,7 @@ def _runs(schedule: int, pp: int, microbatches: int, v: int, layers: int) -> boo
 
 
 KNOBS = ("tp", "pp", "dp", "cp", "ep", "cp_method", "zero", "micro_batch", "virtual_stages", "sequence_parallel",
-         "recompute", "schedule", "dp_shard", "reshard_after_forward")
+         "recompute", "schedule", "dp_shard", "reshard_after_forward", "expert_tp")
 
 
 def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
@@ -130,12 +130,27 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                      sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method,
-                     dp_shard=np.zeros_like(zero), reshard_after_forward=np.ones_like(zero, dtype=bool))
+                     dp_shard=np.zeros_like(zero), reshard_after_forward=np.ones_like(zero, dtype=bool),
+                     expert_tp=_expert_tp(cfg, tp, fixed.get("expert_tp")))
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
     layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
+    if cfg.moe_experts:  # Megatron-Core's grid runs under tp only with SP; a given expert-tp above 1 only at its tp
+        tp, sp, expert_tp = (np.asarray(getattr(layouts, k)) for k in ("tp", "sequence_parallel", "expert_tp"))
+        layouts = layouts.take(((expert_tp == 0) | sp | (tp == 1)) & ((expert_tp <= 1) | (expert_tp == tp)))
     layouts = _with_hybrid_sharding(layouts, num_gpus, fixed.get("dp_shard"))
     return _with_kept_gathered(layouts, fixed.get("reshard_after_forward"))
+
+
+def _expert_tp(cfg, tp, given: int | None):
+    """Layout.expert_tp of each row: the given value, or Megatron-Core's default, the experts split
+    over tp (tp itself); 0, the engine's placement, where there are no experts or tp is 1 (they
+    price alike there)."""
+    if not cfg.moe_experts:
+        return np.zeros_like(tp)
+    if given is None:
+        return np.where(tp > 1, tp, 0)
+    return np.where(tp > 1, given, 0)
 
 
 def _with_kept_gathered(layouts: Layout, reshard: bool | None) -> Layout:

@@ -1,0 +1,167 @@
+"""The planner's expert placement over tp (``Layout.expert_tp``): threefold's engine (0: experts whole
+on every tp rank) against Megatron-Core's expert grid (1: whole experts, ep folded over tp·cp·dp;
+tp: each expert split over the tp ranks, its default). Each memory term is checked against its
+count from the model's shape, so a wrong grid fails by whole tensors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from threefold import config
+from threefold.cli import main
+from threefold.models.presets import get_preset
+from threefold.plan import costs
+from threefold.plan.hardware import get_gpu
+
+MIXTRAL = get_preset("mixtral-8x7b")  # 32 blocks, every one MoE, 8 experts of 3·4096·14336, top-2, no shared experts
+EXPERT_NUMEL = 3 * MIXTRAL.hidden * MIXTRAL.moe_ffn_hidden
+
+
+def estimate(**sizes):
+    work = costs.Workload(MIXTRAL, global_batch=64)
+    layout = costs.Layout.named(micro_batch=1, **sizes)
+    costs.check_layout(MIXTRAL, layout, 64, int(layout.tp * layout.pp * layout.dp * layout.cp))
+    return costs.estimate(work, layout, get_gpu("h100-sxm"))
+
+
+def test_megatron_split_experts_hold_one_tp_share_of_the_experts_weights_and_gradients():
+    """ETP = tp: each tp rank holds 1/tp of its E/ep experts; the engine holds them whole."""
+    engine = estimate(tp=2, dp=8, ep=8, sequence_parallel=True, zero=1, expert_tp=0)
+    split = estimate(tp=2, dp=8, ep=8, sequence_parallel=True, zero=1, expert_tp=2)
+    halved = MIXTRAL.layers * (MIXTRAL.moe_experts // 8) * EXPERT_NUMEL / 2  # per rank: 32 blocks × 1 expert × ½
+    assert engine["params_bytes"] - split["params_bytes"] == pytest.approx(halved * 2)  # bf16 weights
+    assert engine["grads_bytes"] - split["grads_bytes"] == pytest.approx(halved * 4)  # fp32 gradients
+    # ZeRO-1 over the expert replicas, dp/ep = 1 on both: the states follow the weights
+    assert engine["optimizer_bytes"] - split["optimizer_bytes"] == pytest.approx(halved * 12)
+
+
+def test_megatron_whole_experts_fold_ep_over_tp_and_shard_their_states_over_tp_too():
+    """ETP = 1 at ep 8 over tp 2 × dp 4: ep larger than dp runs (the engine refuses it), each rank
+    holds one whole expert a block, and ZeRO-1 shards its states over tp·dp/ep = 1 rank… and at
+    dp 8 over tp·dp/ep = 2 ranks, where the engine's replicas are dp/ep = 1."""
+    with pytest.raises(config.ConfigError, match="does not divide --dp 4"):
+        estimate(tp=2, dp=4, ep=8, sequence_parallel=True, zero=1, expert_tp=0)
+    folded = estimate(tp=2, dp=4, ep=8, sequence_parallel=True, zero=1, expert_tp=1)
+    engine = estimate(tp=2, dp=8, ep=8, sequence_parallel=True, zero=1, expert_tp=0)
+    whole = estimate(tp=2, dp=8, ep=8, sequence_parallel=True, zero=1, expert_tp=1)
+    expert_states = MIXTRAL.layers * EXPERT_NUMEL * 12  # fp32 master, two moments: one expert a block
+    assert engine["params_bytes"] == whole["params_bytes"] == folded["params_bytes"]
+    assert engine["optimizer_bytes"] - whole["optimizer_bytes"] == pytest.approx(expert_states / 2)
+    # the engine sums its experts' gradients over tp once a step; Megatron-Core's grid reduces them
+    # with their replicas, and only the router's sum over tp remains
+    router = MIXTRAL.layers * MIXTRAL.moe_experts * MIXTRAL.hidden / 8  # ZeRO-1 over dp 8: this rank's share
+    assert whole["tp_partial_bytes"] == pytest.approx(2 * (2 - 1) / 2 * router * 4)
+    assert engine["tp_partial_bytes"] > 1000 * whole["tp_partial_bytes"]
+
+
+def test_tp_collectives_of_an_moe_block_on_each_placement():
+    """Per micro-batch, in all-reduces of the activations, one MoE block (SP) and the head's 1½:
+    the engine's 3½ (the attention's 2½ and the router's gathered sequence); Megatron-Core's
+    whole experts the attention's 2½; its split experts 2½ and the dispatched rows' gather and
+    reduce-scatter, forward and backward, each k times the activations: 2½ + 2k."""
+    one = dict(layers=1, sequence_parallel=True, recompute="none", embedding=False, moe_layers=1)
+    assert costs.tp_collectives_per_microbatch(**one) == 3.5 + 1.5
+    assert costs.tp_collectives_per_microbatch(**one, expert_tp=1, top_k=2) == 2.5 + 1.5
+    assert costs.tp_collectives_per_microbatch(**one, expert_tp=4, top_k=2) == 2.5 + 4 + 1.5
+    # full recomputation repeats the attention's gather and reduce-scatter, and the k of split experts
+    one["recompute"] = "full"
+    assert costs.tp_collectives_per_microbatch(**one, expert_tp=4, top_k=2) == 2.5 + 1 + 4 + 2 + 1.5
+    # the engine's bytes are unchanged by the default
+    assert costs.tp_bytes_per_step(4, 2, 1, 4096, 4096, 2, True, "none", 2, moe_layers=4) == \
+        costs.tp_bytes_per_step(4, 2, 1, 4096, 4096, 2, True, "none", 2, moe_layers=4, expert_tp=0, top_k=2)
+
+
+def _estimate_json(capsys, *flags):
+    config.note_once.cache_clear()
+    assert main(["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "256",
+                 "--micro-batch", "1", "--json", *flags]) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out), err
+
+
+@pytest.mark.parametrize("flags, expert_tp", [
+    (["--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel"], 2),  # Megatron-Core's default: tp
+    (["--num-gpus", "64", "--tp", "4", "--pp", "4", "--ep", "8", "--sequence-parallel"], 1),  # ep > dp 4: folded
+    (["--num-gpus", "64", "--ep", "8"], 0),  # tp 1: the engine's, alike
+    (["--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel", "--expert-tp", "0"], 0),
+])
+def test_estimate_defaults_to_megatron_cores_expert_grid(capsys, flags, expert_tp):
+    result, err = _estimate_json(capsys, *flags)
+    assert result["layout"]["expert_tp"] == expert_tp and err == ""
+
+
+def test_megatron_core_turns_sequence_parallelism_on_for_moe_under_tp_and_says_so(capsys):
+    result, err = _estimate_json(capsys, "--num-gpus", "64", "--tp", "2", "--ep", "8")
+    assert result["layout"]["sequence_parallel"] and result["layout"]["expert_tp"] == 2
+    assert err.strip() == ("note: Megatron-Core runs an MoE model under --tp only with --sequence-parallel; "
+                           "estimating with it (--expert-tp 0 prices threefold's engine, which runs without)")
+    with_sp, err = _estimate_json(capsys, "--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel")
+    assert err == "" and with_sp["step_time_s"] == result["step_time_s"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "mixtral-8x7b", "--tp", "2", "--expert-tp", "4"], "--expert-tp: must be 0 (threefold's engine), "
+                                                                 "1 or --tp 2, got 4"),
+    (["--model", "llama3-8b", "--tp", "2", "--expert-tp", "1"], "--expert-tp: set without --moe-experts"),
+    (["--model", "mixtral-8x7b", "--tp", "4", "--pp", "4", "--ep", "8", "--sequence-parallel", "--expert-tp", "4"],
+     "--ep: 8 does not divide --cp × --dp = 4"),
+])
+def test_bad_expert_tp_is_one_line_and_exit_2(capsys, flags, message):
+    config.note_once.cache_clear()
+    code = main(["estimate", "--gpu", "h100-sxm", "--global-batch", "256", "--num-gpus", "64", "--micro-batch", "1",
+                 *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_batch_line_takes_expert_tp(tmp_path, capsys):
+    lines = tmp_path / "rows.jsonl"
+    row = {"model": "mixtral-8x7b", "gpu": "h100-sxm", "num_gpus": 64, "global_batch": 256, "tp": 2, "ep": 8,
+           "sequence_parallel": True, "micro_batch": 1}
+    lines.write_text(json.dumps(row) + "\n" + json.dumps(dict(row, expert_tp=0)) + "\n")
+    assert main(["estimate", "--batch", str(lines)]) == 0
+    megatron, engine = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert (megatron["layout"]["expert_tp"], engine["layout"]["expert_tp"]) == (2, 0)
+    assert megatron["memory_gib"]["params"] < engine["memory_gib"]["params"]
+
+
+def test_plan_prices_megatron_cores_grid_and_the_engines_for_a_config(tmp_path, capsys):
+    flags = ["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "32", "--global-batch", "64",
+             "--tp", "2", "--pp", "1", "--json"]
+    assert main(flags) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["layouts"] and all(row["layout"]["expert_tp"] == 2 and row["layout"]["sequence_parallel"]
+                                    for row in found["layouts"])
+    path = tmp_path / "moe.toml"
+    config.note_once.cache_clear()
+    assert main(flags + ["--config-out", str(path)]) == 0
+    engine = json.loads(capsys.readouterr().out)
+    assert engine["fixed"]["expert_tp"] == 0 and all(row["layout"]["expert_tp"] == 0 for row in engine["layouts"])
+    assert path.exists() and "tp = 2" in path.read_text()
+
+
+def test_the_search_never_prices_megatron_cores_grid_under_tp_without_sp():
+    work = costs.Workload(MIXTRAL, global_batch=64)
+    from threefold.plan import search
+
+    layouts = search.candidate_layouts(work, 16, {"pp": 1})
+    tp, sp, expert_tp = (np.asarray(getattr(layouts, k)) for k in ("tp", "sequence_parallel", "expert_tp"))
+    assert (tp > 1).any() and np.all(sp[tp > 1]) and np.all(expert_tp[tp > 1] == tp[tp > 1])
+    engine = search.candidate_layouts(work, 16, {"pp": 1, "expert_tp": 0})
+    assert (~np.asarray(engine.sequence_parallel)[np.asarray(engine.tp) > 1]).any()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "2", "--no-sequence-parallel"], "--no-sequence-parallel: Megatron-Core, whose experts plan prices by "
+                                              "default, runs an MoE model under tp only with sequence parallelism; "
+                                              "add --expert-tp 0 for threefold's engine"),
+    (["--tp", "2", "--expert-tp", "4"], "--expert-tp: must be 0 (threefold's engine), 1 or --tp 2, got 4"),
+    (["--expert-tp", "-1"], "--expert-tp: must be 0 (threefold's engine), 1 or a tp size, got -1"),
+])
+def test_bad_expert_tp_in_plan_is_one_line_and_exit_2(capsys, flags, message):
+    code = main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "256",
+                 *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"error: {message}", err
