@@ -1211,19 +1211,25 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
         # (moe_token_share: its own positions under SP, all of them without), the shared experts
         # and this rank's E/ep experts, each on its share of the T·k rows the dispatch brings
         # (balanced routing: T·k·ep/E rows each). The same 3× for backward as any product.
+        # On Megatron-Core's grid (expert_tp ≥ 1) the router reads this rank's positions only, the
+        # shared experts run as a dense MLP over tp (every position, 1/t of each matrix), and split
+        # experts (expert_tp > 1) run the tp group's dispatched rows on 1/expert_tp of each matrix:
+        # the same FLOPs, in other shapes.
         k, f_e, shared = cfg.moe_top_k_experts, cfg.moe_ffn_hidden, cfg.moe_shared_experts
-        attention = layer_products(cfg, t)[:4]
-        shared_experts = [(h, shared * f_e)] * 2 + [(shared * f_e, h)] if shared else []
-        expert = [(h, f_e), (h, f_e), (f_e, h)]
-        moe_rows = rows * moe_token_share(t, sp)
-        expert_rows, local_experts = moe_rows * k * e / cfg.moe_experts, cfg.moe_experts / e
-        # the router reads every position under the engine's split, this rank's on Megatron-Core's grid
         placed = np.where(np.asarray(layout.expert_tp) >= 1, layout.expert_tp, 0)
+        expert_split, shared_split = np.maximum(placed, 1), np.where(placed >= 1, t, 1)
+        attention = layer_products(cfg, t)[:4]
+        shared_experts = ([(h, shared * f_e / shared_split)] * 2 + [(shared * f_e / shared_split, h)]
+                          if shared else [])
+        expert = [(h, f_e / expert_split), (h, f_e / expert_split), (f_e / expert_split, h)]
+        moe_rows = rows * moe_token_share(t, sp)
+        expert_rows, local_experts = moe_rows * k * e / cfg.moe_experts * expert_split, cfg.moe_experts / e
         router_rows = np.where(placed >= 1, moe_rows, rows)
-        moe_gemm_s = (products_s(attention) + products_s(shared_experts, moe_rows)
+        moe_gemm_s = (products_s(attention) + products_s(shared_experts, moe_rows * shared_split)
                       + matmul_seconds(router_rows, h, cfg.moe_experts, gpu, a_bytes)
                       + local_experts * products_s(expert, expert_rows))
-        dense_casts = tuple(a + x for a, x in zip(cast_seconds(attention), cast_seconds(shared_experts, moe_rows)))
+        dense_casts = tuple(a + x for a, x in zip(cast_seconds(attention),
+                                                  cast_seconds(shared_experts, moe_rows * shared_split)))
         expert_casts = cast_seconds(expert, expert_rows)
         moe_casts = tuple(d + local_experts * x for d, x in zip(dense_casts, expert_casts))
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes, placed)
