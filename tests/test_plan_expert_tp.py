@@ -85,6 +85,7 @@ def _estimate_json(capsys, *flags):
     (["--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel"], 2),  # Megatron-Core's default: tp
     (["--num-gpus", "64", "--tp", "4", "--pp", "4", "--ep", "8", "--sequence-parallel"], 1),  # ep > dp 4: folded
     (["--num-gpus", "64", "--ep", "8"], 0),  # tp 1: the engine's, alike
+    (["--num-gpus", "32", "--cp", "2", "--pp", "4", "--ep", "8"], 1),  # ep over cp 2 × dp 4: folded, at tp 1 too
     (["--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel", "--expert-tp", "0"], 0),
 ])
 def test_estimate_defaults_to_megatron_cores_expert_grid(capsys, flags, expert_tp):

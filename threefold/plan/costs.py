@@ -490,8 +490,8 @@ class Layout:
         parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
         if int(v["ep"]) > 1:
             parts.append(f"EP={int(v['ep'])}")
-        if int(v["expert_tp"]) >= 1 and int(v["tp"]) > 1:  # Megatron-Core's expert grid, where it differs
-            parts.append(f"ETP={int(v['expert_tp'])}")
+        if int(v["expert_tp"]) >= 1 and (int(v["tp"]) > 1 or int(v["dp"]) % int(v["ep"])):  # Megatron-Core's grid,
+            parts.append(f"ETP={int(v['expert_tp'])}")  # where it differs from the engine's
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
