@@ -166,3 +166,21 @@ def test_bad_expert_tp_in_plan_is_one_line_and_exit_2(capsys, flags, message):
                  *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == f"error: {message}", err
+
+
+def test_the_search_folds_ep_where_megatron_cores_grid_allows_it():
+    """ep spans cp·dp on Megatron-Core's grid (tp·cp·dp with whole experts); the engine's stays
+    within dp. At tp 1 a row whose ep exceeds dp is Megatron-Core's (expert_tp 1), the others the
+    engine's, priced alike."""
+    from threefold.plan import search
+
+    work = costs.Workload(MIXTRAL, global_batch=64)
+    rows = search.candidate_layouts(work, 16, {"pp": 2, "cp": 2, "tp": 1})  # dp 4
+    ep, expert_tp = np.asarray(rows.ep), np.asarray(rows.expert_tp)
+    assert set(ep) == {1, 2, 4, 8} and set(expert_tp[ep == 8]) == {1} and set(expert_tp[ep <= 4]) == {0}
+    engine = search.candidate_layouts(work, 16, {"pp": 2, "cp": 2, "tp": 1, "expert_tp": 0})
+    assert set(np.asarray(engine.ep)) == {1, 2, 4}
+    folded = search.candidate_layouts(work, 16, {"pp": 2, "tp": 2, "expert_tp": 1})  # tp 2 × dp 4
+    assert set(np.asarray(folded.ep)) == {1, 2, 4, 8}
+    for i in range(0, len(np.asarray(rows.tp)), 97):  # every row is one the layout check takes
+        costs.check_layout(MIXTRAL, rows.take(i), 64, 16)

@@ -71,11 +71,15 @@ def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
             and (name != "ulysses" or not (cfg.heads // tp % cp or cfg.n_kv_heads // tp % cp))]
 
 
-def _expert_parallel(cfg, dp: int, fixed: dict) -> list[int]:
-    """Expert-parallel sizes: every divisor of dp that divides the experts (1 for a dense model)."""
+def _expert_parallel(cfg, tp: int, dp: int, cp: int, fixed: dict) -> list[int]:
+    """Expert-parallel sizes: every divisor of the ranks ep is carved from that divides the experts
+    (1 for a dense model): dp on the engine's placement (expert_tp 0), cp·dp on Megatron-Core's
+    grid with the experts split over tp (its default), tp·cp·dp with them whole (expert_tp 1)."""
+    given = fixed.get("expert_tp")
+    ranks = dp if given == 0 else tp * cp * dp if given == 1 else cp * dp
     if "ep" in fixed:
-        return [fixed["ep"]] if dp % fixed["ep"] == 0 and (cfg.moe_experts or 1) % fixed["ep"] == 0 else []
-    return [e for e in _divisors(dp) if cfg.moe_experts % e == 0] if cfg.moe_experts else [1]
+        return [fixed["ep"]] if ranks % fixed["ep"] == 0 and (cfg.moe_experts or 1) % fixed["ep"] == 0 else []
+    return [e for e in _divisors(ranks) if cfg.moe_experts % e == 0] if cfg.moe_experts else [1]
 
 
 def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) -> Layout:
@@ -108,7 +112,7 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
         for b, (schedule, v), sp, method, ep in itertools.product(
                 micro, _pipelines(cfg.layers, pp, fixed.get("schedule"), fixed.get("virtual_stages")),
                 [x for x in parallel if tp > 1 or not x], _context_methods(cfg, tp, cp, fixed),
-                _expert_parallel(cfg, dp, fixed)):
+                _expert_parallel(cfg, tp, dp, cp, fixed)):
             if (pp > 1 or v > 1) and not _runs(schedule, pp, work.global_batch // (dp * b), v, cfg.layers):
                 continue
             grids.append((tp, pp, dp, cp, b, v, sp, schedule, ep, method))
@@ -131,7 +135,7 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                      sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method,
                      dp_shard=np.zeros_like(zero), reshard_after_forward=np.ones_like(zero, dtype=bool),
-                     expert_tp=_expert_tp(cfg, tp, fixed.get("expert_tp")))
+                     expert_tp=_expert_tp(cfg, tp, dp, ep, fixed.get("expert_tp")))
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
     layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
@@ -142,15 +146,15 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     return _with_kept_gathered(layouts, fixed.get("reshard_after_forward"))
 
 
-def _expert_tp(cfg, tp, given: int | None):
+def _expert_tp(cfg, tp, dp, ep, given: int | None):
     """Layout.expert_tp of each row: the given value, or Megatron-Core's default, the experts split
-    over tp (tp itself); 0, the engine's placement, where there are no experts or tp is 1 (they
-    price alike there)."""
+    over tp (tp itself); at tp 1, where they price alike, the engine's placement (0), or 1 where
+    ep spans more than the dp ranks (over cp). 0 for a dense model."""
     if not cfg.moe_experts:
         return np.zeros_like(tp)
-    if given is None:
-        return np.where(tp > 1, tp, 0)
-    return np.where(tp > 1, given, 0)
+    if given in (0, 1):
+        return np.full_like(tp, given)
+    return np.where(tp > 1, tp if given is None else given, np.where(dp % ep == 0, 0, 1))
 
 
 def _with_kept_gathered(layouts: Layout, reshard: bool | None) -> Layout:
