@@ -88,8 +88,10 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-16 dividing half the sequence (the zigzag split), with each method that
-    runs (``_context_methods``); DP fills the rest; EP: each divisor of dp that divides the
-    experts (MoE models only). Then every ZeRO stage (ZeRO-3 also with hybrid sharding over each
+    runs (``_context_methods``); DP fills the rest; EP: each divisor of the ranks it is carved
+    from that divides the experts (MoE models only: ``_expert_parallel``), with the experts placed
+    as Megatron-Core places them under tp, or as given (``_expert_tp``; its grid only with SP).
+    Then every ZeRO stage (ZeRO-3 also with hybrid sharding over each
     divisor of dp from 2 up that is a multiple of ep: ``_with_hybrid_sharding``),
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
     (every schedule of the registry that accepts the layout; chunked ones with 2-8 chunks per
