@@ -184,3 +184,12 @@ def test_the_search_folds_ep_where_megatron_cores_grid_allows_it():
     assert set(np.asarray(folded.ep)) == {1, 2, 4, 8}
     for i in range(0, len(np.asarray(rows.tp)), 97):  # every row is one the layout check takes
         costs.check_layout(MIXTRAL, rows.take(i), 64, 16)
+
+
+def test_the_why_column_places_the_ep_group_on_megatron_cores_grid(capsys):
+    """Folded over cp, EP=8 is eight consecutive ranks, one node: not "crosses nodes" (tp·cp·ep,
+    the engine's spacing, would be 64 ranks)."""
+    assert main(["plan", "--model", "mixtral-8x7b", "--global-batch", "1024", "--gpu", "h100-sxm", "--num-gpus", "64",
+                 "--pp", "2", "--dp", "4", "--cp", "8", "--ep", "8", "--top", "1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert "ETP=1" in row["describe"] and "EP=8 within a node" in row["why"], row
