@@ -4,6 +4,7 @@ tp: each expert split over the tp ranks, its default). Each memory term is check
 count from the model's shape, so a wrong grid fails by whole tensors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -133,7 +134,7 @@ def test_plan_prices_megatron_cores_grid_and_the_engines_for_a_config(tmp_path, 
              "--tp", "2", "--pp", "1", "--json"]
     assert main(flags) == 0
     found = json.loads(capsys.readouterr().out)
-    assert found["layouts"] and all(row["layout"]["expert_tp"] == 2 and row["layout"]["sequence_parallel"]
+    assert found["layouts"] and all(row["layout"]["expert_tp"] in (1, 2) and row["layout"]["sequence_parallel"]
                                     for row in found["layouts"])
     path = tmp_path / "moe.toml"
     config.note_once.cache_clear()
@@ -149,7 +150,9 @@ def test_the_search_never_prices_megatron_cores_grid_under_tp_without_sp():
 
     layouts = search.candidate_layouts(work, 16, {"pp": 1})
     tp, sp, expert_tp = (np.asarray(getattr(layouts, k)) for k in ("tp", "sequence_parallel", "expert_tp"))
-    assert (tp > 1).any() and np.all(sp[tp > 1]) and np.all(expert_tp[tp > 1] == tp[tp > 1])
+    under_tp = tp > 1  # both of Megatron-Core's placements, split (expert_tp = tp) and whole (1), with SP only
+    assert under_tp.any() and np.all(sp[under_tp]) and set(expert_tp[under_tp] == tp[under_tp]) == {True, False}
+    assert np.all((expert_tp[under_tp] == tp[under_tp]) | (expert_tp[under_tp] == 1))
     engine = search.candidate_layouts(work, 16, {"pp": 1, "expert_tp": 0})
     assert (~np.asarray(engine.sequence_parallel)[np.asarray(engine.tp) > 1]).any()
 
@@ -193,3 +196,71 @@ def test_the_why_column_places_the_ep_group_on_megatron_cores_grid(capsys):
                  "--pp", "2", "--dp", "4", "--cp", "8", "--ep", "8", "--top", "1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["layouts"][0]
     assert "ETP=1" in row["describe"] and "EP=8 within a node" in row["why"], row
+
+
+def test_shared_experts_on_megatron_cores_grid_are_a_tensor_parallel_mlp():
+    """Megatron-Core's shared experts are a dense MLP over tp: its 2½ collectives (1½ of residual
+    width) join the MoE block's; the engine's shared experts are whole on every tp rank (none)."""
+    one = dict(layers=1, sequence_parallel=True, recompute="none", embedding=False, moe_layers=1)
+    assert costs.tp_collectives_per_microbatch(**one, expert_tp=1, shared_experts=1) == 2.5 + 2.5 + 1.5
+    assert costs.tp_residual_collectives_per_microbatch(**one, expert_tp=1, shared_experts=1) == 1.5 + 1.5 + 1.5
+    assert costs.tp_collectives_per_microbatch(**one, expert_tp=0, shared_experts=1) == 3.5 + 1.5
+    with_shared = dataclasses.replace(MIXTRAL, moe_shared_experts=1)
+    layout = costs.Layout.named(tp=2, dp=8, ep=8, sequence_parallel=True, micro_batch=1, expert_tp=1)
+    tp_bytes = [costs.estimate(costs.Workload(model, 64), layout, get_gpu("h100-sxm"))["tp_bytes"]
+                for model in (MIXTRAL, with_shared)]
+    microbatches, activations = 64 // 8, MIXTRAL.seq_len * MIXTRAL.hidden * 2  # bf16
+    assert tp_bytes[1] - tp_bytes[0] == pytest.approx(microbatches * MIXTRAL.layers * 2.5 * 1 * activations)
+
+
+def test_tp_comm_overlap_leaves_split_experts_gathers_exposed():
+    """Megatron-Core's --tp-comm-overlap rings the tp linear layers' collectives, not its token
+    dispatcher's gathers of the dispatched rows: with split experts those stay exposed."""
+    gpu, tp_s = get_gpu("h100-sxm"), {}
+    for overlap in (False, True):
+        work = dataclasses.replace(costs.Workload(MIXTRAL, 256), tp_comm_overlap=overlap)
+        for expert_tp in (1, 2):
+            layout = costs.Layout.named(tp=2, dp=32, ep=8, sequence_parallel=True, zero=1, micro_batch=1,
+                                        expert_tp=expert_tp)
+            est = costs.estimate(work, layout, gpu)
+            tp_s[overlap, expert_tp] = est["tp_s"], est["tp_exposed_s"]
+    whole, split = tp_s[True, 1], tp_s[True, 2]
+    assert whole[1] < 0.02 * whole[0]  # whole experts: everything is ringed behind the products
+    assert split[1] > 0.5 * (split[0] - whole[0]) > 0  # split experts: their gathers' time stays exposed
+
+
+def test_estimate_refuses_megatron_cores_grid_without_sp_only_when_both_are_given(capsys):
+    config.note_once.cache_clear()
+    flags = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "256", "--num-gpus", "64",
+             "--micro-batch", "1", "--tp", "2", "--ep", "8", "--no-sequence-parallel"]
+    assert main(flags + ["--expert-tp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --no-sequence-parallel: Megatron-Core's expert grid (--expert-tp 2) runs an MoE model under --tp only "
+        "with sequence parallelism; --expert-tp 0 for threefold's engine, which runs without")
+    assert main(flags + ["--json"]) == 0  # a run that says no SP and not its grid: Megatron-Core's needed SP
+    out, err = capsys.readouterr()
+    assert json.loads(out)["layout"]["sequence_parallel"] and "estimating with it" in err
+
+
+def test_experts_too_narrow_to_split_default_to_whole_experts(capsys):
+    """A width tp does not divide cannot be split (Megatron-Core refuses it): the default takes
+    whole experts (expert_tp 1), in estimate and in plan."""
+    result, _ = _estimate_json(capsys, "--num-gpus", "64", "--tp", "2", "--ep", "8", "--sequence-parallel",
+                               "--moe-ffn", "1407")
+    assert result["layout"]["expert_tp"] == 1
+    from threefold.plan import search
+
+    narrow = dataclasses.replace(MIXTRAL, moe_ffn=1407)
+    layouts = search.candidate_layouts(costs.Workload(narrow, 64), 16, {"pp": 1, "tp": 2})
+    assert set(np.asarray(layouts.expert_tp)) == {1}
+
+
+def test_split_backward_keeps_the_grids_gathered_rows():
+    """What B keeps for W on Megatron-Core's grid: no gathered sequence for the router (it reads
+    this rank's positions), and with split experts the k dispatched rows of the tp group."""
+    tokens, t, k, h = 4096, 2, MIXTRAL.moe_top_k_experts, MIXTRAL.hidden
+    engine, whole, split = (costs.moe_weight_input_bytes(MIXTRAL, tokens, t, True, "none", 2, expert_tp)
+                            for expert_tp in (0, 1, 2))
+    router_gathered = tokens * (h * 2 - h * 2 / t)  # the engine's router reads the whole sequence
+    assert engine - whole == pytest.approx(router_gathered)
+    assert split - whole == pytest.approx(tokens * 2 * k * h * (1 - 1 / t))

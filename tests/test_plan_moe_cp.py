@@ -188,7 +188,11 @@ def test_search_covers_ep_and_the_cp_methods():
     work = costs.Workload(MIXTRAL, 256)
     layouts = search.candidate_layouts(work, 64, {"tp": 1, "pp": 1})
     assert set(np.unique(layouts.ep)) == {1, 2, 4, 8}
-    assert np.all(layouts.dp % layouts.ep == 0)
+    # ep divides dp on the engine's placement, cp·dp where it is folded over cp (Megatron-Core's grid)
+    engine = layouts.expert_tp == 0
+    assert np.all(layouts.dp[engine] % layouts.ep[engine] == 0)
+    assert np.all((layouts.cp * layouts.dp) % layouts.ep == 0) and np.all(layouts.expert_tp[~engine] == 1)
+    assert np.any(~engine) and np.all(layouts.dp[~engine] % layouts.ep[~engine] > 0)
     with_cp = layouts.cp > 1
     assert set(np.unique(layouts.cp_method[with_cp])) == {0, 1, 2}
     # Dense models: ep stays 1.
@@ -196,7 +200,7 @@ def test_search_covers_ep_and_the_cp_methods():
 
 
 def test_plan_explains_ep_across_nodes():
-    found = search.search(costs.Workload(MIXTRAL, 256), H100, 64, {"tp": 2, "pp": 1, "ep": 8, "cp": 1})
+    found = search.search(costs.Workload(MIXTRAL, 256), H100, 64, {"tp": 2, "pp": 1, "ep": 8, "cp": 1, "expert_tp": 2})
     i = int(found.order[0])
     assert found._phrase("ep_exposed", i).startswith("EP=8 crosses nodes: ")
     assert " of all-to-all per step" in found._phrase("ep_exposed", i)

@@ -249,6 +249,15 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
         if num_gpus % (tp * pp * cp):
             raise ConfigError(f"--num-gpus: {num_gpus} is not divisible by --tp × --pp × --cp = {tp * pp * cp}")
         dp = num_gpus // (tp * pp * cp)
+    expert_tp = expert_tp_of(o, work.model, tp, dp, cp)
+    if work.model.moe_experts and expert_tp >= 1 and tp > 1 and not o.get("sequence_parallel"):
+        if o.get("sequence_parallel") is False and o.get("expert_tp") is not None:
+            raise ConfigError(f"--no-sequence-parallel: Megatron-Core's expert grid (--expert-tp {expert_tp}) runs an "
+                              "MoE model under --tp only with sequence parallelism; --expert-tp 0 for threefold's "
+                              "engine, which runs without")
+        note_once("note: Megatron-Core runs an MoE model under --tp only with --sequence-parallel; estimating with "
+                  "it (--expert-tp 0 prices threefold's engine, which runs without)")
+        o = {**o, "sequence_parallel": True}
     o = reconciled({**o, "schedule": _given(o, "schedule", "1f1b"), "sequence_parallel": bool(o.get("sequence_parallel"))},
                    tp, pp, cp)
     schedule = o["schedule"]
@@ -261,11 +270,7 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                                 virtual_stages=virtual, sequence_parallel=sequence_parallel,
                                 dp_shard=_given(o, "dp_shard", 0),
                                 reshard_after_forward=o.get("reshard_after_forward"),  # None: by --pp
-                                expert_tp=expert_tp_of(o, work.model, tp, dp, cp))
-    if work.model.moe_experts and layout.expert_tp >= 1 and tp > 1 and not sequence_parallel:
-        note_once("note: Megatron-Core runs an MoE model under --tp only with --sequence-parallel; estimating with "
-                  "it (--expert-tp 0 prices threefold's engine, which runs without)")
-        layout.sequence_parallel = sequence_parallel = True
+                                expert_tp=expert_tp)
     layout.recompute = costs.recompute_policy(layout.recompute, layout.zero, work.attention)  # selective at ZeRO-3: op
     costs.check_layout(work.model, layout, work.global_batch, num_gpus)
     if work.model.moe_experts and tp > 1 and not sequence_parallel:
@@ -277,8 +282,9 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
 
 def expert_tp_of(o: dict, model, tp: int, dp: int, cp: int) -> int:
     """--expert-tp, or where it is not given Megatron-Core's default: the experts split over the tp
-    ranks, or with ep larger than cp·dp allows there, whole experts with ep folded over tp·cp·dp
-    (its MoE parallel folding); 0 (threefold's engine) at tp 1 where ep divides dp, alike there."""
+    ranks; whole experts with ep folded over tp·cp·dp (its MoE parallel folding) where only that
+    runs (ep larger than cp·dp allows, or experts too narrow to split over tp); 0 (threefold's
+    engine) at tp 1 where ep divides dp, alike there."""
     given = o.get("expert_tp")
     if not model.moe_experts:
         if given is not None:
@@ -287,10 +293,11 @@ def expert_tp_of(o: dict, model, tp: int, dp: int, cp: int) -> int:
     if given is not None:
         return given
     ep = _given(o, "ep", 1)
-    if tp > 1 and (cp * dp) % ep == 0:
+    if tp > 1 and (cp * dp) % ep == 0 and model.moe_ffn_hidden % tp == 0:
         return tp
-    folds = (tp * cp * dp) % ep == 0 and dp % ep != 0
-    return 1 if folds else 0  # where neither runs, the engine's check says why (ep over the dp ranks)
+    if tp == 1 and dp % ep == 0:
+        return 0
+    return 1 if (tp * cp * dp) % ep == 0 else 0  # where neither runs, the engine's check says why (ep over dp)
 
 
 def stage_split(o: dict, work: costs.Workload, layout: costs.Layout) -> tuple[int, ...] | None:
@@ -426,7 +433,7 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="Sequences per micro-batch; default: the fastest of 1, 2, 4, … 64 that fits, as a run tunes it.")
 @click.option("--virtual-stages", type=int,
               help="Model chunks per pipeline rank (interleaved; default 2 there, else 1).")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=False,
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="With --tp > 1, split the norms' activations over the tensor-parallel ranks along the sequence "
                    "(Megatron's sequence parallelism); default: off.")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
@@ -603,13 +610,14 @@ def plan(as_json, top, out, config_out, **options):
         raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or a tp size, got {fixed['expert_tp']}")
     if config_out is not None and fixed["expert_tp"] is None:  # a config for the engine: price its experts
         fixed["expert_tp"] = 0
-    if fixed["expert_tp"] not in (None, 0, 1) and fixed["tp"] not in (None, 1, fixed["expert_tp"]):
-        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or --tp {fixed['tp']}, "
-                          f"got {fixed['expert_tp']}")
+    _check_expert_tp(work.model, fixed["expert_tp"], fixed["tp"])
     if (work.model.moe_experts and fixed["sequence_parallel"] is False and (fixed["tp"] or 1) > 1
             and fixed["expert_tp"] != 0):
         raise ConfigError("--no-sequence-parallel: Megatron-Core, whose experts plan prices by default, runs an MoE "
                           "model under tp only with sequence parallelism; add --expert-tp 0 for threefold's engine")
+    if work.model.moe_experts and fixed["sequence_parallel"] is False and fixed["expert_tp"] != 0:
+        note_once("note: --no-sequence-parallel leaves out tp > 1 for this MoE model: Megatron-Core's expert grid, "
+                  "which plan prices by default, needs SP under tp (--expert-tp 0 searches threefold's engine's)")
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
@@ -655,6 +663,21 @@ def plan(as_json, top, out, config_out, **options):
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
                       f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
+
+
+def _check_expert_tp(model, expert_tp: int | None, tp: int | None) -> None:
+    """plan's --expert-tp N > 1 searches the layouts at --tp N only: one line for an N no layout takes."""
+    if expert_tp in (None, 0, 1):
+        return
+    if tp not in (None, expert_tp):
+        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or --tp {tp}, got {expert_tp}")
+    widths = {"heads": model.heads, "kv heads": model.n_kv_heads, "FFN width": model.ffn_hidden,
+              "experts' FFN width": model.moe_ffn_hidden}
+    apart = [f"the {name} {n}" for name, n in widths.items() if n % expert_tp]
+    if expert_tp & (expert_tp - 1) or apart:
+        why = " or ".join(apart) if apart else "a tp size is a power of two"
+        raise ConfigError(f"--expert-tp: {expert_tp} splits each expert over tp {expert_tp}, which this model "
+                          f"does not take ({why}); give 0, 1 or a tp size")
 
 
 def _nothing_fits(found, work: costs.Workload, gpu, num_gpus: int, fixed: dict) -> str:

@@ -184,7 +184,7 @@ def priced_zero(zero, reshard_after_forward=True):
 
 def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, sequence_parallel, recompute,
                       dtype_bytes: int = 4, arch: str = "llama", embedding=True, moe_layers=0,
-                      residual_bytes: int | None = None, tp_overlap=False, expert_tp=0, top_k=1):
+                      residual_bytes: int | None = None, tp_overlap=False, expert_tp=0, top_k=1, shared_experts=0):
     """Bytes each rank sends on the tensor-parallel axis per optimizer step, for the blocks, the
     embedding and the head (the CommLedger's key ``tp``; ring convention).
 
@@ -192,8 +192,9 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     a = 2(t−1)/t (an all-reduce of B sends a·B; an all-gather or reduce-scatter a/2·B), each
     micro-batch sends ``tp_collectives_per_microbatch`` · a · B. See that function for the terms.
     ``embedding``: False for the last pipeline stage, which holds the head but not the embedding.
-    ``moe_layers``: how many of the ``layers`` blocks hold experts; ``expert_tp`` and ``top_k``:
-    how their experts sit over tp (``Layout.expert_tp``) and each token's routed experts.
+    ``moe_layers``: how many of the ``layers`` blocks hold experts; ``expert_tp``, ``top_k`` and
+    ``shared_experts``: how their experts sit over tp (``Layout.expert_tp``), each token's routed
+    experts and the shared ones.
     ``residual_bytes``: the width of the residual stream where it differs from the products'
     outputs (``dtype_bytes``): 4 in the engine's bf16 runs (``ENGINE_BYTES``); the collectives of
     ``tp_residual_collectives_per_microbatch`` carry it (``tp_overlap`` changes which), the others
@@ -203,17 +204,18 @@ def tp_bytes_per_step(layers, microbatches, micro_batch, seq_len, hidden, tp, se
     """
     ring = 2 * (np.asarray(tp) - 1) / tp
     collectives = tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding, moe_layers,
-                                                expert_tp, top_k)
+                                                expert_tp, top_k, shared_experts)
     if residual_bytes is None or residual_bytes == dtype_bytes:
         return _scalar_or_array(microbatches * collectives * ring * micro_batch * seq_len * hidden * dtype_bytes)
     residual = tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch, embedding,
-                                                      moe_layers, tp_overlap, expert_tp)
+                                                      moe_layers, tp_overlap, expert_tp, shared_experts)
     widths = (collectives - residual) * dtype_bytes + residual * residual_bytes
     return _scalar_or_array(microbatches * ring * micro_batch * seq_len * hidden * widths)
 
 
 def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama",
-                                           embedding=True, moe_layers=0, tp_overlap=False, expert_tp=0):
+                                           embedding=True, moe_layers=0, tp_overlap=False, expert_tp=0,
+                                           shared_experts=0):
     """Of ``tp_collectives_per_microbatch``, those whose tensor is the residual stream or a
     norm's output, or their gradients (autograd gives a gradient its tensor's dtype); the others
     carry a row-parallel product's output or its gradient. They differ in width where the
@@ -226,9 +228,10 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     repeats the attention's g), with SP the attention's and the MLP's gathers, 1. An MoE block:
     the attention's (1, SP 1½), and with SP the gather of the block's input and its gradient's
     reduce-scatter (½ + ½: tensor_parallel.SequenceSplitMoE), 2½; placed as Megatron-Core places
-    experts (``expert_tp`` ≥ 1) the attention's only, 1½ (full recomputation ½ more): the router
-    reads this rank's positions and the all-to-all carries the rest (an expert-tp gather carries
-    the dispatched rows, a product's width). The embedding's lookup and the
+    experts (``expert_tp`` ≥ 1) the attention's 1½ (full recomputation ½ more), and the shared
+    experts' as a dense MLP's where there are any: the router reads this rank's positions and the
+    all-to-all carries the rest (an expert-tp gather carries the dispatched rows, a product's
+    width). The embedding's lookup and the
     head's input are the residual stream: all of theirs, 1 (SP 1) and 1 (SP 1½). With
     ``tp_overlap`` (SP only) the reduce-scatter of dL/dx is a ring of the addends each product's
     gradient gives, in the products' dtype: ½ less per column-parallel sublayer (a dense block 1,
@@ -237,14 +240,34 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
     sp = np.asarray(sequence_parallel, dtype=bool)
     full = _recompute_index(recompute) == RECOMPUTE.index("full")
     per_block = np.where(sp, 3.0, 2.0) + np.where(full & sp, 1.0, 0.0)
-    moe_less = np.where(np.asarray(expert_tp) >= 1, 1.5 + 0.5 * full, np.where(sp, 0.5, 1.0))
+    megatron = np.asarray(expert_tp) >= 1
+    _, megatron_residual = megatron_moe_block_collectives(full, expert_tp, 1, shared_experts)
+    moe_less = np.where(megatron, per_block - megatron_residual, np.where(sp, 0.5, 1.0))
     residual = layers * per_block - moe_layers * moe_less + np.where(embedding, 1.0, 0.0) + np.where(sp, 1.5, 1.0)
     ringed = np.asarray(tp_overlap, dtype=bool) & sp
-    return _scalar_or_array(residual - np.where(ringed, (layers - moe_layers) * 1.0 + moe_layers * 0.5 + 0.5, 0.0))
+    moe_ringed = 0.5 + np.where(megatron & (shared_experts > 0), 0.5, 0.0)  # the attention's; the shared MLP's
+    return _scalar_or_array(residual - np.where(ringed, (layers - moe_layers) * 1.0 + moe_layers * moe_ringed + 0.5,
+                                                0.0))
+
+
+def megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts):
+    """(all tp collectives, those of residual width) of one MoE block on Megatron-Core's expert
+    grid under SP, in all-reduces of the activations: the attention's 2½ (1½ of residual width;
+    full recomputation repeats its gather and reduce-scatter, 1, ½ of it residual); the shared
+    experts', a dense MLP's where there are any (2½, 1½; full recomputation its gather, ½); with
+    the experts split over tp (``expert_tp`` > 1) the dispatched rows' gather and reduce-scatter,
+    forward and backward, each ``top_k`` times the activations (2k; full recomputation k more),
+    a product's width."""
+    full = np.asarray(full, dtype=bool)
+    shared = np.asarray(shared_experts) > 0
+    split = np.where(np.asarray(expert_tp) > 1, 2 * top_k * (1 + 0.5 * full), 0)
+    collectives = 2.5 + 1.0 * full + np.where(shared, 2.5 + 0.5 * full, 0) + split
+    residual = 1.5 + 0.5 * full + np.where(shared, 1.5 + 0.5 * full, 0)
+    return collectives, residual
 
 
 def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: str = "llama", embedding=True,
-                                  moe_layers=0, expert_tp=0, top_k=1):
+                                  moe_layers=0, expert_tp=0, top_k=1, shared_experts=0):
     """The tensor-parallel collectives of one micro-batch, in all-reduces of its activations
     (an all-gather or a reduce-scatter of the same tensor counts ½), as the engine
     (threefold/parallel/tensor_parallel.py) runs them.
@@ -272,12 +295,14 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
       repeats what a dense block's does (the attention's g, and with SP the block input's
       gather): 1 (SP 1½).
     An MoE block placed as Megatron-Core places experts (``expert_tp`` ≥ 1, under SP, which it
-      requires): the attention's 2½; its router reads this rank's positions and the all-to-all
-      dispatches them (no tp collective), and with the experts' weights split over tp
-      (``expert_tp`` > 1, its default) the dispatched rows are all-gathered over tp before the
-      experts and their output reduce-scattered, forward and backward: each a ``top_k``-times
-      larger tensor, 2k more (Megatron-Core's token dispatcher, gather_from_sequence_parallel_region
-      over the expert-tp group). Full recomputation repeats the attention's 1, and those k.
+      requires): the attention's 2½ and the shared experts' (a dense MLP's, 2½, where there are
+      any); its router reads this rank's positions and the all-to-all dispatches them (no tp
+      collective), and with the experts' weights split over tp (``expert_tp`` > 1, its default)
+      the dispatched rows are all-gathered over tp before the experts and their output
+      reduce-scattered, forward and backward: each a ``top_k``-times larger tensor, 2k more
+      (Megatron-Core's token dispatcher, gather_from_sequence_parallel_region over the expert-tp
+      group). Full recomputation repeats the attention's 1, the shared MLP's gather ½ and those k
+      (``megatron_moe_block_collectives``).
     Not counted here: the loss (``tp_loss_bytes_per_step``), and per step, not per micro-batch,
     the norm gains' gradients under SP and the gradient norm's scalar, O(layers · hidden) bytes.
     """
@@ -291,8 +316,8 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     op_recomputed = np.where(sp, 1.0, 1.0 if arch == "llama" else 2.0)
     per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, np.where(op, op_recomputed, 0.0))
     moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
-    split_experts = np.where(np.asarray(expert_tp) > 1, 2 * top_k * (1 + 0.5 * full), 0)
-    moe_saves = np.where(np.asarray(expert_tp) >= 1, per_block - (2.5 + 1.0 * full + split_experts), moe_saves)
+    megatron_block, _ = megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts)
+    moe_saves = np.where(np.asarray(expert_tp) >= 1, per_block - megatron_block, moe_saves)
     return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
                             + np.where(sp, 1.5, 1.0))
 
@@ -585,6 +610,9 @@ def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None
     if dp_shard < 2 or (dp is not None and dp % dp_shard):
         raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
                           f"group of one rank shards nothing), got {dp_shard}")
+    if dp is not None and dp % ep:
+        raise ConfigError(f"--dp-shard: a shard group holds whole expert-parallel groups of dp ranks, and --ep {ep} "
+                          f"spans more than the dp ranks (--dp {dp}): hybrid sharding is not priced with it")
     if dp_shard % ep:
         raise ConfigError(f"--dp-shard: a shard group holds whole expert-parallel groups, so it must be a multiple "
                           f"of --ep {ep}, got {dp_shard}")
@@ -909,9 +937,9 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     rank's positions, gathered: k·h more a token, less this rank's share."""
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
-    megatron, etp = np.asarray(expert_tp) >= 1, np.asarray(expert_tp)
+    megatron = np.asarray(expert_tp) >= 1
     recompute = _recompute_index(recompute)
-    gathered = np.where(megatron, np.where(etp > 1, d * k * h * (1 - 1 / t), 0), _moe_gathered_bytes(model, t, sp, d))
+    gathered = _moe_gathered_bytes(model, t, sp, d, expert_tp)
     experts = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 28 * k) * moe_token_share(t, sp)
     router = (8 * model.moe_experts + 12 * k + 4) * np.where(megatron, moe_token_share(t, sp), 1)
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
@@ -920,15 +948,20 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
                                      tokens * (experts + router + gathered - dense_ffn)))
 
 
-def _moe_gathered_bytes(model: ModelConfig, t, sp, d):
+def _moe_gathered_bytes(model: ModelConfig, t, sp, d, expert_tp=0):
     """Per token, under SP: the gathered sequence the router reads, in place of the norm's output
-    shard, unless the shared experts keep that (they read this rank's positions)."""
+    shard, unless the shared experts keep that (they read this rank's positions). On
+    Megatron-Core's grid (``expert_tp`` ≥ 1) the router reads this rank's positions, and split
+    experts (``expert_tp`` > 1) keep the k dispatched rows of every tp rank's positions, gathered:
+    k·h a token, less this rank's share."""
     shard = np.where(model.moe_shared_experts > 0, 0, model.hidden * d / t)
-    return np.where(sp, model.hidden * d - shard, 0)
+    engine = np.where(sp, model.hidden * d - shard, 0)
+    split = np.where(np.asarray(expert_tp) > 1, d * model.moe_top_k_experts * model.hidden * (1 - 1 / t), 0)
+    return np.where(np.asarray(expert_tp) >= 1, split, engine)
 
 
 def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
-                           dtype_bytes: int = ACTIVATION_BYTES):
+                           dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0):
     """Of what an MoE block saves beyond a dense one (``moe_activation_bytes``), the part a split
     backward keeps from B to W, beyond the dense block's ``weight_input_bytes``: the experts'
     inputs, the k permuted rows of h (read by gate and up) and the (k + S) SwiGLU products of f_e
@@ -939,11 +972,11 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     d, k, h = dtype_bytes, model.moe_top_k_experts, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     experts = (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden) * moe_token_share(t, sp)
-    kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d) - d * model.ffn_hidden / t)
+    kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d, expert_tp) - d * model.ffn_hidden / t)
     recompute = _recompute_index(recompute)
     checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
-    return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute, d),
-                                     kept))
+    return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute,
+                                                                        d, expert_tp), kept))
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
@@ -1631,7 +1664,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     kept_layer = weight_input_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes) + cap_dense
     kept_moe = 0
     if moe:
-        kept_moe = moe_weight_input_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes) + cap_moe - cap_dense
+        kept_moe = moe_weight_input_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed) + cap_moe - cap_dense
 
     def split_peak(n, c, saved, kept, during_backward):
         one = np.minimum(c, 1)
@@ -1782,7 +1815,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # stage's layers and head (and the embedding when it is the only stage), plus the loss's two
     # all-reduces. An all-reduce takes 2(t−1) ring steps, an all-gather or reduce-scatter t−1.
     moe_tp = dict(moe_layers=moe_last, expert_tp=np.where(megatron_experts, expert_tp, 0),
-                  top_k=cfg.moe_top_k_experts if moe else 1)
+                  top_k=cfg.moe_top_k_experts if moe else 1, shared_experts=cfg.moe_shared_experts)
     tp_collectives = tp_collectives_per_microbatch(stage_layers, sp, recompute, cfg.arch, embedding=single_stage,
                                                    **moe_tp)
     if work.sequence_copies:  # two SP calls per all-reduce's worth, each a copy read and written
@@ -1793,8 +1826,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
                                     embedding=single_stage, **moe_tp)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
-    # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth.
+    # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth;
+    # split experts' gathers and reduce-scatters of k rows a token are one call each (4 an MoE
+    # block, full recomputation 2 more), not 2k
     tp_calls = np.where(sp, 2 * tp_collectives, tp_collectives) + 2
+    if moe:
+        split_units = np.where(megatron_experts & (expert_tp > 1), 2 * moe_tp["top_k"] * (1 + 0.5 * full), 0)
+        tp_calls = tp_calls - moe_last * np.where(split_units > 0, 2 * split_units - (4 + 2 * full), 0)
     tp_wait = group_wait(wait, t, runnable, pair_wait)
     tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
                                                              t - 1, tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node), tp_wait),
@@ -1806,9 +1844,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # --tp-comm-overlap, our parallel.tp_overlap; both need SP) the blocks' and the head's
     # all-gathers and reduce-scatters run as rings of t−1 transfers, each behind one chunk (1/t) of
     # the adjacent product: transfers of C seconds beside products of G leave max(0, C − (t−1)/t·G)
-    # exposed. The embedding's pair and the loss's all-reduces have no product beside them.
+    # exposed. The embedding's pair and the loss's all-reduces have no product beside them, nor
+    # have split experts' gathers of the dispatched rows (plain NCCL calls in Megatron-Core's
+    # token dispatcher: priced as whole experts', expert_tp 1, which have none).
     ringed_mb_s = tp_mb_s * tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes,
-                                              cfg.arch, embedding=False, **moe_tp) / np.maximum(tp_sent_mb, 1)
+                                              cfg.arch, embedding=False,
+                                              **dict(moe_tp, expert_tp=np.where(megatron_experts, 1, 0))
+                                              ) / np.maximum(tp_sent_mb, 1)
     tp_exposed_mb = np.where(work.tp_comm_overlap & sp,
                              tp_mb_s - ringed_mb_s + np.maximum(0, ringed_mb_s - (t - 1) / t * gemm_mb_s), tp_mb_s)
 

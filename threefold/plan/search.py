@@ -71,15 +71,32 @@ def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
             and (name != "ulysses" or not (cfg.heads // tp % cp or cfg.n_kv_heads // tp % cp))]
 
 
-def _expert_parallel(cfg, tp: int, dp: int, cp: int, fixed: dict) -> list[int]:
-    """Expert-parallel sizes: every divisor of the ranks ep is carved from that divides the experts
-    (1 for a dense model): dp on the engine's placement (expert_tp 0), cp·dp on Megatron-Core's
-    grid with the experts split over tp (its default), tp·cp·dp with them whole (expert_tp 1)."""
+def _expert_placements(cfg, tp: int, dp: int, cp: int, sp_choices, fixed: dict) -> list[tuple[int, int]]:
+    """(ep, expert_tp) pairs (``Layout.expert_tp``): every ep that divides the experts and the
+    ranks it is carved from, with each placement that runs it. On threefold's engine (expert_tp 0)
+    ep divides dp; on Megatron-Core's grid, searched by default (it needs SP under tp, so only
+    where SP is searched), cp·dp with the experts split over tp (expert_tp = tp, where the tp
+    ranks divide their width) and tp·cp·dp with them whole (expert_tp 1). At tp 1 a placement
+    prices as the engine's wherever ep divides dp: that row stands for both. (1, 0) for a dense model."""
+    if not cfg.moe_experts:
+        return [(1, 0)] if fixed.get("ep", 1) == 1 else []
     given = fixed.get("expert_tp")
-    ranks = dp if given == 0 else tp * cp * dp if given == 1 else cp * dp
-    if "ep" in fixed:
-        return [fixed["ep"]] if ranks % fixed["ep"] == 0 and (cfg.moe_experts or 1) % fixed["ep"] == 0 else []
-    return [e for e in _divisors(ranks) if cfg.moe_experts % e == 0] if cfg.moe_experts else [1]
+    megatron = tp == 1 or True in sp_choices
+    split = tp > 1 and cfg.moe_ffn_hidden % tp == 0 and given in (None, tp)
+    pairs = []
+    for ep in _divisors(tp * cp * dp):
+        if cfg.moe_experts % ep or ep != fixed.get("ep", ep):
+            continue
+        if dp % ep == 0 and (given == 0 or (tp == 1 and given is None)):
+            pairs.append((ep, 0))
+            continue
+        if given == 0 or not megatron:
+            continue
+        if split and (cp * dp) % ep == 0:
+            pairs.append((ep, tp))
+        if given in (None, 1) and (tp > 1 or given == 1 or dp % ep):
+            pairs.append((ep, 1))
+    return pairs
 
 
 def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) -> Layout:
@@ -89,8 +106,8 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     TP: powers of two dividing the heads, kv heads and FFN width; PP: any divisor up to the
     layer count; CP: 1-16 dividing half the sequence (the zigzag split), with each method that
     runs (``_context_methods``); DP fills the rest; EP: each divisor of the ranks it is carved
-    from that divides the experts (MoE models only: ``_expert_parallel``), with the experts placed
-    as Megatron-Core places them under tp, or as given (``_expert_tp``; its grid only with SP).
+    from that divides the experts, with each placement of the experts that runs it (MoE models
+    only: ``_expert_placements``).
     Then every ZeRO stage (ZeRO-3 also with hybrid sharding over each
     divisor of dp from 2 up that is a multiple of ep: ``_with_hybrid_sharding``),
     micro-batch, recomputation, sequence parallelism (with TP > 1) and pipeline schedule
@@ -110,14 +127,16 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
         dp = num_gpus // (tp * pp * cp)
         micro = [b for b in ((fixed["micro_batch"],) if "micro_batch" in fixed else MICRO_BATCHES)
                  if work.global_batch % (dp * b) == 0]
-        parallel = (fixed["sequence_parallel"],) if "sequence_parallel" in fixed else (False, True)
-        for b, (schedule, v), sp, method, ep in itertools.product(
+        parallel = [x for x in ((fixed["sequence_parallel"],) if "sequence_parallel" in fixed else (False, True))
+                    if tp > 1 or not x]
+        for b, (schedule, v), sp, method, (ep, expert_tp) in itertools.product(
                 micro, _pipelines(cfg.layers, pp, fixed.get("schedule"), fixed.get("virtual_stages")),
-                [x for x in parallel if tp > 1 or not x], _context_methods(cfg, tp, cp, fixed),
-                _expert_parallel(cfg, tp, dp, cp, fixed)):
+                parallel, _context_methods(cfg, tp, cp, fixed), _expert_placements(cfg, tp, dp, cp, parallel, fixed)):
             if (pp > 1 or v > 1) and not _runs(schedule, pp, work.global_batch // (dp * b), v, cfg.layers):
                 continue
-            grids.append((tp, pp, dp, cp, b, v, sp, schedule, ep, method))
+            if expert_tp and tp > 1 and not sp:  # Megatron-Core's grid runs under tp only with SP
+                continue
+            grids.append((tp, pp, dp, cp, b, v, sp, schedule, ep, method, expert_tp))
     if not grids:
         return Layout(*(np.zeros(0, dtype=int) for _ in fields(Layout)))
     base = np.array(grids, dtype=np.int64)
@@ -133,30 +152,16 @@ def candidate_layouts(work: Workload, num_gpus: int, fixed: dict | None = None) 
     twice = (named == RECOMPUTE.index("op")) & (zero == 3) & ("recompute" not in fixed)  # selective's row is it
     rows, zero, named = rows[~twice], zero[~twice], named[~twice]
     recompute = recompute_policy(named, zero, work.attention)
-    tp, pp, dp, cp, b, v, sp, schedule, ep, method = rows.T
+    tp, pp, dp, cp, b, v, sp, schedule, ep, method, expert_tp = rows.T
     layouts = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, micro_batch=b, virtual_stages=v,
                      sequence_parallel=sp.astype(bool), recompute=recompute, schedule=schedule, ep=ep, cp_method=method,
                      dp_shard=np.zeros_like(zero), reshard_after_forward=np.ones_like(zero, dtype=bool),
-                     expert_tp=_expert_tp(cfg, tp, dp, ep, fixed.get("expert_tp")))
+                     expert_tp=expert_tp)
     # a schedule that runs W apart from B is not priced under full recomputation (costs.check_layout)
     split_backward = np.array([SCHEDULE_REGISTRY[name].split_backward for name in SCHEDULES])[schedule] & (pp > 1)
     layouts = layouts.take(~(split_backward & (recompute == RECOMPUTE.index("full"))))
-    if cfg.moe_experts:  # Megatron-Core's grid runs under tp only with SP; a given expert-tp above 1 only at its tp
-        tp, sp, expert_tp = (np.asarray(getattr(layouts, k)) for k in ("tp", "sequence_parallel", "expert_tp"))
-        layouts = layouts.take(((expert_tp == 0) | sp | (tp == 1)) & ((expert_tp <= 1) | (expert_tp == tp)))
     layouts = _with_hybrid_sharding(layouts, num_gpus, fixed.get("dp_shard"))
     return _with_kept_gathered(layouts, fixed.get("reshard_after_forward"))
-
-
-def _expert_tp(cfg, tp, dp, ep, given: int | None):
-    """Layout.expert_tp of each row: the given value, or Megatron-Core's default, the experts split
-    over tp (tp itself); at tp 1, where they price alike, the engine's placement (0), or 1 where
-    ep spans more than the dp ranks (over cp). 0 for a dense model."""
-    if not cfg.moe_experts:
-        return np.zeros_like(tp)
-    if given in (0, 1):
-        return np.full_like(tp, given)
-    return np.where(tp > 1, tp if given is None else given, np.where(dp % ep == 0, 0, 1))
 
 
 def _with_kept_gathered(layouts: Layout, reshard: bool | None) -> Layout:
