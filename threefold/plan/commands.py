@@ -428,7 +428,8 @@ def _check_json_type(key: str, value, param: click.Parameter) -> None:
               help="An MoE model's experts over the tp ranks. 0: as threefold's engine and DeepSpeed-MoE run them, "
                    "whole on every tp rank, each running them on its own positions; 1 or --tp: Megatron-Core's "
                    "--expert-tensor-parallel-size, each expert whole (ep folded over tp × cp × dp) or split over the "
-                   "tp ranks. Default: Megatron-Core's, --tp, or 1 where --ep does not divide cp × dp.")
+                   "tp ranks. Default: Megatron-Core's, --tp, or 1 where that cannot run (--ep not dividing cp × dp, "
+                   "or experts --tp does not divide).")
 @click.option("--micro-batch", type=int,
               help="Sequences per micro-batch; default: the fastest of 1, 2, 4, … 64 that fits, as a run tunes it.")
 @click.option("--virtual-stages", type=int,
@@ -604,20 +605,9 @@ def plan(as_json, top, out, config_out, **options):
                           f"step; it needs --zero 3 or no --zero, got {options['zero']}")
     knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
-    if fixed["expert_tp"] is not None and not work.model.moe_experts:
-        raise ConfigError("--expert-tp: set without --moe-experts (a dense model)")
-    if fixed["expert_tp"] is not None and fixed["expert_tp"] < 0:
-        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or a tp size, got {fixed['expert_tp']}")
     if config_out is not None and fixed["expert_tp"] is None:  # a config for the engine: price its experts
         fixed["expert_tp"] = 0
-    _check_expert_tp(work.model, fixed["expert_tp"], fixed["tp"])
-    if (work.model.moe_experts and fixed["sequence_parallel"] is False and (fixed["tp"] or 1) > 1
-            and fixed["expert_tp"] != 0):
-        raise ConfigError("--no-sequence-parallel: Megatron-Core, whose experts plan prices by default, runs an MoE "
-                          "model under tp only with sequence parallelism; add --expert-tp 0 for threefold's engine")
-    if work.model.moe_experts and fixed["sequence_parallel"] is False and fixed["expert_tp"] != 0:
-        note_once("note: --no-sequence-parallel leaves out tp > 1 for this MoE model: Megatron-Core's expert grid, "
-                  "which plan prices by default, needs SP under tp (--expert-tp 0 searches threefold's engine's)")
+    _check_expert_placement(work.model, fixed)
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
@@ -665,8 +655,22 @@ def plan(as_json, top, out, config_out, **options):
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
 
 
-def _check_expert_tp(model, expert_tp: int | None, tp: int | None) -> None:
-    """plan's --expert-tp N > 1 searches the layouts at --tp N only: one line for an N no layout takes."""
+def _check_expert_placement(model, fixed: dict) -> None:
+    """plan's --expert-tp, and --no-sequence-parallel beside Megatron-Core's grid: one line for a
+    value no layout takes (N > 1 searches the layouts at --tp N only), a note for what the search
+    leaves out."""
+    expert_tp, tp, sp = fixed["expert_tp"], fixed["tp"], fixed["sequence_parallel"]
+    if expert_tp is not None and not model.moe_experts:
+        raise ConfigError("--expert-tp: set without --moe-experts (a dense model)")
+    if expert_tp is not None and expert_tp < 0:
+        raise ConfigError(f"--expert-tp: must be 0 (threefold's engine), 1 or a tp size, got {expert_tp}")
+    if model.moe_experts and sp is False and expert_tp != 0:
+        if (tp or 1) > 1:
+            raise ConfigError("--no-sequence-parallel: Megatron-Core, whose experts plan prices by default, runs an "
+                              "MoE model under tp only with sequence parallelism; add --expert-tp 0 for threefold's "
+                              "engine")
+        note_once("note: --no-sequence-parallel leaves out tp > 1 for this MoE model: Megatron-Core's expert grid, "
+                  "which plan prices by default, needs SP under tp (--expert-tp 0 searches threefold's engine's)")
     if expert_tp in (None, 0, 1):
         return
     if tp not in (None, expert_tp):
