@@ -173,14 +173,14 @@ def test_bad_expert_tp_in_plan_is_one_line_and_exit_2(capsys, flags, message):
 
 def test_the_search_folds_ep_where_megatron_cores_grid_allows_it():
     """ep spans cp·dp on Megatron-Core's grid (tp·cp·dp with whole experts); the engine's stays
-    within dp. At tp 1 a row whose ep exceeds dp is Megatron-Core's (expert_tp 1), the others the
-    engine's, priced alike."""
+    within dp. At tp 1 under cp the grid's ep group is consecutive ranks (the engine's cp apart):
+    its rows are Megatron-Core's (expert_tp 1), but for ep 1, where the two price alike."""
     from threefold.plan import search
 
     work = costs.Workload(MIXTRAL, global_batch=64)
     rows = search.candidate_layouts(work, 16, {"pp": 2, "cp": 2, "tp": 1})  # dp 4
     ep, expert_tp = np.asarray(rows.ep), np.asarray(rows.expert_tp)
-    assert set(ep) == {1, 2, 4, 8} and set(expert_tp[ep == 8]) == {1} and set(expert_tp[ep <= 4]) == {0}
+    assert set(ep) == {1, 2, 4, 8} and set(expert_tp[ep > 1]) == {1} and set(expert_tp[ep == 1]) == {0}
     engine = search.candidate_layouts(work, 16, {"pp": 2, "cp": 2, "tp": 1, "expert_tp": 0})
     assert set(np.asarray(engine.ep)) == {1, 2, 4}
     folded = search.candidate_layouts(work, 16, {"pp": 2, "tp": 2, "expert_tp": 1})  # tp 2 × dp 4
@@ -264,3 +264,72 @@ def test_split_backward_keeps_the_grids_gathered_rows():
     router_gathered = tokens * (h * 2 - h * 2 / t)  # the engine's router reads the whole sequence
     assert engine - whole == pytest.approx(router_gathered)
     assert split - whole == pytest.approx(tokens * 2 * k * h * (1 - 1 / t))
+
+
+def test_split_backward_captures_the_grids_gradients():
+    """What B captures for W on Megatron-Core's grid (costs.captured_gradient_bytes): the router's
+    logits' gradient of this rank's positions only; the shared experts' output gradient whole (a
+    tp MLP's partial sum); with split experts their output rows of the tp group's gathered rows."""
+    shared = dataclasses.replace(MIXTRAL, moe_shared_experts=1)
+    tokens, t, d, h, k, e = 4096, 2, 2, MIXTRAL.hidden, MIXTRAL.moe_top_k_experts, MIXTRAL.moe_experts
+    engine, whole, split = (costs.captured_gradient_bytes(shared, tokens, t, True, d, 4, expert_tp)[1]
+                            for expert_tp in (0, 1, 2))
+    assert whole - engine == pytest.approx(tokens * (d * h * (1 - 1 / t) - 4 * e * (1 - 1 / t)))
+    assert split - whole == pytest.approx(tokens * d * h * (1 - 1 / t) * k)
+
+
+def test_op_level_recomputation_gathers_the_grids_attention_input_again():
+    one = dict(layers=1, sequence_parallel=True, embedding=False, moe_layers=1, expert_tp=1)
+    assert costs.tp_collectives_per_microbatch(recompute="op", **one) == \
+        costs.tp_collectives_per_microbatch(recompute="none", **one) + 0.5
+
+
+def test_zero3_gathers_folded_experts_where_the_dense_weights_have_one_replica():
+    """tp 2 · dp 1 with whole experts: the experts have tp·dp/ep = 2 replicas, the dense weights
+    one. ZeRO-3 shards and gathers the experts' units alone: two blocks' experts gathered, one
+    block's gradients, beside ZeRO-1's whole experts."""
+    work, gpu = costs.Workload(MIXTRAL, 64), get_gpu("h100-sxm")
+    states = {}
+    for zero in (1, 3):
+        layout = costs.Layout.named(tp=2, dp=1, sequence_parallel=True, zero=zero, micro_batch=1, expert_tp=1)
+        est = costs.estimate(work, layout, gpu)
+        states[zero] = est["params_bytes"], est["grads_bytes"]
+    experts = MIXTRAL.layers * MIXTRAL.moe_experts * EXPERT_NUMEL  # every expert, whole on both tp ranks
+    block = MIXTRAL.moe_experts * EXPERT_NUMEL
+    assert states[1][0] - states[3][0] == pytest.approx(experts / 2 * 2 - 2 * block * 2)  # bf16 weights
+    assert states[1][1] - states[3][1] == pytest.approx(experts / 2 * 4 - block * 4)  # fp32 gradients
+
+
+def test_rank_0_counts_the_moe_blocks_of_each_chunk_it_holds():
+    """DeepSeek-V3-like's first three blocks are dense. At pp 16 rank 0 holds blocks 0-3 under
+    1F1B (1 MoE block); under interleaving with 2 chunks blocks 0-1 and 32-33 (2); DualPipeV's V
+    gives it blocks 0-1 and 59-60 (2)."""
+    model = get_preset("deepseek-v3-like")
+    p, v_shape = np.array([16, 16, 16]), np.array([False, False, True])
+    assert list(costs.moe_blocks_on_rank_0(model, model.layers, np.array([4, 4, 4]), p, np.array([1, 2, 2]),
+                                           v_shape)) == [1, 2, 2]
+
+
+def test_a_tp_1_grid_over_cp_is_its_own_placement(tmp_path, capsys):
+    """At tp 1 under cp Megatron-Core's ep group is consecutive ranks, the engine's cp apart: estimate
+    defaults to the grid and labels it, and plan --config-out never writes it for the engine."""
+    result, _ = _estimate_json(capsys, "--num-gpus", "64", "--cp", "8", "--ep", "8", "--zero", "1")
+    assert result["layout"]["expert_tp"] == 1
+    config.note_once.cache_clear()
+    assert main(["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "256", "--num-gpus", "64",
+                 "--micro-batch", "1", "--cp", "8", "--ep", "8", "--zero", "1"]) == 0
+    assert "EP=8 ETP=1 CP=8" in capsys.readouterr().out
+    path = tmp_path / "grid.toml"
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "256",
+                 "--tp", "1", "--pp", "1", "--cp", "8", "--ep", "8", "--expert-tp", "1", "--config-out", str(path)]) == 2
+    assert "Megatron-Core's expert grid (--expert-tp), which the engine does not run" in capsys.readouterr().err
+
+
+def test_hybrid_sharding_on_the_grid_needs_whole_ep_groups_of_its_own_ranks():
+    """Megatron-Core's grid: (tp / expert-tp)·cp·dp_shard ranks must hold whole ep groups; the
+    engine's rule (dp_shard a multiple of ep) would refuse tp 2 · dp 32 · ep 8 at dp_shard 4."""
+    costs.check_hybrid_sharding(4, 1, 32, 8, tp=2, cp=1, expert_tp=1)  # 2·4 = 8: whole ep groups
+    with pytest.raises(config.ConfigError, match="multiple of --ep 8"):
+        costs.check_hybrid_sharding(2, 1, 32, 8, tp=2, cp=1, expert_tp=1)
+    with pytest.raises(config.ConfigError, match="a multiple of --ep 8, got 4"):
+        costs.check_hybrid_sharding(4, 1, 32, 8)  # the engine's rule

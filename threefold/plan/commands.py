@@ -283,8 +283,9 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
 def expert_tp_of(o: dict, model, tp: int, dp: int, cp: int) -> int:
     """--expert-tp, or where it is not given Megatron-Core's default: the experts split over the tp
     ranks; whole experts with ep folded over tp·cp·dp (its MoE parallel folding) where only that
-    runs (ep larger than cp·dp allows, or experts too narrow to split over tp); 0 (threefold's
-    engine) at tp 1 where ep divides dp, alike there."""
+    runs (ep larger than cp·dp allows, or experts too narrow to split over tp), and at tp 1 where
+    its grid is not the engine's (over cp, or past dp); 0 (threefold's engine) where they price
+    alike (``costs.expert_grid_differs``)."""
     given = o.get("expert_tp")
     if not model.moe_experts:
         if given is not None:
@@ -295,7 +296,7 @@ def expert_tp_of(o: dict, model, tp: int, dp: int, cp: int) -> int:
     ep = _given(o, "ep", 1)
     if tp > 1 and (cp * dp) % ep == 0 and model.moe_ffn_hidden % tp == 0:
         return tp
-    if tp == 1 and dp % ep == 0:
+    if not costs.expert_grid_differs(tp, cp, dp, ep):
         return 0
     return 1 if (tp * cp * dp) % ep == 0 else 0  # where neither runs, the engine's check says why (ep over dp)
 
@@ -605,7 +606,7 @@ def plan(as_json, top, out, config_out, **options):
                           f"step; it needs --zero 3 or no --zero, got {options['zero']}")
     knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
-    if config_out is not None and fixed["expert_tp"] is None:  # a config for the engine: price its experts
+    if config_out is not None and work.model.moe_experts and fixed["expert_tp"] is None:  # the engine's experts
         fixed["expert_tp"] = 0
     _check_expert_placement(work.model, fixed)
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)

@@ -250,18 +250,19 @@ def tp_residual_collectives_per_microbatch(layers, sequence_parallel, recompute,
                                                 0.0))
 
 
-def megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts):
+def megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts, op=False):
     """(all tp collectives, those of residual width) of one MoE block on Megatron-Core's expert
     grid under SP, in all-reduces of the activations: the attention's 2½ (1½ of residual width;
     full recomputation repeats its gather and reduce-scatter, 1, ½ of it residual); the shared
     experts', a dense MLP's where there are any (2½, 1½; full recomputation its gather, ½); with
     the experts split over tp (``expert_tp`` > 1) the dispatched rows' gather and reduce-scatter,
     forward and backward, each ``top_k`` times the activations (2k; full recomputation k more),
-    a product's width."""
+    a product's width. Op-level recomputation (``op``) gathers the attention's input again (½),
+    as in a dense block; it keeps an MoE block's feed-forward whole."""
     full = np.asarray(full, dtype=bool)
     shared = np.asarray(shared_experts) > 0
     split = np.where(np.asarray(expert_tp) > 1, 2 * top_k * (1 + 0.5 * full), 0)
-    collectives = 2.5 + 1.0 * full + np.where(shared, 2.5 + 0.5 * full, 0) + split
+    collectives = 2.5 + 1.0 * full + 0.5 * np.asarray(op, dtype=bool) + np.where(shared, 2.5 + 0.5 * full, 0) + split
     residual = 1.5 + 0.5 * full + np.where(shared, 1.5 + 0.5 * full, 0)
     return collectives, residual
 
@@ -316,7 +317,7 @@ def tp_collectives_per_microbatch(layers, sequence_parallel, recompute, arch: st
     op_recomputed = np.where(sp, 1.0, 1.0 if arch == "llama" else 2.0)
     per_block = np.where(sp, 5.0, 4.0) + np.where(full, recomputed, np.where(op, op_recomputed, 0.0))
     moe_saves = np.where(sp, 1.5, 2.0)  # a replicated MoE block's feed-forward: no f or g
-    megatron_block, _ = megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts)
+    megatron_block, _ = megatron_moe_block_collectives(full, expert_tp, top_k, shared_experts, op)
     moe_saves = np.where(np.asarray(expert_tp) >= 1, per_block - megatron_block, moe_saves)
     return _scalar_or_array(layers * per_block - moe_layers * moe_saves + np.where(embedding, 1.0, 0.0)
                             + np.where(sp, 1.5, 1.0))
@@ -515,8 +516,8 @@ class Layout:
         parts = [f"TP={int(v['tp'])}", f"PP={int(v['pp'])}", f"DP={int(v['dp'])}"]
         if int(v["ep"]) > 1:
             parts.append(f"EP={int(v['ep'])}")
-        if int(v["expert_tp"]) >= 1 and (int(v["tp"]) > 1 or int(v["dp"]) % int(v["ep"])):  # Megatron-Core's grid,
-            parts.append(f"ETP={int(v['expert_tp'])}")  # where it differs from the engine's
+        if int(v["expert_tp"]) >= 1 and expert_grid_differs(*(int(v[k]) for k in ("tp", "cp", "dp", "ep"))):
+            parts.append(f"ETP={int(v['expert_tp'])}")  # Megatron-Core's grid, where it is not the engine's
         if int(v["cp"]) > 1:
             parts.append(f"CP={int(v['cp'])} {CP_METHODS[int(v['cp_method'])]}")
         parts += [f"mb={int(v['micro_batch'])}", f"zero={int(v['zero'])}"]
@@ -532,6 +533,14 @@ class Layout:
             schedule = SCHEDULES[int(v["schedule"])]
             parts.append(f"{schedule} v={int(v['virtual_stages'])}" if SCHEDULE_REGISTRY[schedule].chunked else schedule)
         return " ".join(parts)
+
+
+def expert_grid_differs(tp, cp, dp, ep):
+    """Where Megatron-Core's expert grid (``Layout.expert_tp`` ≥ 1) is not threefold's engine's
+    placement: under tp; over cp with ep > 1 (its ep group is consecutive ranks, the engine's
+    t·c apart); with ep past the dp ranks. Elsewhere (tp 1, cp 1, ep dividing dp) they price
+    alike. Elementwise."""
+    return (np.asarray(tp) > 1) | ((np.asarray(cp) > 1) & (np.asarray(ep) > 1)) | (np.asarray(dp) % np.asarray(ep) > 0)
 
 
 def _index(names: tuple[str, ...], name: str, flag: str) -> int:
@@ -574,7 +583,7 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
     check_experts(model, e, d, t, c, int(layout.expert_tp))
     if model.moe_experts and int(layout.expert_tp) >= 1 and t > 1 and not layout.sequence_parallel:
         raise ConfigError("--expert-tp: Megatron-Core runs an MoE model under --tp only with --sequence-parallel")
-    check_hybrid_sharding(int(layout.dp_shard), int(layout.zero), d, e)
+    check_hybrid_sharding(int(layout.dp_shard), int(layout.zero), d, e, t, c, int(layout.expert_tp))
     full = _recompute_index(layout.recompute) == RECOMPUTE.index("full")
     if p > 1 and full and SCHEDULE_REGISTRY[schedule].split_backward:
         raise ConfigError(f"--recompute: full with --schedule {schedule} is not priced: its weight gradients (W) run "
@@ -597,7 +606,8 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch: int, num_gpus
         check_schedule(schedule, p, global_batch // (d * b), v, balanced_layers(model.layers, chunks), flags=PLAN_FLAGS)
 
 
-def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None = None, ep: int = 1) -> None:
+def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None = None, ep: int = 1, tp: int = 1,
+                          cp: int = 1, expert_tp: int = 0) -> None:
     """--dp-shard: ZeRO (1, 2 or 3) over groups of that many dp ranks, as threefold's engine runs
     it (the ZeRO stage and dp checked where they are known: plan searches them)."""
     if not dp_shard:
@@ -610,6 +620,12 @@ def check_hybrid_sharding(dp_shard: int, zero: int | None = None, dp: int | None
     if dp_shard < 2 or (dp is not None and dp % dp_shard):
         raise ConfigError(f"--dp-shard: must {f'divide --dp {dp} and ' if dp is not None else ''}be at least 2 (a "
                           f"group of one rank shards nothing), got {dp_shard}")
+    if expert_tp >= 1:  # Megatron-Core's grid: a group's tp·cp·dp_shard ranks hold whole ep × expert-tp groups
+        if (tp // expert_tp * cp * dp_shard) % ep:
+            raise ConfigError(f"--dp-shard: a shard group's experts fill whole ep groups on Megatron-Core's grid, so "
+                              f"(--tp / --expert-tp) × --cp × --dp-shard = {tp // expert_tp * cp * dp_shard} must be a "
+                              f"multiple of --ep {ep}")
+        return
     if dp is not None and dp % ep:
         raise ConfigError(f"--dp-shard: a shard group holds whole expert-parallel groups of dp ranks, and --ep {ep} "
                           f"spans more than the dp ranks (--dp {dp}): hybrid sharding is not priced with it")
@@ -874,6 +890,24 @@ def op_checkpoint_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype
     return _scalar_or_array(tokens * (d * h / np.where(sp, t, 1) + products + attention + np.where(sp, 2 * d * h / t, 0)))
 
 
+def moe_blocks_on_rank_0(cfg: ModelConfig, layers, stage_layers, pp, virtual_stages, v_shape):
+    """MoE blocks on pipeline rank 0, for arrays of layouts: of its ``virtual_stages`` chunks of
+    stage_layers/virtual_stages blocks, model chunks 0, p, 2p, … (interleaved), or the first and
+    the last (a V: DualPipeV), so a model whose first blocks are dense has its MoE blocks counted
+    where the rank holds them; one chunk, blocks 0 … stage_layers − 1, without a pipeline's chunks."""
+    v, p = np.asarray(virtual_stages), np.asarray(pp)
+    chunk = np.asarray(stage_layers) / v
+
+    def moe_in(first_chunk):
+        start = first_chunk * chunk
+        return (moe_layers_below(cfg, np.minimum(layers, start + chunk))
+                - moe_layers_below(cfg, np.minimum(layers, start)))
+
+    interleaved = sum(np.where(k < v, moe_in(k * p), 0) for k in range(int(np.max(v)) if np.size(v) else 1))
+    last_chunk = moe_layers_below(cfg, layers) - moe_layers_below(cfg, np.maximum(0, layers - chunk))  # the V's end
+    return np.where(v_shape, moe_in(0) + last_chunk, interleaved)
+
+
 def moe_layers_below(cfg: ModelConfig, n):
     """How many of the blocks 0 … n−1 hold experts (``sizes.is_moe_layer``), for arrays of n: none
     among the first ``moe_first_dense``, then every ``moe_every``-th."""
@@ -980,7 +1014,7 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
-                            residual_bytes: int = 4):
+                            residual_bytes: int = 4, expert_tp=0):
     """What a schedule that splits the backward (ZB-H1, DualPipeV) keeps from a micro-batch's B to
     its W, on one tp rank: the gradient arriving at each product and norm whose weight W will
     differentiate (parallel/pipeline/runtime.backward_input; torch.distributed.pipelining keeps
@@ -994,7 +1028,9 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
         (the norm multiplies in fp32), of the rank's tokens (1/tp of them under SP);
       an MoE block: the router's fp32 logits (of the whole sequence) and the gate, up and output
         rows of its k routed and its shared experts (of ``moe_token_share`` of it) in place of
-        the dense feed-forward's;
+        the dense feed-forward's; on Megatron-Core's grid (``expert_tp`` ≥ 1) the router's of
+        this rank's positions, the shared experts' output whole (a tp MLP's partial sum), and
+        split experts' (``expert_tp`` > 1) output rows of the tp group's gathered rows;
       the head: the final norm's (fp32) and the logits' (the vocabulary's tp shard, padded);
       the embedding: its output's, the first stage's input gradient, of the ``residual_bytes``
         stream."""
@@ -1008,8 +1044,13 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
     moe = 0 * dense
     if model.moe_experts:
         experts = model.moe_top_k_experts + model.moe_shared_experts
-        rows = moe_token_share(t, sequence_parallel) * d * experts * (2 * model.moe_ffn_hidden + h)
+        share = moe_token_share(t, sequence_parallel)
+        rows = share * d * experts * (2 * model.moe_ffn_hidden + h)
         moe = shared + tokens * (4 * model.moe_experts + rows)
+        etp = np.asarray(expert_tp)
+        whole_rows = model.moe_shared_experts + np.where(etp > 1, model.moe_top_k_experts, 0)
+        megatron = moe + tokens * (d * h * (1 - 1 / t) * whole_rows - 4 * model.moe_experts * (1 - share))
+        moe = np.where(etp >= 1, megatron, moe)
     head = rank_tokens * h * 4 + tokens * d * padded_vocab(model.vocab_size, t) / t
     return tuple(_scalar_or_array(x) for x in (dense, moe, head, rank_tokens * h * residual_bytes))
 
@@ -1615,7 +1656,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     expert_tp = np.asarray(layout.expert_tp)
     megatron_experts = moe & (expert_tp >= 1)
     etp = np.maximum(expert_tp, 1)
-    moe_first = moe_layers_below(cfg, stage_layers)
+    moe_first = moe_blocks_on_rank_0(cfg, L, stage_layers, p, v, v_shape)
     moe_last = moe_layer_count(cfg) - moe_layers_below(cfg, L - stage_layers)
     # the experts' states shard over their own replicas (dp·cp/ep); under hybrid sharding over
     # the dp_shard/ep ranks of a shard group that hold the same experts, all-reduced between groups
@@ -1659,8 +1700,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     # its B runs, one block's captured gradients before the block releases what only B reads.
     captured_first = _per_schedule("captured_first", schedule, p, m, v, single=0.0)
     captured_last = _per_schedule("captured_last", schedule, p, m, v, single=0.0)
-    cap_dense, cap_moe, cap_head, cap_embedding = captured_gradient_bytes(cfg, tokens, t, sp, work.activation_bytes,
-                                                                          work.activation_bytes)
+    cap_dense, cap_moe, cap_head, cap_embedding = captured_gradient_bytes(
+        cfg, tokens, t, sp, work.activation_bytes, work.activation_bytes, np.where(megatron_experts, expert_tp, 0))
     kept_layer = weight_input_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes) + cap_dense
     kept_moe = 0
     if moe:
@@ -1730,7 +1771,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     whole_numel = block_numel + embedding_numel + final_norm + (0 if cfg.tie_embeddings else table)
     first_numel = np.where(single_stage, whole_numel, block_numel + embedding_numel + np.where(v_shape, head_numel, 0))
     last_numel = np.where(single_stage, whole_numel, block_numel_last + np.where(v_shape, 0, head_numel))
-    gathered_grads = np.where(sharded, largest_block * work.grad_bytes, 0)
+    # Megatron-Core's folded experts can be sharded over their replicas (tp·cp·dp/ep) where the
+    # dense weights have one replica (cp·dp = 1): ZeRO-3 then gathers the experts' units alone
+    experts_alone = np.zeros_like(sharded)
+    if moe:
+        experts_alone = (zero == 3) & ~sharded & (expert_replicas > 1) & (moe_first + moe_last > 0)
+    gathered_unit = np.where(sharded, largest_block, np.where(experts_alone, expert_block if moe else 0, 0))
+    gathered_grads = gathered_unit * work.grad_bytes
     # What a stage holds outside its blocks (embedding, final norm, head): ZeRO-3's root unit
     first_root, last_root = first_numel - block_numel, last_numel - block_numel_last
 
@@ -1748,8 +1795,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
             ex = model_state_bytes(expert_numel, expert_replicas, zero, work.param_bytes, work.grad_bytes,
                                    work.optimizer_bytes)
             st = {key: st[key] + ex[key] for key in st}
-        gathered_params = np.where(sharded, (np.minimum(2, stage_layers) * largest_block + outside_blocks)
-                                   * work.param_bytes, 0)
+        gathered_params = (np.minimum(2, stage_layers) * gathered_unit
+                           + np.where(sharded, outside_blocks, 0)) * work.param_bytes
         head_grads = np.where(sharded & holds_head, head_numel * work.param_bytes, 0)
         return st["params"] + gathered_params, st["grads"] + gathered_grads + head_grads, st["optimizer"]
 

@@ -80,7 +80,9 @@ def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[
         try:
             if keys["train"]["recompute"] == "op":
                 raise ConfigError(OP)
-            if work.model.moe_experts and int(np.asarray(layouts.expert_tp)[int(i)]) >= 1 and keys["parallel"]["tp"] > 1:
+            grid = keys["parallel"]
+            if (work.model.moe_experts and int(np.asarray(layouts.expert_tp)[int(i)]) >= 1
+                    and costs.expert_grid_differs(grid["tp"], grid["cp"], grid["dp"], grid["ep"])):
                 raise ConfigError(EXPERT_TP)
             with notes_after_checks():
                 load_config(None, overrides(keys))

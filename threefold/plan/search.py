@@ -74,27 +74,27 @@ def _context_methods(cfg, tp: int, cp: int, fixed: dict) -> list[int]:
 def _expert_placements(cfg, tp: int, dp: int, cp: int, sp_choices, fixed: dict) -> list[tuple[int, int]]:
     """(ep, expert_tp) pairs (``Layout.expert_tp``): every ep that divides the experts and the
     ranks it is carved from, with each placement that runs it. On threefold's engine (expert_tp 0)
-    ep divides dp; on Megatron-Core's grid, searched by default (it needs SP under tp, so only
-    where SP is searched), cp·dp with the experts split over tp (expert_tp = tp, where the tp
-    ranks divide their width) and tp·cp·dp with them whole (expert_tp 1). At tp 1 a placement
-    prices as the engine's wherever ep divides dp: that row stands for both. (1, 0) for a dense model."""
+    ep divides dp; on Megatron-Core's grid, searched by default (under tp only where SP is
+    searched: it needs it), cp·dp with the experts split over tp (expert_tp = tp, where the tp
+    ranks divide their width) and tp·cp·dp with them whole (expert_tp 1). Where the grid prices
+    as the engine's (``costs.expert_grid_differs``: tp 1, cp 1, ep dividing dp) only the engine's
+    row is kept, unless expert_tp 1 is given. (1, 0) for a dense model."""
     if not cfg.moe_experts:
         return [(1, 0)] if fixed.get("ep", 1) == 1 else []
     given = fixed.get("expert_tp")
-    megatron = tp == 1 or True in sp_choices
-    split = tp > 1 and cfg.moe_ffn_hidden % tp == 0 and given in (None, tp)
+    grid = given != 0 and (tp == 1 or True in sp_choices)
     pairs = []
     for ep in _divisors(tp * cp * dp):
         if cfg.moe_experts % ep or ep != fixed.get("ep", ep):
             continue
-        if dp % ep == 0 and (given == 0 or (tp == 1 and given is None)):
+        differs = bool(costs.expert_grid_differs(tp, cp, dp, ep))
+        if dp % ep == 0 and (given == 0 or (given is None and not differs)):
             pairs.append((ep, 0))
+        if not grid:
             continue
-        if given == 0 or not megatron:
-            continue
-        if split and (cp * dp) % ep == 0:
+        if tp > 1 and given in (None, tp) and cfg.moe_ffn_hidden % tp == 0 and (cp * dp) % ep == 0:
             pairs.append((ep, tp))
-        if given in (None, 1) and (tp > 1 or given == 1 or dp % ep):
+        if given == 1 or (given is None and differs):
             pairs.append((ep, 1))
     return pairs
 
