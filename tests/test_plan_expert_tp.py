@@ -333,3 +333,18 @@ def test_hybrid_sharding_on_the_grid_needs_whole_ep_groups_of_its_own_ranks():
         costs.check_hybrid_sharding(2, 1, 32, 8, tp=2, cp=1, expert_tp=1)
     with pytest.raises(config.ConfigError, match="a multiple of --ep 8, got 4"):
         costs.check_hybrid_sharding(4, 1, 32, 8)  # the engine's rule
+
+
+def test_the_table_says_which_placement_it_estimates(capsys):
+    """Without --json, estimate says once that it took Megatron-Core's grid (the title's ETP=2),
+    and how to estimate the engine's; nothing where the grid prices as the engine's."""
+    flags = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "256", "--num-gpus", "64",
+             "--micro-batch", "1", "--ep", "8"]
+    config.note_once.cache_clear()
+    assert main(flags + ["--tp", "2", "--sequence-parallel"]) == 0
+    out, err = capsys.readouterr()
+    assert "EP=8 ETP=2" in out and err.strip() == (
+        "note: --expert-tp not given: estimating Megatron-Core's expert grid, ETP=2 (each expert split over the tp "
+        "ranks); --expert-tp 0 estimates threefold's engine, whose experts are whole on every tp rank")
+    config.note_once.cache_clear()
+    assert main(flags) == 0 and capsys.readouterr().err == ""  # tp 1, cp 1: alike

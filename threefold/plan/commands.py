@@ -513,6 +513,12 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
     result = dict(report.result_json(est, layout), **({"tuned": tuned} if tuned else {}))
     if tuned and not as_json:
         note_once(f"note: {_tuned_words(tuned, layout, est)}")
+    if not as_json and options.get("expert_tp") is None and layout.expert_tp >= 1 and costs.expert_grid_differs(
+            layout.tp, layout.cp, layout.dp, layout.ep):
+        how = ("each expert split over the tp ranks" if layout.expert_tp > 1
+               else "whole experts, ep over tp × cp × dp")
+        note_once(f"note: --expert-tp not given: estimating Megatron-Core's expert grid, ETP={layout.expert_tp} ({how}); "
+                  "--expert-tp 0 estimates threefold's engine, whose experts are whole on every tp rank")
     described = layout.describe() + (f" stages {'-'.join(map(str, split))}" if split else "")
     if out:
         draw_breakdown([result], [described], gpu.hbm_bytes / 2**30, out, _title(options, work, num_gpus, gpu))
