@@ -543,6 +543,13 @@ def expert_grid_differs(tp, cp, dp, ep):
     return (np.asarray(tp) > 1) | ((np.asarray(cp) > 1) & (np.asarray(ep) > 1)) | (np.asarray(dp) % np.asarray(ep) > 0)
 
 
+def ep_stride(tp, cp, expert_tp):
+    """Ranks between two members of an ep group: t·c on the engine's placement (ep within dp),
+    expert_tp on Megatron-Core's grid (its expert-tp ranks innermost). Elementwise."""
+    expert_tp = np.asarray(expert_tp)
+    return np.where(expert_tp >= 1, expert_tp, np.asarray(tp) * np.asarray(cp))
+
+
 def _index(names: tuple[str, ...], name: str, flag: str) -> int:
     if name not in names:
         raise ConfigError(f"{flag}: must be one of {', '.join(names)}, got {name!r}")
@@ -1927,8 +1934,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     if moe:
         ep_sent_mb = ep_bytes_per_step(tokens * moe_token_share(t, sp), cfg.moe_top_k_experts, h, e, moe_last, 1,
                                        cfg.moe_experts, recompute, work.activation_bytes)
-        # ep ranks in one node, this one included: t·c apart, or expert_tp apart on Megatron-Core's grid
-        in_node = members_in_node(gpu.gpus_per_node, (np.where(megatron_experts, etp, t * c), e))
+        # ep ranks in one node, this one included
+        in_node = members_in_node(gpu.gpus_per_node, (ep_stride(t, c, np.where(megatron_experts, expert_tp, 0)), e))
         peers = np.maximum(e - 1, 1)
         intra_s = ep_sent_mb * (in_node - 1) / peers / (gpu.intra_node_bw * gpu.intra_link_efficiency)
         inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)

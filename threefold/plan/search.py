@@ -279,8 +279,7 @@ class SearchResult:
             behind = f", {hidden:.2f} s more hidden behind the attention" if method == "ring" and hidden > 0.005 else ""
             return f"CP={lay['cp']} {method} {where}: {seconds:.2f} s of exposed key/value exchange{behind}"
         if part == "ep_exposed":
-            # the ep ranks are tp·cp apart on the engine's placement, expert-tp apart on Megatron-Core's grid
-            span = (lay["expert_tp"] if lay["expert_tp"] >= 1 else lay["tp"] * lay["cp"]) * lay["ep"]
+            span = int(costs.ep_stride(lay["tp"], lay["cp"], lay["expert_tp"])) * lay["ep"]
             where = "crosses nodes" if span > self.gpu.gpus_per_node else "within a node"
             return f"EP={lay['ep']} {where}: {seconds:.2f} s of all-to-all per step"
         if part == "compute":
