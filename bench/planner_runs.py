@@ -23,6 +23,9 @@ bench/results/planner_runs/{local.json, <name>.toml, <name>.jsonl, manifest.json
 tests/test_calibrate.py replays them as data. ``--only ddp,zero3`` re-records some runs (keeping
 the others and the profile with ``--no-profile``); ``--out DIR`` records elsewhere;
 ``--summary-only`` trains nothing and compares the recording with the planner as it is now.
+``--moe`` records the tiny Mixture-of-Experts instead (MOE_RUNS, in bench/results/moe_runs):
+each priced at the routing imbalance it measured (``compare.measured_imbalance``), balanced beside
+it; tests/test_closed_loop.py replays those too.
 """
 from __future__ import annotations
 
@@ -60,6 +63,19 @@ RUNS = {  # name → (config file, its overrides); the targets first
     "pp-1f1b": ("configs/pp.toml", ["parallel.schedule=1f1b", "parallel.pp=2"]),
 }
 EXPOSED_RUNS = ("ddp", "zero3", "dp-pp")  # exposed communication within 25% or 20 ms of the planner's
+# `--moe`: the tiny Mixture-of-Experts (configs/moe.toml) with and without expert parallelism,
+# recorded apart (another model: the fit takes runs of one). Its learned routing is far from
+# balanced in its first steps, so `compare` prices each run at the imbalance it measured.
+MOE_OUT = ROOT / "bench" / "results" / "moe_runs"
+MOE_RUNS = {
+    "moe-dp2-ep2": ("configs/moe.toml", ["parallel.dp=2", "parallel.ep=2"]),
+    "moe-dp4-ep4": ("configs/moe.toml", ["parallel.dp=4", "parallel.ep=4", "train.micro_batch=2"]),
+    "moe-dp4-ep2": ("configs/moe.toml", ["parallel.dp=4", "parallel.ep=2", "train.micro_batch=2"]),
+    "moe-dp2-tp2-ep2": ("configs/moe.toml", ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                             "parallel.ep=2"]),
+    "moe-dp4": ("configs/moe.toml", ["parallel.dp=4", "train.micro_batch=2"]),
+}
+ALL_RUNS = {**RUNS, **MOE_RUNS}
 
 
 def threefold_command(*args: str) -> list[str]:
@@ -76,7 +92,7 @@ def record_run(name: str, steps: int, out: Path, env: dict, advance, round_: int
     rounds (its metrics go to ``<name>.round<k>.jsonl`` until ``merge_rounds``)."""
     from threefold.plan.compare import load_run
 
-    config, overrides = RUNS[name]
+    config, overrides = ALL_RUNS[name]
     sets = [*overrides, *QUIET, f"train.steps={steps}"]
     metrics = out / f"{name}.round{round_}.jsonl"
     metrics.unlink(missing_ok=True)
@@ -126,7 +142,9 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
     """The comparison of every recorded run (plain profile) and the cross-validation; printed
     and returned for summary.json."""
     from threefold.plan import fit
-    from threefold.plan.compare import compare_run, load_run, within_tolerance
+    from threefold.plan.compare import (compare_run, estimate_run, load_run, measured_imbalance, read_steps, resolved,
+                                        with_run_split, within_tolerance)
+    from threefold.plan.hardware import local_gpu
     from threefold.plan.profile import load_profile
 
     profile = load_profile(out / "local.json")
@@ -142,6 +160,12 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
                       "plain_error": step.predicted / step.measured - 1, "exposed": exposed,
                       "load_1min": [entry.get("load_1min_before"), entry.get("load_1min_after")],
                       "other_processes_cores": entry.get("other_processes_cores")}
+        steps = read_steps(out / entry["metrics"])
+        imbalance = measured_imbalance(cfg, steps)
+        if cfg.parallel.ep > 1:  # priced at the busiest ep rank's measured load; balanced beside it
+            run = with_run_split(resolved(cfg), steps)
+            balanced = estimate_run(run, local_gpu(run.train.dtype, workers=run.parallel.world_size))["step_time_s"]
+            runs[name].update(moe_imbalance=imbalance, balanced_s=float(balanced))
     # The fit needs runs of one model; the targets may train another (the demo's vocabulary is
     # 4,608 tokens, the benchmarks' 4,096): the fitted efficiencies are the machine's.
     loaded = fit.read_runs([str(out / "manifest.json")], one_model=False)
@@ -152,17 +176,21 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
 
     table = Table(title="step time (s): measured, and the planner on the plain calibrate profile and fitted on "
                         "the other layouts")
-    for column in ("run", "load 1 min", "others' cores", "measured", "plain profile", "fitted on others"):
+    moe = any("moe_imbalance" in r for r in runs.values())
+    for column in ("run", "load 1 min", "others' cores", "measured", "plain profile", "fitted on others") + (
+            ("busiest ep rank", "balanced routing") if moe else ()):
         table.add_column(column, justify="left" if column == "run" else "right")
     fitted = {row["run"]: row for row in cross["runs"]} if cross else {}
     for name, r in runs.items():
         f = fitted.get(name)
+        balanced = (f"{r['moe_imbalance']:.2f}×", f"{r['balanced_s']:.3f} ({r['balanced_s'] / r['measured_s'] - 1:+.0%})"
+                    ) if "moe_imbalance" in r else ("", "")
         table.add_row(name + (" *" if name in TARGETS else ""), "{} → {}".format(*r["load_1min"]),
                       str(r["other_processes_cores"]), f"{r['measured_s']:.3f}", f"{r['plain_s']:.3f} ({r['plain_error']:+.0%})",
-                      f"{f['predicted_s']:.3f} ({f['error']:+.0%})" if f else "")
+                      f"{f['predicted_s']:.3f} ({f['error']:+.0%})" if f else "", *(balanced if moe else ()))
     plain_targets = [abs(runs[n]["plain_error"]) for n in TARGETS if n in runs]
-    caption = [f"* targets: plain mean |error| {sum(plain_targets) / max(1, len(plain_targets)):.1%}, "
-               f"worst {max(plain_targets, default=0):.1%} (bar 15%)"]
+    caption = [f"* targets: plain mean |error| {sum(plain_targets) / len(plain_targets):.1%}, "
+               f"worst {max(plain_targets):.1%} (bar 15%)"] if plain_targets else []
     if cross:
         caption.append(f"fitted on {', '.join(r.name for r in train)}: the targets' mean |error| "
                        f"{cross['mean_abs_error']:.1%}, worst {cross['max_abs_error']:.1%} (bar 10%)")
@@ -186,7 +214,7 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
 
 def write_summary(out_dir: Path, manifest: dict) -> None:
     """Print the comparison of the recorded runs and write it to summary.json."""
-    summary = summarize(out_dir, {n: manifest[n] for n in RUNS if n in manifest}, Console())
+    summary = summarize(out_dir, {n: manifest[n] for n in ALL_RUNS if n in manifest}, Console())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
@@ -199,7 +227,13 @@ def write_summary(out_dir: Path, manifest: dict) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=OUT, show_default=True)
 @click.option("--summary-only", is_flag=True,
               help="Train nothing: compare the recorded runs with the planner as it is now (after a model change).")
-def main(steps, rounds, only, profile, out_dir, summary_only):
+@click.option("--moe", is_flag=True,
+              help=f"Record the Mixture-of-Experts runs ({', '.join(MOE_RUNS)}) instead, by default in "
+                   f"{MOE_OUT.relative_to(ROOT)}.")
+def main(steps, rounds, only, profile, out_dir, summary_only, moe):
+    runs = MOE_RUNS if moe else RUNS
+    if moe and out_dir == OUT:
+        out_dir = MOE_OUT
     if summary_only:
         if not (out_dir / "manifest.json").is_file():
             raise click.BadParameter(f"{out_dir} holds no recording (no manifest.json)", param_hint="--out")
@@ -207,10 +241,10 @@ def main(steps, rounds, only, profile, out_dir, summary_only):
         write_summary(out_dir, json.loads((out_dir / "manifest.json").read_text()))
         return
     console = Console(stderr=True)
-    names = [n for n in RUNS if not only or n in only.split(",")]
-    unknown = set(only.split(",")) - set(RUNS) if only else set()
+    names = [n for n in runs if not only or n in only.split(",")]
+    unknown = set(only.split(",")) - set(runs) if only else set()
     if unknown:
-        raise click.BadParameter(f"unknown run {sorted(unknown)[0]!r} (known: {', '.join(RUNS)})", param_hint="--only")
+        raise click.BadParameter(f"unknown run {sorted(unknown)[0]!r} (known: {', '.join(runs)})", param_hint="--only")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, THREEFOLD_HOME=str(out_dir), PYTHONPATH=str(ROOT))
     os.environ["THREEFOLD_HOME"] = str(out_dir)  # compare_run reads the profile from there
@@ -233,7 +267,7 @@ def main(steps, rounds, only, profile, out_dir, summary_only):
         recorded = {name: [] for name in names}
         for round_ in range(rounds):
             for name in names:
-                bar.update(task, description=f"{name} ({RUNS[name][0]}) {round_ + 1}/{rounds}", load=load_1min())
+                bar.update(task, description=f"{name} ({runs[name][0]}) {round_ + 1}/{rounds}", load=load_1min())
                 entry = record_run(name, steps, out_dir, env,
                                    lambda n, done=done: bar.update(task, completed=done + n, load=load_1min()), round_)
                 done += steps

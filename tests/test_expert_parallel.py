@@ -76,6 +76,8 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
         assert (r["comm"][0].get("ep", 0) > 0) == (holds_moe and expert_parallel)
         if "parallel.sequence_parallel=true" in overrides(name):  # the MoE blocks' partial gradients
             assert r["comm"][0].get("tp.partial_grads", 0) > 0
+        # the busiest of the ep = 2 ranks' routed rows over the mean: between balanced and all of them
+        assert all(1 <= m.get("ep_max_over_mean", 0) <= 2 for m in r["moe"]) == expert_parallel
     assert_same_routing(results, ref)
     if "capacity" in name:  # the capacity rule dropped tokens, the same ones as on one process
         assert all(m["dropped"] > 0 for m in ref["moe"])

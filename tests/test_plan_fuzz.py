@@ -45,7 +45,8 @@ def random_line(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         line.update(arch="llama", moe_experts=pick([8, 16, 64]), moe_top_k=pick([1, 2]),
                     moe_ffn=pick([None, 1408, 14336]), ep=pick([1, 2, 8, 16]),
-                    moe_shared_experts=pick([None, 0, 1]), expert_tp=pick([None, None, 0, 1, tp, 3]))
+                    moe_shared_experts=pick([None, 0, 1]), expert_tp=pick([None, None, 0, 1, tp, 3]),
+                    moe_imbalance=pick([None, None, 1.0, 1.3, 2.5, 0.5]))
     return {key: value for key, value in line.items() if value is not None}
 
 

@@ -428,11 +428,23 @@ def step_statistics(layers: list[MoE], counts: torch.Tensor) -> dict:
                               sum(layer.step_aux_loss.item() for layer in layers), micro_batches)
 
 
-def routing_statistics(counts: torch.Tensor, dropped: float, aux_loss_sum: float, micro_batches: int) -> dict:
+def routing_statistics(counts: torch.Tensor, dropped: float, aux_loss_sum: float, micro_batches: int,
+                       ep: int = 1) -> dict:
     """``step_statistics`` from the numbers themselves: ``counts`` (MoE layers, E), the dropped
-    assignments, the aux loss summed over layers and micro-batches, and the micro-batches."""
+    assignments, the aux loss summed over layers and micro-batches, and the micro-batches.
+
+    With the experts split over ``ep`` ranks (E/ep consecutive experts each, as
+    parallel/expert_parallel.py places them), also ``ep_max_over_mean``: the rows the busiest
+    rank's experts take over the mean, Σ_layers max_rank / Σ_layers mean_rank, the factor by which
+    the step's routed work and exchanges wait for that rank (the planner's ``--moe-imbalance``).
+    The counts are the step's, summed over its micro-batches and replicas, which evens out each
+    micro-batch's own busiest rank: a lower bound of the waits."""
     counts = counts.double()
-    return {"tokens_per_expert": {"min": counts.min().item(), "mean": counts.mean().item(),
-                                  "max": counts.max().item()},
-            "max_over_mean": (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item(),
-            "dropped": int(round(dropped)), "aux_loss": aux_loss_sum / micro_batches}
+    stats = {"tokens_per_expert": {"min": counts.min().item(), "mean": counts.mean().item(),
+                                   "max": counts.max().item()},
+             "max_over_mean": (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item(),
+             "dropped": int(round(dropped)), "aux_loss": aux_loss_sum / micro_batches}
+    if ep > 1:
+        loads = counts.view(counts.shape[0], ep, -1).sum(-1)  # (MoE layers, ep): rows each rank's experts take
+        stats["ep_max_over_mean"] = (loads.max(1).values.sum() / loads.mean(1).sum().clamp(min=1e-9)).item()
+    return stats

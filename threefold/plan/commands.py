@@ -29,7 +29,7 @@ MODEL_FIELDS = {"arch": "arch", "layers": "layers", "hidden": "hidden", "heads":
                 "moe_experts": "moe_experts", "moe_top_k": "moe_top_k", "moe_ffn": "moe_ffn",
                 "moe_shared_experts": "moe_shared_experts", "moe_first_dense": "moe_first_dense",
                 "moe_every": "moe_every"}
-MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "moe_every")
+MOE_FLAGS = ("moe_top_k", "moe_ffn", "moe_shared_experts", "moe_first_dense", "moe_every", "moe_imbalance")
 REQUIRED_WITHOUT_PRESET = ("layers", "hidden", "heads", "vocab", "seq_len")
 
 
@@ -87,6 +87,10 @@ def _model_options(command):
         click.option("--moe-shared-experts", type=int, help="Experts every token passes through (DeepSeek)."),
         click.option("--moe-first-dense", type=int, help="Leading layers that stay dense (DeepSeek-V3: 3)."),
         click.option("--moe-every", type=int, help="After them, every n-th layer is MoE (default 1)."),
+        click.option("--moe-imbalance", type=float,
+                     help="The busiest expert-parallel rank's routed rows over the mean (default 1: balanced "
+                          "routing; a run's metrics report its ep_max_over_mean): under --ep every rank waits "
+                          "for that rank's experts and exchanges."),
         click.option("--global-batch", type=int, help="Sequences per optimizer step (required)."),
         click.option("--gpu", help="A GPU from --list-gpus, or 'local' (measured by `threefold calibrate`); "
                                    "required unless --cluster describes one."),
@@ -172,7 +176,8 @@ def build_workload(o: dict) -> tuple[costs.Workload, object]:
                           grad_bytes=4 if (o.get("grad_dtype") or "fp32") == "fp32" else 2,
                           overlap_dp=True if o.get("overlap_dp") is None else bool(o["overlap_dp"]),
                           tp_comm_overlap=bool(o.get("tp_comm_overlap")),
-                          precision={"float32": "fp32", "float8": "fp8"}.get(dtype, "mixed"))
+                          precision={"float32": "fp32", "float8": "fp8"}.get(dtype, "mixed"),
+                          moe_imbalance=_given(o, "moe_imbalance", 1.0))
     gpu = load_cluster(o["cluster"]).with_dtype(dtype) if o.get("cluster") else get_gpu(o["gpu"], dtype)
     gpu = gpu.with_links(o.get("intra_node_gbps"), o.get("inter_node_gbps"))
     gpu = gpu.with_power_limit(o.get("power_limit_w"))
@@ -205,12 +210,13 @@ def check_positive(o: dict, keys) -> None:
 LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages", "num_gpus")
 
 
-def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
+def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None, ep: int | None = None) -> dict:
     """The options with the knobs that mean something else at these sizes (None: not fixed, as
     plan's search leaves them) read as the engine and Megatron read them, a note for each:
     Megatron's 1F1B with virtual stages is its interleaved schedule and interleaved with one
     chunk a rank is 1F1B (a published run may state either); a schedule at pp 1, a CP method at
-    cp 1 and sequence parallelism at tp 1 have nothing to act on (Megatron turns SP off too)."""
+    cp 1, sequence parallelism at tp 1 and a routing imbalance at ep 1 have nothing to act on
+    (Megatron turns SP off too)."""
     o = dict(o)
     schedule, virtual = o.get("schedule"), o.get("virtual_stages")
     if schedule == "1f1b" and (virtual or 1) > 1 and pp != 1:
@@ -231,6 +237,9 @@ def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
         note_once("note: --no-reshard-after-forward has no effect without --zero 3 (it keeps ZeRO-3's gathered "
                   "weights through the step)")
         o["reshard_after_forward"] = True
+    if ep == 1 and (o.get("moe_imbalance") or 1) != 1:
+        note_once("note: --moe-imbalance has no effect at --ep 1 (each rank runs every expert on its own tokens, "
+                  "however they are routed)")
     if o.get("tp_comm_overlap") and (tp == 1 or o.get("sequence_parallel") is False):
         note_once("note: --tp-comm-overlap has no effect without tensor parallelism and --sequence-parallel (it "
                   "pipelines their all-gathers and reduce-scatters with the products, as Megatron-Core's does)")
@@ -240,7 +249,7 @@ def reconciled(o: dict, tp: int | None, pp: int | None, cp: int | None) -> dict:
 def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     """The layout and GPU count of estimate's options; --dp or --num-gpus may be left out."""
     check_positive(o, LAYOUT_SIZES)
-    tp, pp, cp = _given(o, "tp", 1), _given(o, "pp", 1), _given(o, "cp", 1)
+    tp, pp, cp, ep = _given(o, "tp", 1), _given(o, "pp", 1), _given(o, "cp", 1), _given(o, "ep", 1)
     dp, num_gpus = o.get("dp"), o.get("num_gpus")
     if num_gpus is None:
         dp = _given(o, "dp", 1)
@@ -259,13 +268,13 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
                   "it (--expert-tp 0 prices threefold's engine, which runs without)")
         o = {**o, "sequence_parallel": True}
     o = reconciled({**o, "schedule": _given(o, "schedule", "1f1b"), "sequence_parallel": bool(o.get("sequence_parallel"))},
-                   tp, pp, cp)
+                   tp, pp, cp, ep)
     schedule = o["schedule"]
     chunked = schedule in SCHEDULE_REGISTRY and SCHEDULE_REGISTRY[schedule].chunked
     virtual = _given(o, "virtual_stages", 2 if chunked else 1)
     sequence_parallel = bool(o.get("sequence_parallel"))
     layout = costs.Layout.named(recompute=_given(o, "recompute", "none"), schedule=schedule, tp=tp, pp=pp, dp=dp,
-                                cp=cp, ep=_given(o, "ep", 1), cp_method=_given(o, "cp_method", "ring"),
+                                cp=cp, ep=ep, cp_method=_given(o, "cp_method", "ring"),
                                 zero=_given(o, "zero", 0), micro_batch=_given(o, "micro_batch", 1),
                                 virtual_stages=virtual, sequence_parallel=sequence_parallel,
                                 dp_shard=_given(o, "dp_shard", 0),
@@ -610,7 +619,7 @@ def plan(as_json, top, out, config_out, **options):
     if options.get("reshard_after_forward") is False and options.get("zero") not in (None, 3):
         raise ConfigError(f"--no-reshard-after-forward: restricts the search to ZeRO-3 kept gathered through the "
                           f"step; it needs --zero 3 or no --zero, got {options['zero']}")
-    knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"))
+    knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"), options.get("ep"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
     if config_out is not None and work.model.moe_experts and fixed["expert_tp"] is None:  # the engine's experts
         fixed["expert_tp"] = 0

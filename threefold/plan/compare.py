@@ -103,9 +103,10 @@ def check_same_run(cfg: Config, want: dict, steps: list[dict], metrics_path) -> 
                               f"{axis}={size} ({layout})")
 
 
-def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
+def run_layout(cfg: Config, moe_imbalance: float = 1.0) -> tuple[costs.Workload, costs.Layout]:
     """The planner's workload and layout of a training config, as the engine runs it: fp32 or
-    bf16 compute, the attention of PyTorch's scaled_dot_product_attention (no stored scores)."""
+    bf16 compute, the attention of PyTorch's scaled_dot_product_attention (no stored scores);
+    under expert parallelism the routing imbalance the run measured (``measured_imbalance``)."""
     p, t = cfg.parallel, cfg.train
     layout = costs.Layout.named(recompute=t.recompute, schedule=p.schedule, cp_method=p.cp_method, tp=p.tp,
                                 pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
@@ -113,9 +114,16 @@ def run_layout(cfg: Config) -> tuple[costs.Workload, costs.Layout]:
                                 sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard,
                                 reshard_after_forward=p.resharding)
     work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "autocast",
-                          tp_comm_overlap=p.tp_overlap, sequence_copies=True,
+                          tp_comm_overlap=p.tp_overlap, sequence_copies=True, moe_imbalance=moe_imbalance,
                           bucket_params=p.bucket_mb * 2**20 / 4)  # the engine's buckets hold fp32 gradients
     return work, layout
+
+
+def measured_imbalance(cfg: Config, steps: list[dict]) -> float:
+    """The median over a run's steps of its busiest ep rank's routed rows over the mean (the
+    metrics' ``moe.ep_max_over_mean``, at least 1); 1 without expert parallelism or the record."""
+    seen = [step["moe"]["ep_max_over_mean"] for step in steps if "ep_max_over_mean" in (step.get("moe") or {})]
+    return max(1.0, statistics.median(seen)) if cfg.parallel.ep > 1 and seen else 1.0
 
 
 def run_split(cfg: Config) -> tuple[int, ...] | None:
@@ -140,9 +148,10 @@ def with_run_split(cfg: Config, steps: list[dict], metrics_path="--metrics-file"
     return cfg
 
 
-def estimate_run(cfg: Config, gpu) -> dict:
-    """estimate() of a training config's layout on ``gpu``, at the run's pipeline split where it has one."""
-    work, layout = run_layout(cfg)
+def estimate_run(cfg: Config, gpu, moe_imbalance: float = 1.0) -> dict:
+    """estimate() of a training config's layout on ``gpu``, at the run's pipeline split where it
+    has one, with the routing imbalance it measured (``measured_imbalance``)."""
+    work, layout = run_layout(cfg, moe_imbalance)
     return costs.estimate(work, layout, gpu, stage_split=run_split(cfg))
 
 
@@ -234,7 +243,8 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
         gpu, missing = local_gpu(t.dtype, workers=p.world_size), None  # the run's dtype, its ranks on these cores
     except ConfigError as err:
         gpu, missing = CATALOG["a100-80gb"], str(err)  # only for estimate()'s bytes, which no GPU changes
-    est = estimate_run(cfg, gpu)
+    imbalance = measured_imbalance(cfg, steps)
+    est = estimate_run(cfg, gpu, imbalance)
 
     def axis(key: str) -> float:
         return measured(lambda s: s["comm_bytes"].get(key, 0))
@@ -250,7 +260,7 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
 
     least_gpu = gpu.without_skew()  # itself on a GPU and on a profile without waits: no second estimate
     rows += exposed_rows(cfg, steps, None if missing else est, missing,
-                         None if missing or least_gpu is gpu else estimate_run(cfg, least_gpu))
+                         None if missing or least_gpu is gpu else estimate_run(cfg, least_gpu, imbalance))
     if timeline:  # the stage the others wait for: predicted as the mean stage (balanced), measured the slowest
         from threefold.plan.measured import stage_bottleneck
 
@@ -261,7 +271,9 @@ def compare_run(cfg: Config, metrics_path: str | Path) -> list[Row]:
                         f"predicted: the mean stage (a balanced split); {neck['line']}", unit="s"))
     rows.append(Row("step time", None if missing else est["step_time_s"], measured_step_time(steps),
                     f"{missing} (under two minutes)" if missing else
-                    f"estimate() with the local profile, {t.dtype}, flash-style attention (PyTorch's SDPA)",
+                    f"estimate() with the local profile, {t.dtype}, flash-style attention (PyTorch's SDPA)"
+                    + (f", the busiest ep rank's {imbalance:.2f}× the mean routed rows (the run's median "
+                       "ep_max_over_mean)" if p.ep > 1 else ""),
                     unit="s"))
     return rows
 

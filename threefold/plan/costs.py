@@ -749,6 +749,9 @@ class Workload:
     # mixed: 16-bit weights and activations, fp32 master (GPUs); fp8: mixed, the blocks' products in
     # float8; fp32: all fp32 (CPUs)
     precision: str = "mixed"
+    # the busiest expert-parallel rank's routed rows over the mean share (1: balanced routing):
+    # under ep every rank waits at each MoE block's combine for that rank's experts and exchange
+    moe_imbalance: float = 1.0
     model_flops_per_token: float = field(init=False)
     recompute_flops_per_token: tuple[float, float, float] = field(init=False)
     param_bytes: int = field(init=False)
@@ -762,6 +765,9 @@ class Workload:
     def __post_init__(self):
         if self.model.moe_experts and self.model.arch != "llama":
             raise ConfigError("--moe-experts: the planner models experts in llama blocks only (--arch llama)")
+        if not (math.isfinite(self.moe_imbalance) and self.moe_imbalance >= 1):
+            raise ConfigError(f"--moe-imbalance: the busiest rank's routed rows over the mean, at least 1 "
+                              f"(1: balanced), got {self.moe_imbalance:g}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"--dtype: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for key, value in PRECISIONS[self.precision].items():
@@ -951,8 +957,15 @@ def moe_token_share(tp, sequence_parallel):
     return _scalar_or_array(np.where(np.asarray(sequence_parallel, dtype=bool) & (t > 1), 1 / t, 1.0))
 
 
+def routed_load(work: "Workload", ep):
+    """The busiest expert-parallel rank's routed rows over a balanced share: the workload's
+    ``moe_imbalance`` where the experts are split over ep ranks, 1 where each rank holds them all
+    (its rows are every assignment of its own tokens, however they fall). Elementwise."""
+    return _scalar_or_array(np.where(np.asarray(ep) > 1, work.moe_imbalance, 1.0))
+
+
 def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
-                         dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0):
+                         dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0, load=1.0):
     """Bytes an MoE block saves for backward beyond the dense block of ``block_activation_bytes``,
     on one tp rank, for the ``tokens`` of a micro-batch: the tensors autograd saves for
     threefold/models/moe.py's block, counted with saved-tensor hooks on one process (the input,
@@ -975,13 +988,15 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     Placed as Megatron-Core places experts (``expert_tp`` ≥ 1, under SP): the router reads this
     rank's positions, so its tensors are of 1/tp of the tokens and nothing is gathered; with the
     experts split over tp (``expert_tp`` > 1) their input is the k dispatched rows of every tp
-    rank's positions, gathered: k·h more a token, less this rank's share."""
+    rank's positions, gathered: k·h more a token, less this rank's share. ``load``: the routed
+    rows this rank's experts take over a balanced share (``routed_load``: the busiest rank's)."""
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     megatron = np.asarray(expert_tp) >= 1
     recompute = _recompute_index(recompute)
     gathered = _moe_gathered_bytes(model, t, sp, d, expert_tp)
-    experts = (4 * d * (k + model.moe_shared_experts) * f + 3 * k * h * d + 28 * k) * moe_token_share(t, sp)
+    routed = k * np.asarray(load)  # the rows this rank's experts run, per token of its share
+    experts = (4 * d * (routed + model.moe_shared_experts) * f + 3 * routed * h * d + 28 * k) * moe_token_share(t, sp)
     router = (8 * model.moe_experts + 12 * k + 4) * np.where(megatron, moe_token_share(t, sp), 1)
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
@@ -1002,7 +1017,7 @@ def _moe_gathered_bytes(model: ModelConfig, t, sp, d, expert_tp=0):
 
 
 def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
-                           dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0):
+                           dtype_bytes: int = ACTIVATION_BYTES, expert_tp=0, load=1.0):
     """Of what an MoE block saves beyond a dense one (``moe_activation_bytes``), the part a split
     backward keeps from B to W, beyond the dense block's ``weight_input_bytes``: the experts'
     inputs, the k permuted rows of h (read by gate and up) and the (k + S) SwiGLU products of f_e
@@ -1012,12 +1027,13 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     under op-level or full recomputation (``weight_input_bytes``)."""
     d, k, h = dtype_bytes, model.moe_top_k_experts, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
-    experts = (d * k * h + d * (k + model.moe_shared_experts) * model.moe_ffn_hidden) * moe_token_share(t, sp)
+    routed = k * np.asarray(load)  # the rows this rank's experts run (``moe_activation_bytes``)
+    experts = (d * routed * h + d * (routed + model.moe_shared_experts) * model.moe_ffn_hidden) * moe_token_share(t, sp)
     kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d, expert_tp) - d * model.ffn_hidden / t)
     recompute = _recompute_index(recompute)
     checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
     return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute,
-                                                                        d, expert_tp), kept))
+                                                                        d, expert_tp, load), kept))
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
@@ -1304,7 +1320,9 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
                           if shared else [])
         expert = [(h, f_e / expert_split), (h, f_e / expert_split), (f_e / expert_split, h)]
         moe_rows = rows * moe_token_share(t, sp)
-        expert_rows, local_experts = moe_rows * k * e / cfg.moe_experts * expert_split, cfg.moe_experts / e
+        load = routed_load(work, e)  # the busiest ep rank's rows: every rank waits for it at the combine
+        expert_rows = moe_rows * k * e / cfg.moe_experts * expert_split * load
+        local_experts = cfg.moe_experts / e
         router_rows = np.where(placed >= 1, moe_rows, rows)
         moe_gemm_s = (products_s(attention) + products_s(shared_experts, moe_rows * shared_split)
                       + matmul_seconds(router_rows, h, cfg.moe_experts, gpu, a_bytes)
@@ -1313,7 +1331,7 @@ def part_seconds(work: Workload, layout: Layout, gpu) -> dict:
                                                   cast_seconds(shared_experts, moe_rows * shared_split)))
         expert_casts = cast_seconds(expert, expert_rows)
         moe_casts = tuple(d + local_experts * x for d, x in zip(dense_casts, expert_casts))
-        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes, placed)
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", a_bytes, placed, load)
         parts["moe_block"] = block(moe_gemm_s, layer_all + moe_all,
                                    products_s(op_recomputed_products(cfg, t, attention_only=True)), moe_casts)
     return parts
@@ -1686,9 +1704,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     recompute_workspace = np.where(full | op, layer_all, np.where(selective, tokens * coef["core"] / t, 0))
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
     if moe:
-        placed = np.where(megatron_experts, expert_tp, 0)
-        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes, placed)
-        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed)
+        placed, load = np.where(megatron_experts, expert_tp, 0), routed_load(work, e)  # the busiest ep rank's rows
+        moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes, placed, load)
+        moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed, load)
         recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
     block_act_first = (stage_layers * per_layer + moe_first * moe_kept) * in_flight_first
     block_act_last = (stage_layers * per_layer + moe_last * moe_kept) * in_flight_last
@@ -1712,7 +1730,8 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     kept_layer = weight_input_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes) + cap_dense
     kept_moe = 0
     if moe:
-        kept_moe = moe_weight_input_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed) + cap_moe - cap_dense
+        kept_moe = (moe_weight_input_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed, load)
+                    + cap_moe - cap_dense)
 
     def split_peak(n, c, saved, kept, during_backward):
         one = np.minimum(c, 1)
@@ -1941,7 +1960,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         inter_s = ep_sent_mb * (e - in_node) / peers / (gpu.inter_node_bw * gpu.inter_link_efficiency)
         ep_latency = np.where(in_node < e, gpu.inter_node_latency_s, gpu.intra_node_latency_s)
         all_to_alls = moe_last * np.where(full, 8, 5)
-        ep_mb_s = np.where(e > 1, all_to_alls * (e - 1) * ep_latency + np.maximum(intra_s, inter_s), 0)
+        # the busiest rank receives (dispatch) and sends back (combine) its load's rows: all wait for it
+        transfer_s = np.maximum(intra_s, inter_s) * routed_load(work, e)
+        ep_mb_s = np.where(e > 1, all_to_alls * (e - 1) * ep_latency + transfer_s, 0)
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
     pp_message = tokens * h * work.activation_bytes / t  # Megatron's scatter/gather: each TP rank sends its slice

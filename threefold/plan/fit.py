@@ -38,8 +38,8 @@ import numpy as np
 
 from threefold.config import Config, ConfigError, check_output_path
 from threefold.plan import costs
-from threefold.plan.compare import (check_same_run, load_run, measured_step_time, read_steps, run_layout, run_split,
-                                    with_run_split)
+from threefold.plan.compare import (check_same_run, load_run, measured_imbalance, measured_step_time, read_steps,
+                                    run_layout, run_split, with_run_split)
 from threefold.plan.dryrun_predict import predict_rank
 from threefold.plan.hardware import local_gpu
 from threefold.words import plural
@@ -128,7 +128,7 @@ def _run(name: str, config: Path, metrics: Path, overrides, given: str) -> Run:
         check_same_run(cfg, predict_rank(cfg, 0), steps, metrics)
     except ConfigError as err:  # which run, then compare's words
         raise ConfigError(f"--from-runs: run {name!r}: {err}") from None
-    return Run(name, cfg, measured_step_time(steps), *run_layout(cfg), run_split(cfg))
+    return Run(name, cfg, measured_step_time(steps), *run_layout(cfg, measured_imbalance(cfg, steps)), run_split(cfg))
 
 
 def predict(run: Run, profile: dict, fractions: dict):

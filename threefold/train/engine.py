@@ -717,7 +717,7 @@ class Engine:
         for index, layer in mine:
             layer.end_step(counts[row_of[index]], update_bias)
         return routing_statistics(counts, table[:, experts].sum().item(), table[:, experts + 1].sum().item() / ranks,
-                                  self.cfg.microbatches)
+                                  self.cfg.microbatches, ep=self.cfg.parallel.ep)
 
     # --- the measured timeline ----------------------------------------------------------------
     def _gather_timeline(self, timeline) -> dict:

@@ -301,6 +301,8 @@ def _train(cfg: Config, metrics_file: str | None, progress: bool, console: Conso
                 result.val_losses.append((step + 1, record["val_loss"]))
                 if main:
                     balance = f", max/mean tokens per expert {record['moe']['max_over_mean']:.2f}" if moe else ""
+                    if moe and "ep_max_over_mean" in record["moe"]:  # what every ep rank waits for
+                        balance += f" (busiest ep rank {record['moe']['ep_max_over_mean']:.2f}× the mean)"
                     bar.console.print(f"step {step + 1}: train loss {loss:.4f}, validation loss "
                                       f"{record['val_loss']:.4f}{balance}", markup=False, highlight=False,
                                       soft_wrap=True)
