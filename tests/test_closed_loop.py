@@ -221,12 +221,14 @@ def test_the_moe_recording_holds_every_moe_run(monkeypatch):
     assert all(entry["other_processes_cores"] <= 0.25 for entry in MOE_MANIFEST.values())
     ep_runs = [n for n in MOE_MANIFEST if "-ep" in n]
     assert all(1.2 < moe_step(n)[2] for n in ep_runs) and moe_step("moe-dp4")[2] == 1.0
+    # calibrate --from-runs prices them at it too
+    for run in fit.read_runs([str(MOE_RUNS / "manifest.json")]):
+        assert run.work.moe_imbalance == moe_step(run.name)[2], run.name
 
 
 def test_compare_prices_moe_runs_at_their_measured_routing_imbalance(monkeypatch):
     """Priced balanced, the expert-parallel runs come out 14-29% fast; at the busiest rank's
-    measured load, 5-19% fast, and never slow by more than the closed loop's 15%. compare's step
-    row is that price."""
+    measured load, 5-19% fast (within 20%; 10% on average). compare's step row is that price."""
     monkeypatch.setenv("THREEFOLD_HOME", str(MOE_RUNS))
     errors = {}
     for name in MOE_MANIFEST:
@@ -234,7 +236,7 @@ def test_compare_prices_moe_runs_at_their_measured_routing_imbalance(monkeypatch
         _, balanced, _ = moe_step(name, 1.0)
         if imbalance > 1:
             assert abs(priced / measured - 1) < abs(balanced / measured - 1), name
-        assert priced / measured - 1 < 0.15, name
+        assert abs(priced / measured - 1) < 0.20, name
         entry = MOE_MANIFEST[name]
         row = {r.quantity: r for r in cmp.compare_run(cmp.load_run(MOE_RUNS / entry["config"], entry["set"]),
                                                        MOE_RUNS / entry["metrics"])}["step time"]

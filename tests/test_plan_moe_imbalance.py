@@ -4,6 +4,7 @@ waits for at each MoE block's combine), and ``compare`` pricing a run at the imb
 measured. Each priced difference is checked against its count from the shapes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,25 +55,63 @@ def test_the_busiest_ranks_experts_take_its_rows_and_every_rank_waits_for_them()
 
 
 def test_the_busiest_ranks_saved_rows_grow_with_its_load():
-    """What the busiest rank saves for backward: its k·load routed rows' SwiGLU internals (4·f) and
-    permuted rows (3·h) a token, in 16-bit, the router's and the sort's bytes unchanged."""
+    """What the busiest rank saves for backward: what its experts save of its k·load routed rows,
+    their input (h) and SwiGLU internals (4·f) a row, in 16-bit. The combine's output and its
+    weighted copy are of its own tokens' rows, and the router's and the sort's bytes, unchanged."""
     tokens, k, h, f = 4096, MIXTRAL.moe_top_k_experts, MIXTRAL.hidden, MIXTRAL.moe_ffn_hidden
     extra = (costs.moe_activation_bytes(MIXTRAL, tokens, 1, False, "none", load=1.25)
              - costs.moe_activation_bytes(MIXTRAL, tokens, 1, False, "none"))
-    assert extra == pytest.approx(tokens * 0.25 * k * 2 * (4 * f + 3 * h))
+    assert extra == pytest.approx(tokens * 0.25 * k * 2 * (4 * f + h))
+    with_shared = dataclasses.replace(MIXTRAL, moe_shared_experts=1)  # a shared expert runs every token, once
+    assert (costs.moe_activation_bytes(with_shared, tokens, 1, False, "none", load=1.25)
+            - costs.moe_activation_bytes(with_shared, tokens, 1, False, "none")) == pytest.approx(extra)
     kept = (costs.moe_weight_input_bytes(MIXTRAL, tokens, 1, False, "none", load=1.25)
             - costs.moe_weight_input_bytes(MIXTRAL, tokens, 1, False, "none"))
     assert kept == pytest.approx(tokens * 0.25 * k * 2 * (h + f))  # what W reads: the rows and the products
     assert estimate(1.25, dp=8, ep=8)["activations_bytes"] > estimate(1.0, dp=8, ep=8)["activations_bytes"]
+    # a split backward holds the gate, up and output gradients B captured for the busiest rank's rows
+    captured = [costs.captured_gradient_bytes(MIXTRAL, tokens, 1, False, load=r)[1] for r in (1.0, 1.25)]
+    assert captured[1] - captured[0] == pytest.approx(tokens * 0.25 * k * 2 * (2 * f + h))
+    for schedule in ("zb-h1", "dualpipev", "1f1b"):
+        busy, balanced = (estimate(r, pp=2, dp=8, ep=8, schedule=schedule)["activations_bytes"] for r in (1.25, 1.0))
+        assert busy > balanced, schedule
 
 
 def test_the_exchange_waits_for_the_busiest_rank_and_its_bytes_stay_the_mean():
-    """The all-to-alls' transfer time grows linearly with the load (latency apart); rank 0's sent
-    bytes, the planner's formula for a balanced rank, do not change."""
+    """The all-to-alls' transfer time grows linearly with the load, their latency does not (on
+    links too fast to take time, the load changes nothing); rank 0's sent bytes, the planner's
+    formula for a balanced rank, do not change."""
     ep_s = {r: float(estimate(r, dp=16, ep=8)["ep_exposed_s"]) for r in (1.0, 2.0, 3.0)}
     assert ep_s[2.0] > ep_s[1.0]
     assert ep_s[3.0] - ep_s[2.0] == pytest.approx(ep_s[2.0] - ep_s[1.0], rel=1e-9)
     assert estimate(3.0, dp=16, ep=8)["ep_bytes"] == estimate(1.0, dp=16, ep=8)["ep_bytes"]
+    instant = dataclasses.replace(H100, intra_node_bw=1e30, inter_node_bw=1e30)  # transfers of no time, latency left
+    latency = [float(costs.estimate(costs.Workload(MIXTRAL, 64, moe_imbalance=r), costs.Layout.named(
+        micro_batch=1, dp=16, ep=8), instant)["ep_exposed_s"]) for r in (1.0, 3.0)]
+    assert latency[0] > 0 and latency[1] == pytest.approx(latency[0], rel=1e-6)
+
+
+def test_split_experts_gathers_carry_the_busiest_ranks_rows():
+    """On Megatron-Core's grid with the experts split over tp, the dispatched rows' gathers and
+    reduce-scatters over tp take the busiest rank's rows: longer, the bytes a balanced rank's."""
+    busy, balanced = (estimate(r, tp=2, dp=8, ep=8, expert_tp=2, sequence_parallel=True) for r in (1.3, 1.0))
+    assert busy["tp_exposed_s"] > balanced["tp_exposed_s"] and busy["tp_bytes"] == balanced["tp_bytes"]
+    whole = [estimate(r, tp=2, dp=8, ep=8, expert_tp=1, sequence_parallel=True)["tp_exposed_s"] for r in (1.3, 1.0)]
+    assert whole[0] == whole[1]  # whole experts: no tp collective carries routed rows
+
+
+def test_the_imbalance_is_at_most_what_the_busiest_rank_can_take(capsys):
+    """min(ep, E/k): Mixtral's 8 experts, top-2: 2 at ep 2, 4 at ep 8. estimate and a plan at a
+    given ep refuse more in one line; a plan searching ep prices each at most at its ceiling."""
+    work = costs.Workload(MIXTRAL, 64, moe_imbalance=3.0)
+    assert [float(costs.routed_load(work, e)) for e in (1, 2, 4, 8)] == [1.0, 2.0, 3.0, 3.0]
+    for command, flags in (("estimate", ["--dp", "8", "--ep", "2"]), ("plan", ["--num-gpus", "16", "--ep", "2"])):
+        config.note_once.cache_clear()
+        assert main([command, "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "64",
+                     "--moe-imbalance", "3", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("error: --moe-imbalance: 3 is more than the busiest of --ep 2 ranks can take, "
+                       "min(ep, experts / top-k) = 2 times the mean"), command
 
 
 def test_without_expert_parallelism_the_imbalance_changes_nothing_and_says_so(capsys):
@@ -81,8 +120,13 @@ def test_without_expert_parallelism_the_imbalance_changes_nothing_and_says_so(ca
     config.note_once.cache_clear()
     assert main(["estimate", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--global-batch", "64", "--dp", "8",
                  "--micro-batch", "1", "--moe-imbalance", "1.7", "--json"]) == 0
-    assert capsys.readouterr().err.strip() == ("note: --moe-imbalance has no effect at --ep 1 (each rank runs every "
-                                               "expert on its own tokens, however they are routed)")
+    note = ("note: --moe-imbalance has no effect at --ep 1 (each rank runs every expert on its own tokens, "
+            "however they are routed)")
+    assert capsys.readouterr().err.strip() == note
+    config.note_once.cache_clear()
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "16", "--global-batch", "64",
+                 "--ep", "1", "--moe-imbalance", "1.7", "--json"]) == 0
+    assert note in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [

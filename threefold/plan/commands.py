@@ -250,6 +250,7 @@ def build_layout(o: dict, work: costs.Workload) -> tuple[costs.Layout, int]:
     """The layout and GPU count of estimate's options; --dp or --num-gpus may be left out."""
     check_positive(o, LAYOUT_SIZES)
     tp, pp, cp, ep = _given(o, "tp", 1), _given(o, "pp", 1), _given(o, "cp", 1), _given(o, "ep", 1)
+    check_imbalance(work, ep)
     dp, num_gpus = o.get("dp"), o.get("num_gpus")
     if num_gpus is None:
         dp = _given(o, "dp", 1)
@@ -376,7 +377,8 @@ def evaluate(o: dict) -> dict:
 
 def _title(o: dict, work: costs.Workload, num_gpus: int, gpu) -> str:
     name = o.get("model") or f"{work.model.arch} {costs.param_count(work.model) / 1e9:.1f}B"
-    return f"{name} on {num_gpus}× {gpu.name}, global batch {work.global_batch} × {work.model.seq_len} tokens"
+    routing = f", busiest ep rank {work.moe_imbalance:g}× the mean" if work.moe_imbalance != 1 else ""
+    return f"{name} on {num_gpus}× {gpu.name}, global batch {work.global_batch} × {work.model.seq_len} tokens{routing}"
 
 
 def _batch_line(text: str, defaults: dict, params: dict) -> dict:
@@ -624,6 +626,8 @@ def plan(as_json, top, out, config_out, **options):
     if config_out is not None and work.model.moe_experts and fixed["expert_tp"] is None:  # the engine's experts
         fixed["expert_tp"] = 0
     _check_expert_placement(work.model, fixed)
+    if fixed["ep"] is not None:
+        check_imbalance(work, fixed["ep"])
     costs.check_hybrid_sharding(fixed["dp_shard"] or 0, fixed["zero"], fixed["dp"], fixed["ep"] or 1)
     num_gpus = options["num_gpus"]
     found = search.search(work, gpu, num_gpus, fixed)
@@ -669,6 +673,15 @@ def plan(as_json, top, out, config_out, **options):
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
                       f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
+
+
+def check_imbalance(work: costs.Workload, ep: int) -> None:
+    """ConfigError, one line, for a --moe-imbalance the busiest of ``ep`` ranks cannot reach
+    (``costs.imbalance_ceiling``). plan, searching ep, prices each at most at its ceiling."""
+    if work.model.moe_experts and ep > 1 and work.moe_imbalance > costs.imbalance_ceiling(work.model, ep):
+        raise ConfigError(f"--moe-imbalance: {work.moe_imbalance:g} is more than the busiest of --ep {ep} ranks can "
+                          f"take, min(ep, experts / top-k) = {float(costs.imbalance_ceiling(work.model, ep)):g} "
+                          "times the mean")
 
 
 def _check_expert_placement(model, fixed: dict) -> None:

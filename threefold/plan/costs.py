@@ -957,11 +957,21 @@ def moe_token_share(tp, sequence_parallel):
     return _scalar_or_array(np.where(np.asarray(sequence_parallel, dtype=bool) & (t > 1), 1 / t, 1.0))
 
 
+def imbalance_ceiling(model: ModelConfig, ep):
+    """The most the busiest of ``ep`` ranks can take over the mean, min(ep, E/k): every row of the
+    group (ep times the mean), or each token's k choices all among its E/ep experts (a rank's
+    rows are at most T·min(k, E/ep) of the mean's T·k/ep). Elementwise."""
+    return np.minimum(np.asarray(ep, dtype=float), model.moe_experts / model.moe_top_k_experts)
+
+
 def routed_load(work: "Workload", ep):
     """The busiest expert-parallel rank's routed rows over a balanced share: the workload's
-    ``moe_imbalance`` where the experts are split over ep ranks, 1 where each rank holds them all
-    (its rows are every assignment of its own tokens, however they fall). Elementwise."""
-    return _scalar_or_array(np.where(np.asarray(ep) > 1, work.moe_imbalance, 1.0))
+    ``moe_imbalance`` where the experts are split over ep ranks, at most ``imbalance_ceiling``
+    (``plan`` prices every ep at the one imbalance it was given: none takes more than it can); 1
+    where each rank holds every expert (its rows are every assignment of its own tokens, however
+    they fall). Elementwise."""
+    e = np.asarray(ep)
+    return _scalar_or_array(np.where(e > 1, np.minimum(work.moe_imbalance, imbalance_ceiling(work.model, e)), 1.0))
 
 
 def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute,
@@ -989,14 +999,17 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
     rank's positions, so its tensors are of 1/tp of the tokens and nothing is gathered; with the
     experts split over tp (``expert_tp`` > 1) their input is the k dispatched rows of every tp
     rank's positions, gathered: k·h more a token, less this rank's share. ``load``: the routed
-    rows this rank's experts take over a balanced share (``routed_load``: the busiest rank's)."""
+    rows this rank's experts take over a balanced share (``routed_load``: the busiest rank's): its
+    experts' inputs and internals, and split experts' gathered rows, are of those."""
     d, k, f, h = dtype_bytes, model.moe_top_k_experts, model.moe_ffn_hidden, model.hidden
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     megatron = np.asarray(expert_tp) >= 1
     recompute = _recompute_index(recompute)
-    gathered = _moe_gathered_bytes(model, t, sp, d, expert_tp)
-    routed = k * np.asarray(load)  # the rows this rank's experts run, per token of its share
-    experts = (4 * d * (routed + model.moe_shared_experts) * f + 3 * routed * h * d + 28 * k) * moe_token_share(t, sp)
+    gathered = _moe_gathered_bytes(model, t, sp, d, expert_tp, load)
+    # the rows this rank's experts run, per token of its share: what the experts save (their input
+    # rows, their SwiGLU internals) is of those; the combine's output and its weighted copy, of its own
+    routed = k * np.asarray(load)
+    experts = (4 * d * (routed + model.moe_shared_experts) * f + (routed + 2 * k) * h * d + 28 * k) * moe_token_share(t, sp)
     router = (8 * model.moe_experts + 12 * k + 4) * np.where(megatron, moe_token_share(t, sp), 1)
     dense_ffn = np.where(recompute == RECOMPUTE.index("op"), d * (model.ffn_hidden / t + h - h / np.where(sp, t, 1)),
                          4 * d * model.ffn_hidden / t)
@@ -1004,7 +1017,7 @@ def moe_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, reco
                                      tokens * (experts + router + gathered - dense_ffn)))
 
 
-def _moe_gathered_bytes(model: ModelConfig, t, sp, d, expert_tp=0):
+def _moe_gathered_bytes(model: ModelConfig, t, sp, d, expert_tp=0, load=1.0):
     """Per token, under SP: the gathered sequence the router reads, in place of the norm's output
     shard, unless the shared experts keep that (they read this rank's positions). On
     Megatron-Core's grid (``expert_tp`` ≥ 1) the router reads this rank's positions, and split
@@ -1012,7 +1025,8 @@ def _moe_gathered_bytes(model: ModelConfig, t, sp, d, expert_tp=0):
     k·h a token, less this rank's share."""
     shard = np.where(model.moe_shared_experts > 0, 0, model.hidden * d / t)
     engine = np.where(sp, model.hidden * d - shard, 0)
-    split = np.where(np.asarray(expert_tp) > 1, d * model.moe_top_k_experts * model.hidden * (1 - 1 / t), 0)
+    routed = model.moe_top_k_experts * np.asarray(load)  # the busiest rank's share (``routed_load``)
+    split = np.where(np.asarray(expert_tp) > 1, d * routed * model.hidden * (1 - 1 / t), 0)
     return np.where(np.asarray(expert_tp) >= 1, split, engine)
 
 
@@ -1029,7 +1043,7 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
     t, sp = np.asarray(tp), np.asarray(sequence_parallel, dtype=bool)
     routed = k * np.asarray(load)  # the rows this rank's experts run (``moe_activation_bytes``)
     experts = (d * routed * h + d * (routed + model.moe_shared_experts) * model.moe_ffn_hidden) * moe_token_share(t, sp)
-    kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d, expert_tp) - d * model.ffn_hidden / t)
+    kept = tokens * (experts + _moe_gathered_bytes(model, t, sp, d, expert_tp, load) - d * model.ffn_hidden / t)
     recompute = _recompute_index(recompute)
     checkpointed = (recompute == RECOMPUTE.index("full")) | (recompute == RECOMPUTE.index("op"))
     return _scalar_or_array(np.where(checkpointed, moe_activation_bytes(model, tokens, tp, sequence_parallel, recompute,
@@ -1037,7 +1051,7 @@ def moe_weight_input_bytes(model: ModelConfig, tokens, tp, sequence_parallel, re
 
 
 def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, dtype_bytes: int = ACTIVATION_BYTES,
-                            residual_bytes: int = 4, expert_tp=0):
+                            residual_bytes: int = 4, expert_tp=0, load=1.0):
     """What a schedule that splits the backward (ZB-H1, DualPipeV) keeps from a micro-batch's B to
     its W, on one tp rank: the gradient arriving at each product and norm whose weight W will
     differentiate (parallel/pipeline/runtime.backward_input; torch.distributed.pipelining keeps
@@ -1053,7 +1067,8 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
         rows of its k routed and its shared experts (of ``moe_token_share`` of it) in place of
         the dense feed-forward's; on Megatron-Core's grid (``expert_tp`` ≥ 1) the router's of
         this rank's positions, the shared experts' output whole (a tp MLP's partial sum), and
-        split experts' (``expert_tp`` > 1) output rows of the tp group's gathered rows;
+        split experts' (``expert_tp`` > 1) output rows of the tp group's gathered rows; the
+        routed experts' rows ``load`` times a balanced rank's (``routed_load``);
       the head: the final norm's (fp32) and the logits' (the vocabulary's tp shard, padded);
       the embedding: its output's, the first stage's input gradient, of the ``residual_bytes``
         stream."""
@@ -1066,12 +1081,13 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
     dense = shared + tokens * d * (products * model.ffn_hidden / t + h)
     moe = 0 * dense
     if model.moe_experts:
-        experts = model.moe_top_k_experts + model.moe_shared_experts
+        routed = model.moe_top_k_experts * np.asarray(load)
+        experts = routed + model.moe_shared_experts
         share = moe_token_share(t, sequence_parallel)
         rows = share * d * experts * (2 * model.moe_ffn_hidden + h)
         moe = shared + tokens * (4 * model.moe_experts + rows)
         etp = np.asarray(expert_tp)
-        whole_rows = model.moe_shared_experts + np.where(etp > 1, model.moe_top_k_experts, 0)
+        whole_rows = model.moe_shared_experts + np.where(etp > 1, routed, 0)
         megatron = moe + tokens * (d * h * (1 - 1 / t) * whole_rows - 4 * model.moe_experts * (1 - share))
         moe = np.where(etp >= 1, megatron, moe)
     head = rank_tokens * h * 4 + tokens * d * padded_vocab(model.vocab_size, t) / t
@@ -1703,6 +1719,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     selective = recompute == RECOMPUTE.index("selective")
     recompute_workspace = np.where(full | op, layer_all, np.where(selective, tokens * coef["core"] / t, 0))
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
+    load = 1.0
     if moe:
         placed, load = np.where(megatron_experts, expert_tp, 0), routed_load(work, e)  # the busiest ep rank's rows
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes, placed, load)
@@ -1726,7 +1743,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     captured_first = _per_schedule("captured_first", schedule, p, m, v, single=0.0)
     captured_last = _per_schedule("captured_last", schedule, p, m, v, single=0.0)
     cap_dense, cap_moe, cap_head, cap_embedding = captured_gradient_bytes(
-        cfg, tokens, t, sp, work.activation_bytes, work.activation_bytes, np.where(megatron_experts, expert_tp, 0))
+        cfg, tokens, t, sp, work.activation_bytes, work.activation_bytes, np.where(megatron_experts, expert_tp, 0), load)
     kept_layer = weight_input_bytes(cfg, tokens, t, sp, recompute, work.attention, work.activation_bytes) + cap_dense
     kept_moe = 0
     if moe:
@@ -1898,6 +1915,13 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
                                     embedding=single_stage, **moe_tp)
                   + tp_loss_bytes_per_step(1, b, s / c, t))
+    # split experts' gathers carry the busiest rank's rows (routed_load), which every rank waits
+    # for; the bytes per axis stay a balanced rank's
+    busiest_mb = tp_sent_mb
+    if moe:
+        busiest_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
+                                        embedding=single_stage, **dict(moe_tp, top_k=moe_tp["top_k"] * routed_load(work, e)))
+                      + tp_loss_bytes_per_step(1, b, s / c, t))
     tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth;
     # split experts' gathers and reduce-scatters of k rows a token are one call each (4 an MoE
@@ -1907,9 +1931,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         split_units = np.where(megatron_experts & (expert_tp > 1), 2 * moe_tp["top_k"] * (1 + 0.5 * full), 0)
         tp_calls = tp_calls - moe_last * np.where(split_units > 0, 2 * split_units - (4 + 2 * full), 0)
     tp_wait = group_wait(wait, t, runnable, pair_wait)
-    tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), tp_sent_mb, tp_calls,
+    tp_mb_s = np.where(t > 1, np.where(sp, _collective_time(gpu, ("all_gather", "reduce_scatter"), busiest_mb, tp_calls,
                                                              t - 1, tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node), tp_wait),
-                                       _collective_time(gpu, ("all_reduce",), tp_sent_mb, tp_calls, 2 * (t - 1),
+                                       _collective_time(gpu, ("all_reduce",), busiest_mb, tp_calls, 2 * (t - 1),
                                                         tp_bw, tp_lat, in_one_node(t, gpu.gpus_per_node), tp_wait)), 0)
     tp_bytes = m * tp_sent_mb
     # Exposed: all of it, as plain Megatron and our engine run it (each collective sits between the
@@ -1923,7 +1947,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     ringed_mb_s = tp_mb_s * tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes,
                                               cfg.arch, embedding=False,
                                               **dict(moe_tp, expert_tp=np.where(megatron_experts, 1, 0))
-                                              ) / np.maximum(tp_sent_mb, 1)
+                                              ) / np.maximum(busiest_mb, 1)
     tp_exposed_mb = np.where(work.tp_comm_overlap & sp,
                              tp_mb_s - ringed_mb_s + np.maximum(0, ringed_mb_s - (t - 1) / t * gemm_mb_s), tp_mb_s)
 
