@@ -163,3 +163,15 @@ def test_compare_prices_a_run_at_the_imbalance_it_measured():
     assert measured_imbalance(ep_run, steps) == pytest.approx(1.3)  # the median of the steps that report it
     assert measured_imbalance(config.Config(parallel=config.ParallelConfig(dp=2)), steps) == 1.0  # no ep: balanced
     assert measured_imbalance(ep_run, [{"moe": {}}]) == 1.0  # an older run's metrics: balanced
+
+
+def test_plan_says_when_its_fastest_layout_is_priced_at_balanced_routing(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line
+    caveat = ("EP=8 is priced at balanced routing: every rank waits at each MoE block for the busiest ep rank, which "
+              "learned routing loads more; --moe-imbalance R (a threefold run's moe.ep_max_over_mean) prices it.")
+    plan = ["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "16", "--global-batch", "64",
+            "--micro-batch", "1", "--top", "1"]
+    for flags, said in ((["--ep", "8"], True), (["--ep", "8", "--moe-imbalance", "1.2"], False), (["--ep", "1"], False)):
+        config.note_once.cache_clear()
+        assert main(plan + flags) == 0
+        assert (caveat in capsys.readouterr().out.splitlines()) == said, flags

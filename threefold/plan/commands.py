@@ -656,7 +656,7 @@ def plan(as_json, top, out, config_out, **options):
                       "(the others differ in ZeRO stage, hybrid sharding, recomputation, micro-batch or schedule).")
     console.print(report.plan_table([r for r, _ in best], [why for _, why in best],
                                     _title(options, work, num_gpus, gpu)))
-    for line in found.notes() + found.what_would_change():
+    for line in found.notes() + found.what_would_change() + _routing_caveat(options, work, best[0][0]):
         console.print(line)
     if out:
         draw_breakdown([r for r, _ in best], [r["describe"] for r, _ in best], gpu.hbm_bytes / 2**30, out,
@@ -673,6 +673,16 @@ def plan(as_json, top, out, config_out, **options):
         console.print(f"config of {written['layout']} ({where}, {written['step_time_s']:.3g} s){skipped}, written to "
                       f"{config_out}; one step of it on the engine: threefold dryrun --config {config_out} "
                       f"--world-size {num_gpus} --compare", highlight=False, markup=False)
+
+
+def _routing_caveat(options: dict, work: costs.Workload, fastest: dict) -> list[str]:
+    """A line under plan's table where its fastest layout splits the experts over ranks and no
+    --moe-imbalance was given: it is priced at balanced routing, which learned routing is not."""
+    ep = fastest["layout"]["ep"]
+    if not work.model.moe_experts or ep == 1 or options.get("moe_imbalance") is not None:
+        return []
+    return [f"EP={ep} is priced at balanced routing: every rank waits at each MoE block for the busiest ep rank, "
+            "which learned routing loads more; --moe-imbalance R (a threefold run's moe.ep_max_over_mean) prices it."]
 
 
 def check_imbalance(work: costs.Workload, ep: int) -> None:
