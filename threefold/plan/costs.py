@@ -1762,29 +1762,32 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     head_first = single_stage | v_shape
     in_backward_first = np.maximum(np.where(moe_first > 0, in_backward, cap_dense), np.where(head_first, cap_head, 0))
     in_backward_last = np.maximum(np.where(moe_last > 0, in_backward, cap_dense), np.where(v_shape, 0, cap_head))
+    # The loss's backward, while every block's activations are still held: beside the saved fp32
+    # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
+    # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still
+    # references or whose freed block the caching allocator cannot give to the larger fp32 tensors.
+    # It and a recomputed block's workspace are never live at once: the larger counts. Both live
+    # only during a backward: under a split one, not at a peak where every micro-batch in flight
+    # is past its B (split_peak's other case).
+    loss_workspace = tokens * (work.activation_bytes + 8) * V / t
+    workspace_first = np.maximum(recompute_workspace, np.where(head_first, loss_workspace, 0))
+    workspace_last = np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace))
     block_act_first = np.where(split, split_peak(in_flight_first, captured_first, saved_first,
                                                  stage_layers * kept_layer + moe_first * kept_moe + cap_embedding,
-                                                 in_backward_first),
-                               block_act_first + embedding_act)
+                                                 in_backward_first + workspace_first),
+                               block_act_first + embedding_act + workspace_first)
     block_act_last = np.where(split, split_peak(in_flight_last, captured_last, saved_last,
-                                                stage_layers * kept_layer + moe_last * kept_moe, in_backward_last),
-                              block_act_last)
+                                                stage_layers * kept_layer + moe_last * kept_moe,
+                                                in_backward_last + workspace_last),
+                              block_act_last + workspace_last)
     embedding_act = 0
     # the head's micro-batches held until W: the norm's output and x·rsqrt (llama; GPT's LayerNorm
     # keeps all) and the captured gradients after B; one whole, with its log-probs
     logits_act = np.where(split, split_peak(head_norms, head_norms, tokens * (coef["norm"] / seq_split + 4 * V / t),
                                             tokens * norm_weight_input_bytes(cfg, coef) / seq_split + cap_head, 0),
                           logits_act)
-    # The loss's backward, while every block's activations are still held: beside the saved fp32
-    # log-probs, their gradient and the logits' gradient (fp32, 8·V/t a token: PyTorch's
-    # cross-entropy, log_softmax + nll_loss), and the 16-bit logits, which the training loop still
-    # references or whose freed block the caching allocator cannot give to the larger fp32 tensors.
-    # It and a recomputed block's workspace are never live at once: the larger counts.
-    loss_workspace = tokens * (work.activation_bytes + 8) * V / t
-    act_first = (block_act_first + embedding_act + np.where(head_first, logits_act, 0)
-                 + np.maximum(recompute_workspace, np.where(head_first, loss_workspace, 0)))
-    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act)
-                        + np.maximum(recompute_workspace, np.where(v_shape, 0, loss_workspace)))
+    act_first = block_act_first + embedding_act + np.where(head_first, logits_act, 0)
+    act_last = np.where(single_stage, act_first, block_act_last + np.where(v_shape, 0, logits_act))
 
     # ---- model states ------------------------------------------------------------------------
     block_params = tp_block_param_count(cfg, t)  # one tp rank's: its norms whole (models/sizes.py)
