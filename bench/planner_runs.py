@@ -142,9 +142,7 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
     """The comparison of every recorded run (plain profile) and the cross-validation; printed
     and returned for summary.json."""
     from threefold.plan import fit
-    from threefold.plan.compare import (compare_run, estimate_run, load_run, measured_imbalance, read_steps, resolved,
-                                        with_run_split, within_tolerance)
-    from threefold.plan.hardware import local_gpu
+    from threefold.plan.compare import compare_run, load_run, measured_imbalance, priced_step, read_steps, within_tolerance
     from threefold.plan.profile import load_profile
 
     profile = load_profile(out / "local.json")
@@ -160,12 +158,9 @@ def summarize(out: Path, manifest: dict, console: Console) -> dict:
                       "plain_error": step.predicted / step.measured - 1, "exposed": exposed,
                       "load_1min": [entry.get("load_1min_before"), entry.get("load_1min_after")],
                       "other_processes_cores": entry.get("other_processes_cores")}
-        steps = read_steps(out / entry["metrics"])
-        imbalance = measured_imbalance(cfg, steps)
         if cfg.parallel.ep > 1:  # priced at the busiest ep rank's measured load; balanced beside it
-            run = with_run_split(resolved(cfg), steps)
-            balanced = estimate_run(run, local_gpu(run.train.dtype, workers=run.parallel.world_size))["step_time_s"]
-            runs[name].update(moe_imbalance=imbalance, balanced_s=float(balanced))
+            steps = read_steps(out / entry["metrics"])
+            runs[name].update(moe_imbalance=measured_imbalance(cfg, steps), balanced_s=priced_step(cfg, steps, 1.0))
     # The fit needs runs of one model; the targets may train another (the demo's vocabulary is
     # 4,608 tokens, the benchmarks' 4,096): the fitted efficiencies are the machine's.
     loaded = fit.read_runs([str(out / "manifest.json")], one_model=False)

@@ -208,11 +208,7 @@ def moe_step(name: str, imbalance: float | None = None) -> tuple[float, float, f
     entry = MOE_MANIFEST[name]
     cfg = cmp.load_run(MOE_RUNS / entry["config"], entry["set"])
     steps = cmp.read_steps(MOE_RUNS / entry["metrics"])
-    measured = cmp.measured_imbalance(cfg, steps)
-    run = cmp.with_run_split(cmp.resolved(cfg), steps)
-    gpu = local_gpu(run.train.dtype, workers=run.parallel.world_size)
-    predicted = cmp.estimate_run(run, gpu, measured if imbalance is None else imbalance)["step_time_s"]
-    return cmp.measured_step_time(steps), float(predicted), measured
+    return cmp.measured_step_time(steps), cmp.priced_step(cfg, steps, imbalance), cmp.measured_imbalance(cfg, steps)
 
 
 def test_the_moe_recording_holds_every_moe_run(monkeypatch):

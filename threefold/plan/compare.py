@@ -155,6 +155,16 @@ def estimate_run(cfg: Config, gpu, moe_imbalance: float = 1.0) -> dict:
     return costs.estimate(work, layout, gpu, stage_split=run_split(cfg))
 
 
+def priced_step(cfg: Config, steps: list[dict], moe_imbalance: float | None = None) -> float:
+    """The step time estimate() gives a run on the local profile, at its pipeline split and at the
+    routing imbalance it measured, or at ``moe_imbalance`` (1: balanced)."""
+    from threefold.plan.hardware import local_gpu
+
+    run = with_run_split(resolved(cfg), steps)
+    imbalance = measured_imbalance(run, steps) if moe_imbalance is None else moe_imbalance
+    return float(estimate_run(run, local_gpu(run.train.dtype, workers=run.parallel.world_size), imbalance)["step_time_s"])
+
+
 def measured_step_time(steps: list[dict]) -> float:
     """The median step time of a run's steps (read_steps': each launch's first, which pays for warm-up, left out)."""
     return statistics.median(step["step_time_s"] for step in steps)

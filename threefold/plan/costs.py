@@ -1719,9 +1719,9 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
     selective = recompute == RECOMPUTE.index("selective")
     recompute_workspace = np.where(full | op, layer_all, np.where(selective, tokens * coef["core"] / t, 0))
     moe_all = moe_kept = 0  # what an MoE block saves beyond a dense one (moe_activation_bytes)
-    load = 1.0
+    load = 1.0  # the busiest ep rank's routed rows over a balanced share (routed_load)
     if moe:
-        placed, load = np.where(megatron_experts, expert_tp, 0), routed_load(work, e)  # the busiest ep rank's rows
+        placed, load = np.where(megatron_experts, expert_tp, 0), routed_load(work, e)
         moe_all = moe_activation_bytes(cfg, tokens, t, sp, "none", work.activation_bytes, placed, load)
         moe_kept = moe_activation_bytes(cfg, tokens, t, sp, recompute, work.activation_bytes, placed, load)
         recompute_workspace = recompute_workspace + np.where(full, moe_all, 0)
@@ -1915,16 +1915,15 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         full_tensor_bytes = tokens * h * work.activation_bytes
         memory_bound_s = memory_bound_s + np.where(sp & (t > 1) & (b > 1), 2 * tp_collectives * 2 * full_tensor_bytes
                                                    / gpu.elementwise_rate, 0)
-    tp_sent_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
-                                    embedding=single_stage, **moe_tp)
-                  + tp_loss_bytes_per_step(1, b, s / c, t))
-    # split experts' gathers carry the busiest rank's rows (routed_load), which every rank waits
-    # for; the bytes per axis stay a balanced rank's
-    busiest_mb = tp_sent_mb
-    if moe:
-        busiest_mb = (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
-                                        embedding=single_stage, **dict(moe_tp, top_k=moe_tp["top_k"] * routed_load(work, e)))
-                      + tp_loss_bytes_per_step(1, b, s / c, t))
+    def tp_sent(top_k):
+        return (tp_bytes_per_step(stage_layers, 1, b, s / c, h, t, sp, recompute, work.activation_bytes, cfg.arch,
+                                  embedding=single_stage, **dict(moe_tp, top_k=top_k))
+                + tp_loss_bytes_per_step(1, b, s / c, t))
+
+    tp_sent_mb = tp_sent(moe_tp["top_k"])
+    # split experts' gathers carry the busiest rank's rows (``load``), which every rank waits for;
+    # the bytes per axis stay a balanced rank's
+    busiest_mb = tp_sent(moe_tp["top_k"] * load) if moe else tp_sent_mb
     tp_bw, tp_lat = link(t, members_per_node=np.minimum(t, gpu.gpus_per_node))  # tp innermost: a node's worth
     # Calls: SP's ½-counted all-gathers and reduce-scatters are two calls per all-reduce's worth;
     # split experts' gathers and reduce-scatters of k rows a token are one call each (4 an MoE
@@ -1988,7 +1987,7 @@ def estimate(work: Workload, layout: Layout, gpu, stage_split: tuple[int, ...] |
         ep_latency = np.where(in_node < e, gpu.inter_node_latency_s, gpu.intra_node_latency_s)
         all_to_alls = moe_last * np.where(full, 8, 5)
         # the busiest rank receives (dispatch) and sends back (combine) its load's rows: all wait for it
-        transfer_s = np.maximum(intra_s, inter_s) * routed_load(work, e)
+        transfer_s = np.maximum(intra_s, inter_s) * load
         ep_mb_s = np.where(e > 1, all_to_alls * (e - 1) * ep_latency + transfer_s, 0)
 
     # ---- pipeline: one activation forward, one gradient back, per micro-batch and chunk -----
