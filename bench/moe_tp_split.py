@@ -1,5 +1,6 @@
-"""An MoE model under tensor parallelism: the experts repeated on every tp rank (no SP) against
-split over the tp ranks by sequence position (SP), side by side in one run.
+"""An MoE model under tensor parallelism: the experts repeated on every tp rank (no SP), split
+over the tp ranks by sequence position (SP), and the ep group folded over the tp ranks (each
+holding half the experts), side by side in one run.
 
 Two gloo processes (one thread each) train the same MoE model on the same batches twice in the
 same processes: tp=2 without sequence parallelism, where every tp rank runs each MoE block's
@@ -7,11 +8,14 @@ experts on the whole sequence (``ReplicatedMoE``: the experts' work is repeated 
 and tp=2 with it, where every rank routes the whole gathered sequence but runs the experts and
 shared experts on its own s/t positions only (``SequenceSplitMoE``, parallel/tensor_parallel.py);
 the MoE blocks' gradients are then partial sums over tp, all-reduced once a step (ledger key
-"tp.partial_grads"). Same seed, weights and batches; the steps alternate. Reported per side:
-the median step time (the slowest rank), the bytes per step and rank by ledger key and the
-median seconds a rank was blocked on each; and the ratio split / repeated of the step time. Both
-sides compute one process's loss, so their losses must agree to rounding (checked against
-``--tolerance``; the script fails otherwise).
+"tp.partial_grads"); and folded (``parallel.expert_tp = 1``, ep = tp = 2, SP), where each rank
+holds 4 of the 8 experts and routes its own positions, whose rows for the other rank's experts
+cross in all-to-alls (ledger key "ep"; parallel/expert_parallel.py). Same seed, weights and
+batches; the steps alternate. Reported per side: the median step time (the slowest rank), the
+bytes per step and rank by ledger key and the median seconds a rank was blocked on each; and the
+ratios split / repeated and folded / split of the step time. Every side computes one process's
+loss, so their losses must agree to rounding (checked against ``--tolerance``; the script fails
+otherwise).
 
     .venv/bin/python bench/moe_tp_split.py    # writes bench/results/moe_tp_split.json
 """
@@ -36,15 +40,18 @@ from common import alternate_steps, dp_rows_step, fresh_model, join_gloo, report
 
 RESULTS = Path(__file__).parent / "results" / "moe_tp_split.json"
 WORLD = TP = 2
-SIDES = {"repeated": False, "split": True}  # name → parallel.sequence_parallel
+SIDES = {"repeated": (False, False), "split": (True, False), "folded": (True, True)}  # name → (SP, folded)
 
 
-def bench_config(sequence_parallel: bool, seq_len: int, micro_batch: int, microbatches: int) -> Config:
+def bench_config(sequence_parallel: bool, seq_len: int, micro_batch: int, microbatches: int,
+                 folded: bool = False) -> Config:
     cfg = Config()
     cfg.model = get_preset("tiny-moe")
     cfg.model.vocab_size, cfg.model.seq_len = 4096, seq_len
     cfg.train.micro_batch, cfg.train.global_batch = micro_batch, micro_batch * microbatches  # dp = 1
     cfg.parallel.tp, cfg.parallel.sequence_parallel = TP, sequence_parallel
+    if folded:  # the ep group is the tp group: each rank holds half the experts
+        cfg.parallel.ep, cfg.parallel.expert_tp = TP, 1
     return cfg.validate()  # checks that tp divides the heads, kv heads and (with SP) the sequence
 
 
@@ -65,7 +72,8 @@ def worker(rank, world, port, args, queue):
     join_gloo(rank, world, port, threads=1, timeout_s=600)
     seq_len, micro_batch, microbatches, warmup, steps = args
     engines = {name: build_engine(fresh_model(cfg), cfg) for name, cfg in
-               ((name, bench_config(sp, seq_len, micro_batch, microbatches)) for name, sp in SIDES.items())}
+               ((name, bench_config(sp, seq_len, micro_batch, microbatches, folded))
+                for name, (sp, folded) in SIDES.items())}
     sent = {name: {} for name in engines}
     blocked = {name: [] for name in engines}  # per step: seconds blocked per ledger key
 
@@ -98,11 +106,12 @@ def main(seq_len, micro_batch, microbatches, warmup, steps, tolerance):
     load_before = os.getloadavg()
     result = spawn_ranks(WORLD, worker, (seq_len, micro_batch, microbatches, warmup, steps))
     load_after = os.getloadavg()
-    repeated, split = result["repeated"], result["split"]
-    difference = same_losses(repeated, split, tolerance)
+    repeated, split, folded = result["repeated"], result["split"], result["folded"]
+    difference = max(same_losses(repeated, split, tolerance), same_losses(repeated, folded, tolerance))
     result["max_loss_difference"] = difference
     result["loss_tolerance"] = tolerance
     result["step_time_ratio"] = split["step_time_s"] / repeated["step_time_s"]
+    result["folded_over_split_step_time_ratio"] = folded["step_time_s"] / split["step_time_s"]
     cfg = bench_config(True, seq_len, micro_batch, microbatches)
     result["setup"] = {"tp": TP, "dp": 1, "model": "tiny-moe", "layers": cfg.model.layers,
                        "experts": cfg.model.moe_experts,
@@ -119,7 +128,8 @@ def main(seq_len, micro_batch, microbatches, warmup, steps, tolerance):
         r = result[name]
         console.print(f"{name:>9}: step {r['step_time_s'] * 1e3:7.1f} ms (the slowest rank, median of {steps}), "
                       f"bytes/step on rank 0 {r['bytes_per_rank'][0]}")
-    console.print(f"split / repeated: step time ×{result['step_time_ratio']:.3f}; losses differ by at most "
+    console.print(f"split / repeated: step time ×{result['step_time_ratio']:.3f}; folded / split "
+                  f"×{result['folded_over_split_step_time_ratio']:.3f}; losses differ by at most "
                   f"{difference:.3g} (tolerance {tolerance:g}); "
                   f"load average {load_before[0]:.2f} → {load_after[0]:.2f}")
     for name in SIDES:

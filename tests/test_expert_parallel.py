@@ -58,6 +58,24 @@ LAYOUTS = {
     # ZeRO-3 under a split backward, the experts sharded over edp = 2 by a sync of their own
     "pp2-dp4-ep2-zb-h1-zero3": ["parallel.pp=2", "parallel.dp=4", "parallel.ep=2", "parallel.zero=3",
                                 "parallel.schedule=zb-h1", "parallel.reshard_after_forward=true"],
+    # the ep group folded over tp and cp (parallel.expert_tp = 1, Megatron-Core's expert-tp 1):
+    # each tp rank routes its own positions, the experts split over tp ranks instead of repeated
+    "tp2-ep2-fold": ["parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1", "parallel.sequence_parallel=true"],
+    "tp2-ep2-fold-shared-capacity": ["parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                                     "parallel.sequence_parallel=true", "model.moe_shared_experts=1",
+                                     "model.moe_capacity_factor=0.5", "model.moe_router_z_loss_coef=0.001"],
+    "dp2-tp2-ep4-fold-zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=4", "parallel.expert_tp=1",
+                               "parallel.sequence_parallel=true", "parallel.zero=1"] + BIAS,
+    # ep = tp: the experts replicated over the dp ranks, reduced over edp = 2
+    "dp2-tp2-ep2-fold-zero3-full": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                                    "parallel.sequence_parallel=true", "parallel.zero=3", "train.recompute=full"],
+    "cp2-ep2-fold-capacity": ["parallel.cp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                              "model.moe_capacity_factor=0.5"],
+    "tp2-cp2-ep4-fold-shared-capacity": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "parallel.expert_tp=1",
+                                         "parallel.sequence_parallel=true", "model.moe_shared_experts=1",
+                                         "model.moe_capacity_factor=0.5"],
+    "pp2-tp2-ep2-fold-zb-h1": ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                               "parallel.sequence_parallel=true", "parallel.schedule=zb-h1"],
 }
 
 
@@ -74,7 +92,8 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     for r in results:  # the tokens did travel, on the ranks that hold MoE layers
         holds_moe = "model.moe_first_dense=2" not in overrides(name) or r["pp_rank"] == 1
         assert (r["comm"][0].get("ep", 0) > 0) == (holds_moe and expert_parallel)
-        if "parallel.sequence_parallel=true" in overrides(name):  # the MoE blocks' partial gradients
+        folded = "parallel.expert_tp=1" in overrides(name)  # folded, no expert's gradient is a partial sum
+        if "parallel.sequence_parallel=true" in overrides(name) and not folded:  # the MoE blocks' partial ones
             assert r["comm"][0].get("tp.partial_grads", 0) > 0
         # the busiest of the ep = 2 ranks' routed rows over the mean: between balanced and all of them
         assert all(1 <= m.get("ep_max_over_mean", 0) <= 2 for m in r["moe"]) == expert_parallel
@@ -264,7 +283,28 @@ def test_learned_routing_bytes_equal_the_formula_on_the_recorded_splits(distribu
      "parallel.ep: 4 does not divide model.moe_experts=6 (each rank holds whole experts)"),
     (MOE + ["parallel.dp=3", "parallel.ep=2", "train.global_batch=12"],
      "parallel.ep: 2 does not divide parallel.dp=3 (expert parallelism splits the experts over data-parallel "
-     "ranks)"),
+     "ranks; parallel.expert_tp = 1 folds them over tp and cp too)"),
+    # folding the ep group over tp and cp (parallel.expert_tp = 1)
+    (MOE + ["parallel.expert_tp=2", "parallel.tp=2"], "parallel.expert_tp: must be 0 (experts whole on every tp "
+     "rank) or 1 (the ep group folded over tp and cp); the engine does not split experts over tp, got 2"),
+    (MOE + ["parallel.expert_tp=1", "parallel.dp=2"],
+     "parallel.expert_tp: 1 folds the expert-parallel group over tp and cp; it needs parallel.ep > 1"),
+    (MOE + ["parallel.expert_tp=1", "parallel.tp=4", "parallel.ep=2", "parallel.sequence_parallel=true"],
+     "parallel.ep: folded over tp and cp (parallel.expert_tp = 1), ep=2 must be a multiple of tp·cp = 4"),
+    (MOE + ["parallel.expert_tp=1", "parallel.tp=2", "parallel.ep=2"],
+     "parallel.expert_tp: folding the experts over tp routes each tp rank's own positions; it needs "
+     "parallel.sequence_parallel = true (as Megatron-Core's MoE under tp does)"),
+    (MOE + ["parallel.expert_tp=1", "parallel.tp=2", "parallel.dp=3", "parallel.ep=4", "train.global_batch=12",
+            "parallel.sequence_parallel=true"],
+     "parallel.ep: folded over tp·cp = 2, ep=4 takes 2 dp ranks, which does not divide parallel.dp=3"),
+    (MOE + ["parallel.expert_tp=1", "parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero=3",
+            "parallel.dp_shard=2", "parallel.sequence_parallel=true"],
+     "parallel.dp_shard: hybrid sharding with the ep group folded over tp and cp (parallel.expert_tp = 1) is not "
+     "supported; use expert_tp 0 or dp_shard 0"),
+    (MOE + ["parallel.expert_tp=1", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
+            "model.moe_shared_experts=1", "model.moe_ffn=33"],
+     "model.moe_shared_experts: folded over tp (parallel.expert_tp = 1) the shared experts are split over tp=2, "
+     "which does not divide their width 33 (moe_shared_experts · moe_ffn)"),
 ])
 def test_bad_expert_parallel_layouts_are_refused_in_one_line(sets, message):
     from threefold.config import ConfigError
@@ -302,15 +342,20 @@ def checkpoint_segment(layout: tuple[str, ...], folder: str, start: int, steps: 
     # hybrid sharding: the dense chunks of each ep pair and the experts' whole, replicated over the pairs
     (("parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "parallel.dp_shard=2"),
      ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1")),
-], ids=["dp2-ep2-to-dp4-ep4", "dp4-ep2-hsdp2-to-dp2-ep2"])
+    # the ep group folded over tp (each tp rank one expert pair) to ep within dp, and back
+    (("parallel.dp=2", "parallel.tp=2", "parallel.ep=4", "parallel.expert_tp=1", "parallel.sequence_parallel=true",
+      "parallel.zero=1"), ("parallel.dp=2", "parallel.ep=2", "parallel.zero=3")),
+    (("parallel.dp=4", "parallel.ep=4"), ("parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                                          "parallel.sequence_parallel=true")),
+], ids=["dp2-ep2-to-dp4-ep4", "dp4-ep2-hsdp2-to-dp2-ep2", "folded-tp2-ep4-to-dp2-ep2", "dp4-ep4-to-folded-tp2-ep2"])
 def test_a_checkpoint_resumes_on_another_expert_layout(distributed, tmp_path, saved_on, resumed_on):
     from threefold.configure import load_config
     from threefold.train import checkpoint
 
     from equivalence import train_reference
 
-    def world(overrides):  # dp ranks: ep splits them
-        return next(int(o.split("=")[1]) for o in overrides if o.startswith("parallel.dp="))
+    def world(overrides):  # dp·tp ranks: ep splits them
+        return load_config(None, CHECKPOINT + list(overrides)).parallel.world_size
 
     _, uninterrupted = train_reference(load_config(None, CHECKPOINT), 4)
     distributed.run(world(saved_on), checkpoint_segment, saved_on, str(tmp_path), 0, 2)
@@ -378,3 +423,81 @@ def test_dryrun_of_mixtral_8x7b_at_ep8_equals_the_planner():
     for key, value in want["comm_bytes"].items():
         assert result["comm_bytes"][key] == value, key
     assert set(want["comm_bytes"]) == {"dp", "ep"}
+
+
+# Megatron-Core's grid at expert-tp 1 (parallel.expert_tp = 1): the ep group folded over tp and cp
+MIXTRAL_FOLDED = ["model.preset=mixtral-8x7b", "model.seq_len=4096", "parallel.tp=2", "parallel.dp=4", "parallel.ep=8",
+                  "parallel.expert_tp=1", "parallel.sequence_parallel=true", "parallel.zero=1",
+                  "train.global_batch=8", "train.micro_batch=1"]
+
+
+def test_dryrun_of_mixtral_8x7b_with_ep8_folded_over_tp2_equals_the_planner():
+    """tp 2 · dp 4, ep 8 over both: each rank holds one expert a layer (not one per tp rank pair's
+    four dp ranks, as ep within dp would), dispatches its own 2,048 positions' rows, and sends
+    nothing on tp to route them; states, ep, tp and dp bytes are the planner's at expert-tp 1."""
+    from threefold.configure import load_config
+    from threefold.models.sizes import rank_expert_param_count
+    from threefold.plan.costs import ep_bytes_per_step
+    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.train.dryrun import dry_run_config, dry_run_rank
+
+    cfg = dry_run_config(load_config(None, MIXTRAL_FOLDED), 8)
+    result, want = dry_run_rank(cfg, 7), predict_rank(cfg, 7)
+    assert result["comm_bytes"]["ep"] == ep_bytes_per_step(tokens=2048, top_k=2, hidden=4096, ep=8, moe_layers=32,
+                                                           microbatches=2, num_experts=8)
+    for key in ("params", "grads", "optimizer"):
+        assert result["memory"][key] == want["memory"][key], key
+    for key, value in want["comm_bytes"].items():
+        assert result["comm_bytes"][key] == value, key
+    assert set(want["comm_bytes"]) == {"dp", "ep", "tp", "tp.loss", "tp.routing"}  # the balance loss's counts
+    # one expert a layer on every rank: its fp32 weights, 32 × 3·4096·14336, in the params
+    assert result["memory"]["params"] > 32 * rank_expert_param_count(cfg.model, 8) * 4
+
+
+# Each folded layout at world 8 on fake tensors, every rank of the first and the last stage. The
+# activations an MoE block adds are estimated (dryrun_predict): within 0.01% here.
+FOLDED_DRY_RUNS = {
+    "tp2-dp4-ep4-zero1": ["parallel.tp=2", "parallel.dp=4", "parallel.ep=4", "parallel.zero=1"],
+    "tp2-dp4-ep2-shared-aux": ["parallel.tp=2", "parallel.dp=4", "parallel.ep=2", "model.moe_shared_experts=1",
+                               "model.moe_aux_loss_coef=0.01"],
+    "tp2-cp2-dp2-ep8-shared-zero3-full": ["parallel.tp=2", "parallel.cp=2", "parallel.dp=2", "parallel.ep=8",
+                                          "parallel.zero=3", "train.recompute=full", "model.moe_shared_experts=1"],
+    "pp2-tp2-dp2-ep4-zb-h1": ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.ep=4",
+                              "parallel.schedule=zb-h1"],
+    "cp2-dp4-ep4-aux": ["parallel.cp=2", "parallel.dp=4", "parallel.ep=4", "model.moe_aux_loss_coef=0.01"],
+    # bf16 autocast: the router's fp32 input is this rank's shard, the shared experts copy w_down alone
+    "tp2-dp4-ep4-shared-bf16-overlap": ["parallel.tp=2", "parallel.dp=4", "parallel.ep=4", "model.moe_shared_experts=1",
+                                        "train.dtype=bfloat16", "parallel.tp_overlap=true"],
+    "pp2-tp2-dp2-ep4-shared-bf16-zb-h1": ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.ep=4",
+                                          "model.moe_shared_experts=1", "train.dtype=bfloat16",
+                                          "parallel.schedule=zb-h1"],
+}
+
+
+@pytest.mark.parametrize("name", list(FOLDED_DRY_RUNS))
+def test_a_folded_layouts_dry_run_equals_the_planner(name):
+    from threefold.configure import load_config
+    from threefold.plan.dryrun_predict import predict_rank
+    from threefold.train.dryrun import dry_run_config
+
+    from equivalence import dry_run
+
+    overrides = ['model.preset="tiny"', "model.vocab_size=256", "model.seq_len=32", "model.layers=4",
+                 "model.moe_experts=8", "model.moe_top_k=2", "model.moe_aux_loss_coef=0", "parallel.expert_tp=1",
+                 "train.global_batch=16", "train.micro_batch=2"] + FOLDED_DRY_RUNS[name]
+    if "parallel.tp=2" in overrides:
+        overrides.append("parallel.sequence_parallel=true")
+    cfg = load_config(None, overrides)
+    world = cfg.parallel.world_size
+    cfg = dry_run_config(cfg, world)
+    for rank in sorted({0, world - 1}):
+        got, want = dry_run(cfg, rank), predict_rank(cfg, rank)
+        for key in ("params", "grads", "optimizer"):
+            assert got["memory"][key] == want["memory"][key], key
+        assert got["memory"]["activations"] == pytest.approx(want["memory"]["activations"], rel=1e-4)
+        for key, value in want["comm_bytes"].items():
+            assert got["comm_bytes"][key] == value, key
+        assert want["comm_bytes"]["ep"] > 0
+        # the routing statistics over the ranks that route shares of a micro-batch, where it has any
+        shares = "+".join(a for a in ("cp", "tp") if getattr(cfg.parallel, a) > 1)
+        assert (f"{shares}.routing" in want["comm_bytes"]) == (cfg.model.moe_aux_loss_coef > 0)

@@ -140,8 +140,17 @@ def test_plan_prices_megatron_cores_grid_and_the_engines_for_a_config(tmp_path, 
     config.note_once.cache_clear()
     assert main(flags + ["--config-out", str(path)]) == 0
     engine = json.loads(capsys.readouterr().out)
-    assert engine["fixed"]["expert_tp"] == 0 and all(row["layout"]["expert_tp"] == 0 for row in engine["layouts"])
+    # the engine runs the folding (expert_tp 1 with ep a multiple of tp) and its own placement, not
+    # experts split over tp: the config is the fastest of those
+    written = engine["config_out"]
+    assert written["layout"].startswith("TP=2") and "ETP=2" not in written["layout"]
     assert path.exists() and "tp = 2" in path.read_text()
+    for flag in (["--expert-tp", "0"], ["--expert-tp", "1"]):  # either placement, fixed, is written as it is
+        config.note_once.cache_clear()
+        assert main(flags + flag + ["--config-out", str(path)]) == 0
+        found = json.loads(capsys.readouterr().out)
+        assert all(row["layout"]["expert_tp"] == int(flag[1]) for row in found["layouts"])
+        assert ("expert_tp = 1" in path.read_text()) == (flag[1] == "1")
 
 
 def test_the_search_never_prices_megatron_cores_grid_under_tp_without_sp():
@@ -311,8 +320,9 @@ def test_rank_0_counts_the_moe_blocks_of_each_chunk_it_holds():
 
 
 def test_a_tp_1_grid_over_cp_is_its_own_placement(tmp_path, capsys):
-    """At tp 1 under cp Megatron-Core's ep group is consecutive ranks, the engine's cp apart: estimate
-    defaults to the grid and labels it, and plan --config-out never writes it for the engine."""
+    """At tp 1 under cp Megatron-Core's ep group is consecutive ranks, the engine's default cp apart:
+    estimate defaults to the grid and labels it, and plan --config-out writes it as the engine's
+    folding (parallel.expert_tp = 1), which the engine's loader takes."""
     result, _ = _estimate_json(capsys, "--num-gpus", "64", "--cp", "8", "--ep", "8", "--zero", "1")
     assert result["layout"]["expert_tp"] == 1
     config.note_once.cache_clear()
@@ -321,8 +331,13 @@ def test_a_tp_1_grid_over_cp_is_its_own_placement(tmp_path, capsys):
     assert "EP=8 ETP=1 CP=8" in capsys.readouterr().out
     path = tmp_path / "grid.toml"
     assert main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--num-gpus", "64", "--global-batch", "256",
-                 "--tp", "1", "--pp", "1", "--cp", "8", "--ep", "8", "--expert-tp", "1", "--config-out", str(path)]) == 2
-    assert "Megatron-Core's expert grid (--expert-tp), which the engine does not run" in capsys.readouterr().err
+                 "--tp", "1", "--pp", "1", "--cp", "8", "--ep", "8", "--expert-tp", "1", "--config-out", str(path)]) == 0
+    written = path.read_text()
+    assert "cp = 8" in written and "ep = 8" in written and "expert_tp = 1" in written
+    from threefold.configure import load_config
+
+    parallel = load_config(str(path), []).parallel
+    assert parallel.experts_folded and parallel.cp == 8 and parallel.ep == 8
 
 
 def test_hybrid_sharding_on_the_grid_needs_whole_ep_groups_of_its_own_ranks():
@@ -345,6 +360,7 @@ def test_the_table_says_which_placement_it_estimates(capsys):
     out, err = capsys.readouterr()
     assert "EP=8 ETP=2" in out and err.strip() == (
         "note: --expert-tp not given: estimating Megatron-Core's expert grid, ETP=2 (each expert split over the tp "
-        "ranks); --expert-tp 0 estimates threefold's engine, whose experts are whole on every tp rank")
+        "ranks); --expert-tp 0 estimates threefold's engine's default, experts whole on every tp rank (it runs "
+        "ETP=1 too, parallel.expert_tp = 1, where ep is a multiple of tp × cp)")
     config.note_once.cache_clear()
     assert main(flags) == 0 and capsys.readouterr().err == ""  # tp 1, cp 1: alike

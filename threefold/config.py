@@ -172,6 +172,10 @@ class ParallelConfig:
     cp: int = 1
     cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
     ep: int = 1  # expert parallelism, carved out of the dp ranks (it divides dp): not a factor of the world
+    # how the experts sit over tp: 0 whole on every tp rank, ep within dp; 1 Megatron-Core's and
+    # torchtitan's folding (expert-tp 1): the ep group takes the tp and cp ranks too, ep = tp·cp ×
+    # a divisor of dp, each rank routing its own positions (parallel/expert_parallel.py)
+    expert_tp: int = 0
     # hybrid sharding (HSDP, FSDP's HYBRID_SHARD; at ZeRO-1, 2 Megatron-Core's distributed optimizer
     # instances): ZeRO shards the states over groups of dp_shard dp ranks, and the dp / dp_shard
     # groups hold the same shards; 0: one group of all dp ranks
@@ -213,6 +217,11 @@ class ParallelConfig:
         return self.pp == 1 if self.reshard_after_forward is None else bool(self.reshard_after_forward)
 
     @property
+    def experts_folded(self) -> bool:
+        """Whether the ep group is folded over tp and cp (expert_tp 1, with experts split at all)."""
+        return self.expert_tp == 1 and self.ep > 1
+
+    @property
     def dp_replicate(self) -> int:
         """Groups of ZeRO shards that hold the same states (hybrid sharding); 1 without it."""
         return self.dp // self.dp_shard if self.dp_shard and self.dp != AUTO else 1
@@ -226,6 +235,9 @@ class ParallelConfig:
         _positive(self, "parallel", ("tp", "pp", "cp", "ep", "virtual_stages") + (() if self.dp == AUTO else ("dp",)))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero: must be 0, 1, 2 or 3, got {self.zero}")
+        if self.expert_tp not in (0, 1):
+            raise ConfigError(f"parallel.expert_tp: must be 0 (experts whole on every tp rank) or 1 (the ep group "
+                              f"folded over tp and cp); the engine does not split experts over tp, got {self.expert_tp}")
         if self.reshard_after_forward is False and self.zero != 3:
             raise ConfigError(f"parallel.reshard_after_forward: false keeps ZeRO-3's gathered weights through the step; "
                               f"it needs parallel.zero = 3, got zero={self.zero}")

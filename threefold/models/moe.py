@@ -371,10 +371,14 @@ class MoE(nn.Module):
     def compute(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """(T, h): the routed experts' outputs for ``tokens`` (T, h), combined with their
         ``routing`` weights, plus the shared experts'."""
+        out = self.routed(tokens, routing)
+        return out if self.shared is None else out + self.shared(tokens)
+
+    def routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(T, h): the routed experts' outputs alone, combined with their ``routing`` weights."""
         x_perm, counts, order = permute(tokens, routing)  # ← expert parallelism: dispatch here
         y = self.experts(x_perm, counts)
-        out = unpermute(y, order, routing)  # ← and combine before this
-        return out if self.shared is None else out + self.shared(tokens)
+        return unpermute(y, order, routing)  # ← and combine before this
 
     def _attach_aux_loss(self, out: torch.Tensor, routing: Routing, grad_share: float = 1.0) -> torch.Tensor:
         """``out`` carrying the balance and z losses of ``routing`` into the backward.

@@ -50,16 +50,19 @@ def tp_block_param_count(cfg: ModelConfig, tp):
     return (block_param_count(cfg) - whole) // tp + whole
 
 
-def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1, moe_blocks: int = 0) -> int:
+def stage_param_count(cfg: ModelConfig, blocks: int, first: bool, last: bool, tp: int = 1, moe_blocks: int = 0,
+                      shared_split: bool = False) -> int:
     """Parameters one tp rank of a Llama pipeline stage holds: its blocks, the embedding's rows
     on the first stage, the final norm and the head's rows on the last. With tied embeddings a
     stage that is both first and last holds the one table once; a last stage that is not the
     first holds its own copy of it (the engine keeps the two ends' gradients in step).
     ``moe_blocks`` of the ``blocks`` hold experts: those count ``tp_moe_block_param_count``, and
-    their routed experts not at all (``rank_expert_param_count``: ZeRO shards them apart)."""
+    their routed experts not at all (``rank_expert_param_count``: ZeRO shards them apart).
+    ``shared_split``: the shared experts split over tp (experts folded over tp)."""
     h = cfg.hidden
     table = padded_vocab(cfg.vocab_size, tp) // tp * h
-    numel = (blocks - moe_blocks) * tp_block_param_count(cfg, tp) + moe_blocks * tp_moe_block_param_count(cfg, tp)
+    numel = ((blocks - moe_blocks) * tp_block_param_count(cfg, tp)
+             + moe_blocks * tp_moe_block_param_count(cfg, tp, shared_split))
     if first:
         numel += table
     if last:
@@ -94,13 +97,15 @@ def moe_block_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
     return rest, cfg.moe_experts * h, cfg.moe_experts * expert
 
 
-def tp_moe_block_param_count(cfg: ModelConfig, tp: int) -> int:
+def tp_moe_block_param_count(cfg: ModelConfig, tp: int, shared_split: bool = False) -> int:
     """Parameters of one MoE block on one tp rank, its routed experts left out: the attention's
     matrices split over tp as in a dense block; the two norms, the router and the shared experts
-    whole (an MoE block is replicated over tp: parallel/tensor_parallel.py's ReplicatedMoE)."""
+    whole (an MoE block is replicated over tp: parallel/tensor_parallel.py's ReplicatedMoE), or
+    with ``shared_split`` the shared experts split over tp as a dense MLP (experts folded over
+    tp: tensor_parallel.FoldedMoE)."""
     h, shared = cfg.hidden, cfg.moe_shared_experts * 3 * cfg.hidden * cfg.moe_ffn_hidden
     attention = block_param_count(cfg) - 3 * h * cfg.ffn_hidden - 2 * h
-    return attention // tp + 2 * h + cfg.moe_experts * h + shared
+    return attention // tp + 2 * h + cfg.moe_experts * h + (shared // tp if shared_split else shared)
 
 
 def rank_expert_param_count(cfg: ModelConfig, ep: int) -> int:

@@ -51,7 +51,9 @@ Mixture of Experts: routing is per token, so an MoE block runs on this rank's to
 the micro-batch's tokens — the balance loss's f, the capacity rule — are the whole
 micro-batch's, as on one process. Under expert parallelism the tokens of this rank's share are
 dispatched within its ep group (ranks of the same cp coordinate); the experts' gradients are
-reduced over edp × cp, the ranks holding the same experts.
+reduced over edp × cp, the ranks holding the same experts. With the ep group folded over cp and
+tp (``parallel.expert_tp = 1``) the cp ranks hold different experts, and the experts' gradients
+are reduced over edp alone.
 """
 from __future__ import annotations
 
@@ -427,46 +429,58 @@ def routing_tag() -> str:
 
 
 class SplitMicroBatch(MicroBatch):
-    """The ``MoE.micro_batch`` seam of a block whose calls see this rank's zigzag share of every
-    sequence of the micro-batch (models/moe.py ``MicroBatch``). The experts' outputs are per token
-    and need nothing; what is over the micro-batch's tokens is reduced over the cp group:
+    """The ``MoE.micro_batch`` seam of a block whose calls see this rank's share of every sequence
+    of the micro-batch (models/moe.py ``MicroBatch``): its zigzag share over cp, and, where the
+    experts are folded over tp (``tensor_parallel.SequenceShareMoE``), the tp rank's contiguous
+    s/t of that share (``axes`` ("tp",) or ("cp", "tp")). The experts' outputs are per token and
+    need nothing; what is over the micro-batch's tokens is reduced over the group of ``axes``:
 
-    - the balance loss's f: this call's routed counts all-reduced over cp (E int64, only when the
-      loss is on). P stays the share's mean: the loss is linear in P, and the engine averages
-      the cp ranks' gradients, so the mean of the shares' losses E·Σ f_i·P_i(share) is the
-      micro-batch's loss and the mean of their gradients its gradient (``load_balancing_loss``);
+    - the balance loss's f: this call's routed counts all-reduced (E int64, only when the loss is
+      on). P stays the share's mean: the loss is linear in P, and the engine averages the cp
+      ranks' gradients (the tp ranks give back 1/t of theirs), so the mean of the shares' losses
+      E·Σ f_i·P_i(share) is the micro-batch's loss and the mean of their gradients its gradient
+      (``load_balancing_loss``);
     - the capacity rule (factor > 0): C and the priority order are the whole micro-batch's, so
-      the chosen experts of every share are all-gathered ((T/cp)·k int64 from each rank), put
-      back in sequence order (``join_sequence``), the single-process rule applied to all of
-      them, and this rank's share of the verdict kept; the same tokens drop as on one process;
+      the chosen experts of every share are all-gathered ((T/n)·k int64 from each of the n
+      ranks), put back in sequence order (the tp shares side by side, then ``join_sequence``
+      over cp), the single-process rule applied to all of them, and this rank's share of the
+      verdict kept; the same tokens drop as on one process;
     - the step's counters (routed, dropped) stay this share's: ``Engine.end_moe_step`` sums them
-      over dp × cp, which is also what DeepSeek-V3's bias update reads.
+      over the ranks that route different tokens, which is also what DeepSeek-V3's bias update
+      reads.
 
-    Bytes per MoE layer and micro-batch (``plan/context.moe_bytes_per_layer``, under "cp.routing"):
-    2·(cp−1)/cp · E · 8 for the counts, (cp−1) · (T/cp) · k · 8 for the capacity's gather; a
-    forward recomputed in full repeats both."""
+    Bytes per MoE layer and micro-batch over cp (``plan/context.moe_bytes_per_layer``, under
+    "cp.routing"): 2·(cp−1)/cp · E · 8 for the counts, (cp−1) · (T/cp) · k · 8 for the capacity's
+    gather; a forward recomputed in full repeats both. Over ("cp", "tp") the same with n = cp·t
+    ranks, under "cp+tp.routing"."""
 
-    def __init__(self, comm: Comm, layout: str = "zigzag"):
-        self.comm, self.layout = comm, layout
+    def __init__(self, comm: Comm, layout: str = "zigzag", axes: tuple[str, ...] = ("cp",)):
+        self.comm, self.layout, self.axes = comm, layout, axes
 
     def routed_counts(self, counts: torch.Tensor) -> torch.Tensor:
         total = counts.clone()
-        self.comm.all_reduce(total, "cp", tag=routing_tag())
+        self.comm.all_reduce(total, self.axes, tag=routing_tag())
         return total
 
     def capacity_keep(self, experts, batch_shape, num_experts, factor):
         if not factor:  # dropless: nothing to agree on
             return super().capacity_keep(experts, batch_shape, num_experts, factor)
         if len(batch_shape) != 2:
-            raise ValueError(f"a context-parallel MoE block takes (batch, positions, hidden), not {batch_shape}")
-        comm, top_k = self.comm, experts.shape[1]
-        cp, rank = comm.mesh.size("cp"), comm.mesh.coord("cp")
-        gathered = experts.new_empty(cp * experts.numel())
-        comm.all_gather(gathered, experts.reshape(-1).contiguous(), "cp", tag=routing_tag())
-        whole = join_sequence(list(gathered.view(cp, *batch_shape, top_k)), dim=1, layout=self.layout)
+            raise ValueError(f"a sequence-split MoE block takes (batch, positions, hidden), not {batch_shape}")
+        comm, top_k, mesh = self.comm, experts.shape[1], self.comm.mesh
+        cp, t = (mesh.size(a) if a in self.axes else 1 for a in ("cp", "tp"))
+        batch, positions = batch_shape
+        gathered = experts.new_empty(cp * t * experts.numel())
+        comm.all_gather(gathered, experts.reshape(-1).contiguous(), self.axes, tag=routing_tag())
+        # (cp, t, b, s/(cp·t), k) → each cp rank's share with its tp ranks' positions side by side
+        shares = gathered.view(cp, t, batch, positions, top_k).movedim(1, 2).reshape(cp, batch, t * positions, top_k)
+        whole = join_sequence(list(shares), dim=1, layout=self.layout) if cp > 1 else shares[0]
         capacity = expert_capacity(whole.shape[0] * whole.shape[1], top_k, num_experts, factor)
         kept = capacity_keep(whole.reshape(-1, top_k), num_experts, capacity).view(whole.shape)
-        return split_sequence(kept, cp, rank, dim=1, layout=self.layout).reshape(-1, top_k)
+        if cp > 1:
+            kept = split_sequence(kept, cp, mesh.coord("cp"), dim=1, layout=self.layout)
+        tp_rank = mesh.coord("tp") if t > 1 else 0
+        return kept.narrow(1, tp_rank * positions, positions).reshape(-1, top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,8 +513,9 @@ def apply_cp(model: Llama, comm: Comm, method: str = "ring", layout: str = "zigz
         core = CORES[method](comm, layout)
         core.recompute = block.attn.core.recompute
         block.attn.core = core
-        if isinstance(block.mlp, MoE):
-            block.mlp.micro_batch = SplitMicroBatch(comm, layout)
+        if isinstance(block.mlp, MoE):  # experts folded over tp: the tp ranks' shares too
+            folded = "tp" in getattr(block.mlp.micro_batch, "axes", ())
+            block.mlp.micro_batch = SplitMicroBatch(comm, layout, ("cp", "tp") if folded else ("cp",))
     return model
 
 

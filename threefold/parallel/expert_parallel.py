@@ -50,8 +50,24 @@ in any stage: the ep group lies within one stage); ZeRO 0–3 shard expert state
 Under context parallelism the ep group is the dp ranks of one cp coordinate, which dispatch
 their shares of the sequences to each other; the cp ranks hold the same experts, so expert
 gradients are reduced (and ZeRO-sharded) over edp × cp and divided by dp·cp.
-Placements (parallel/placements.py) record the slice, so the gradient norm, the full state dict
-and checkpoints (full tensors, resharded to any ep) need nothing else.
+
+Folded (``parallel.expert_tp = 1``: Megatron-Core's MoE parallel folding at expert-tp 1,
+torchtitan's etp 1). Replicating the experts over tp and cp costs their memory t·c times; folded,
+the ep group is instead ep consecutive ranks of a stage, its tp and cp ranks and ep/(t·c) dp
+ranks (distributed/mesh.py: "ep" spans the grid's epd, cp and tp). Each rank of it holds E/ep
+experts as above, and the group's ranks hold different tokens: under SP each tp rank routes its
+own positions (tensor_parallel.SequenceShareMoE, with the shared experts a tensor-parallel
+SwiGLU), under cp each cp rank its share, and the ``micro_batch`` seam makes the balance loss
+and the capacity rule the whole micro-batch's (context_parallel.SplitMicroBatch over cp and
+tp). Nothing here changes but the group: the same dispatch and combine, over t·c times more
+ranks of the same tokens. An expert's gradient on its rank is then whole (no partial sum over
+tp), reduced over edp alone (dp·cp·t/ep ranks) and divided by dp·cp. The bytes are
+``ep_bytes_per_step`` of this rank's T/t tokens at ep, and the planner prices the layout as
+``Layout.expert_tp`` 1 (plan/dryrun_predict.py).
+
+Placements (parallel/placements.py) record the slice (folded: over the grid's epd, cp and tp),
+so the gradient norm, the full state dict and checkpoints (full tensors, resharded to any ep,
+folded or not) need nothing else.
 """
 from __future__ import annotations
 
@@ -182,6 +198,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Placement]:
     meta, the engine draws the slices) and hook the exchanges around them. Returns the
     placements of the sliced tensors, by plain-model key."""
     ep, rank = comm.mesh.size("ep"), comm.mesh.coord("ep")
+    split_over = ("ep", "cp", "tp") if comm.mesh.folded else ("ep",)  # the grid dimensions ep spans
     placements = {}
     for name, module in model.named_modules():
         if not isinstance(module, MoE):
@@ -192,7 +209,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Placement]:
             full = getattr(experts, attr)
             setattr(experts, attr, nn.Parameter(full.detach()[mine.start:mine.stop].clone(),
                                                 requires_grad=full.requires_grad))
-            placements[f"{name}.experts.{attr}"] = Placement(tuple(full.shape), 0, mine.start, sharded=("ep",))
+            placements[f"{name}.experts.{attr}"] = Placement(tuple(full.shape), 0, mine.start, sharded=split_over)
         hooks = ExpertParallel(comm)
         experts.register_forward_pre_hook(hooks.before)
         experts.register_forward_hook(hooks.after)

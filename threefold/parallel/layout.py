@@ -17,9 +17,13 @@ def check_layout(cfg: Config) -> None:
     check_expert_parallel(cfg.model, p)
     if p.dp == AUTO:
         return  # what depends on dp waits for the world size (configure.resolve_world)
-    if p.dp % p.ep:
+    if p.expert_tp == 1 and p.ep > 1:
+        if p.dp % (p.ep // (p.tp * p.cp)):
+            raise ConfigError(f"parallel.ep: folded over tp·cp = {p.tp * p.cp}, ep={p.ep} takes {p.ep // (p.tp * p.cp)} "
+                              f"dp ranks, which does not divide parallel.dp={p.dp}")
+    elif p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp} (expert parallelism splits "
-                          "the experts over data-parallel ranks)")
+                          "the experts over data-parallel ranks; parallel.expert_tp = 1 folds them over tp and cp too)")
     check_hybrid_sharding(p)
     check_pipeline(cfg)
 
@@ -37,21 +41,41 @@ def check_hybrid_sharding(p: ParallelConfig) -> None:
     if p.dp_shard < 2 or p.dp % p.dp_shard:
         raise ConfigError(f"parallel.dp_shard: must divide parallel.dp={p.dp} and be at least 2 (a group of one "
                           f"rank shards nothing), got {p.dp_shard}")
+    if p.expert_tp == 1 and p.ep > 1:
+        raise ConfigError("parallel.dp_shard: hybrid sharding with the ep group folded over tp and cp "
+                          "(parallel.expert_tp = 1) is not supported; use expert_tp 0 or dp_shard 0")
     if p.dp_shard % p.ep:
         raise ConfigError(f"parallel.dp_shard: a shard group holds whole expert-parallel groups, so it must be a "
                           f"multiple of parallel.ep={p.ep}, got {p.dp_shard}")
 
 
 def check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """expert_parallel.py gives each of the ep ranks E/ep whole experts."""
+    """expert_parallel.py gives each of the ep ranks E/ep whole experts; folded (expert_tp 1), the
+    ep group is whole tp·cp blocks of ranks, and under tp each rank routes its own positions (SP)."""
     ep = parallel.ep
     if ep == 1:
+        if parallel.expert_tp == 1:
+            raise ConfigError("parallel.expert_tp: 1 folds the expert-parallel group over tp and cp; it needs "
+                              "parallel.ep > 1")
         return
     if not model.moe_experts:
         raise ConfigError(f"parallel.ep: {ep} needs a Mixture-of-Experts model (model.moe_experts is 0)")
     if model.moe_experts % ep:
         raise ConfigError(f"parallel.ep: {ep} does not divide model.moe_experts={model.moe_experts} "
                           "(each rank holds whole experts)")
+    if parallel.expert_tp == 1:
+        inside = parallel.tp * parallel.cp
+        if ep % inside:
+            raise ConfigError(f"parallel.ep: folded over tp and cp (parallel.expert_tp = 1), ep={ep} must be a multiple "
+                              f"of tp·cp = {inside}")
+        shared = model.moe_shared_experts * model.moe_ffn_hidden
+        if shared % parallel.tp:
+            raise ConfigError(f"model.moe_shared_experts: folded over tp (parallel.expert_tp = 1) the shared experts are "
+                              f"split over tp={parallel.tp}, which does not divide their width {shared} "
+                              "(moe_shared_experts · moe_ffn)")
+        if parallel.tp > 1 and not parallel.sequence_parallel:
+            raise ConfigError("parallel.expert_tp: folding the experts over tp routes each tp rank's own positions; "
+                              "it needs parallel.sequence_parallel = true (as Megatron-Core's MoE under tp does)")
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -35,13 +35,14 @@ import torch
 from threefold.config import PARTIAL_IN_PLACE_NUMEL
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's states of each parameter, named as torch names them
-MESH_AXES = ("pp", "dpr", "dps", "ep", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
-# mesh.py's: the dp ranks are edp × ep (expert parallelism splits dp), edp is dpr × dps (hybrid sharding)
-SPANS = {"dp": ("dpr", "dps", "ep"), "edp": ("dpr", "dps")}
+MESH_AXES = ("pp", "dpr", "dps", "epd", "cp", "tp")  # distributed/mesh.py's GRID (this file stays torch-light)
+# mesh.py's: the dp ranks are edp × epd (expert parallelism splits dp), edp is dpr × dps (hybrid
+# sharding); folded experts (ep over epd, cp and tp) record all three in their placement
+SPANS = {"dp": ("dpr", "dps", "epd"), "edp": ("dpr", "dps"), "ep": ("epd",)}
 
 
 def grid_axes(axes) -> set[str]:
-    """The grid dimensions mesh ``axes`` span ("dp" is dpr, dps and ep)."""
+    """The grid dimensions mesh ``axes`` span ("dp" is dpr, dps and epd)."""
     return {g for a in axes for g in SPANS.get(a, (a,))}
 
 
@@ -197,7 +198,7 @@ def _counted(shards: list[Shard], mesh) -> tuple[list[Shard], list[str]]:
     # Every rank must reduce over the same axes. pp always differs; so does ep, which splits the
     # experts of some pipeline stages (a stage of dense layers holds nothing split over ep, but
     # its ranks still meet the others' reductions).
-    reduce_over = [a for a in axes if a in ("pp", "ep") or not all(a in s.replicated for s in shards)]
+    reduce_over = [a for a in axes if a in ("pp", "epd") or not all(a in s.replicated for s in shards)]
     counted = [s for s in shards if not s.duplicate
                and all(mesh.coord(a) == 0 for a in s.replicated if a in reduce_over)]
     return counted, reduce_over

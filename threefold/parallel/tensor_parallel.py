@@ -53,8 +53,9 @@ Communication per micro-batch on the tp axis (B = micro_batch · seq_len · hidd
               without SP, 1.5 · L · a · B with SP.
 Under "tp.loss": per micro-batch, an all-reduce of 3 fp32 numbers per token. Under
 "tp.partial_grads" (SP only): once per step, the gradients this rank holds of the norm gains and
-of the MoE blocks (router, experts, shared experts: ``SequenceSplitMoE``), summed over tp (each
-rank saw only its part of the sequence).
+of the MoE blocks (router, experts, shared experts: ``SequenceSplitMoE``; with the experts folded
+over tp the router alone: ``SequenceShareMoE``), summed over tp (each rank saw only its part of
+the sequence).
 
 Composition: ``apply_tp`` is the first transformation of the plain model (train/engine.py
 applies them in order). It returns each parameter's ``Placement`` (the slice it keeps, or
@@ -94,6 +95,7 @@ class TensorParallelGroup:
     sequence_parallel: bool
     vocab_size: int  # of the plain model; the shards hold it padded to a multiple of ``size``
     overlap: bool = False  # parallel.tp_overlap: SP's collectives as rings pipelined with the products
+    experts_folded: bool = False  # parallel.expert_tp = 1: the MoE blocks are SequenceShareMoE (FoldedMoE)
     ring_ends: list[list[float]] = field(default_factory=list)  # the last overlapped operation's
     # rings: when each chunk's product ended (to set beside the sends' launch times in the ledger)
 
@@ -688,12 +690,68 @@ class ReplicatedMoE:
         return module
 
 
-class FeedForwardInput:
-    """``blocks.*.mlp``: a dense SwiGLU gets its input prepared for its column-parallel linears
-    (``PrepareInput``); an MoE block is replicated (``ReplicatedMoE``)."""
+class SequenceShareMoE(MoE):
+    """An MoE block whose ep group is folded over tp (``parallel.expert_tp = 1``; the class
+    ``FoldedMoE`` gives it), as Megatron-Core runs MoE under SP at expert-tp 1: each tp rank routes
+    its own s/t positions, no gather; their rows go to the experts' ranks of the folded ep group
+    (expert_parallel.py); the shared experts are a tensor-parallel SwiGLU, their input gathered
+    and their output reduce-scattered as a dense MLP's. What is over the micro-batch's tokens
+    (the balance loss's f, the capacity rule) is reduced over the tp ranks (and cp's) by its
+    ``micro_batch`` seam (context_parallel.SplitMicroBatch), so the same tokens drop as on one
+    process. Each rank's balance and z losses are its share's: their mean over tp is the
+    micro-batch's, so each gives back 1/t of its gradient (the router's gradient is summed over
+    tp). Per block and micro-batch on tp: the shared experts' 2½ all-reduces' worth with SP, none
+    for the routed experts."""
+
+    tp: TensorParallelGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.route(tokens, tuple(x.shape[:-1]))
+        out = self.routed(tokens, routing).view(*x.shape)
+        if self.training and torch.is_grad_enabled():
+            out = self._attach_aux_loss(out, routing, grad_share=1 / self.tp.size)
+        # last, as in a dense block: a full recomputation stops at the shared experts' last saved
+        # input, before their reduce-scatter, so it repeats their gather only
+        return out if self.shared is None else out + self.shared(x)
+
+
+class FoldedMoE:
+    """An MoE block whose experts are split over the ep group folded over tp: the router whole on
+    every rank, its gradient a partial sum over tp (each rank routes its own positions); the
+    experts left whole here, for ``apply_ep`` to split over the folded group (each expert's
+    gradient is then whole on its one rank, not a partial sum); the shared experts' SwiGLU split
+    as a dense MLP's. The block becomes a ``SequenceShareMoE``."""
 
     def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
-        style = ReplicatedMoE() if isinstance(module, MoE) else PrepareInput()
+        from threefold.parallel.context_parallel import SplitMicroBatch
+
+        slicer.slice(f"{name}.router.weight", module.router.weight, None)
+        for key, tensor in [("expert_bias", module.expert_bias)] + [(f"experts.{k}", q) for k, q in
+                                                                   module.experts.named_parameters()]:
+            slicer.placements[f"{name}.{key}"] = Placement(tuple(tensor.shape))
+        if module.shared is not None:
+            shared = module.shared
+            shared.w_gate = ColumnParallel().apply(f"{name}.shared.w_gate", shared.w_gate, slicer)
+            shared.w_up = ColumnParallel().apply(f"{name}.shared.w_up", shared.w_up, slicer)
+            shared.w_down = RowParallel().apply(f"{name}.shared.w_down", shared.w_down, slicer)
+            PrepareInput().apply(f"{name}.shared", shared, slicer)
+        module.__class__ = SequenceShareMoE  # as ReplicatedMoE swaps it: same keys
+        module.tp = slicer.tp
+        module.micro_batch = SplitMicroBatch(slicer.tp.comm, axes=("tp",))
+        return module
+
+
+class FeedForwardInput:
+    """``blocks.*.mlp``: a dense SwiGLU gets its input prepared for its column-parallel linears
+    (``PrepareInput``); an MoE block is replicated (``ReplicatedMoE``), or with its experts folded
+    over tp split as Megatron-Core splits it (``FoldedMoE``)."""
+
+    def apply(self, name: str, module: nn.Module, slicer: Slicer) -> nn.Module:
+        if isinstance(module, MoE):
+            style = FoldedMoE() if slicer.tp.experts_folded else ReplicatedMoE()
+        else:
+            style = PrepareInput()
         return style.apply(name, module, slicer)
 
 

@@ -529,7 +529,8 @@ def estimate(ctx, as_json, batch_file, list_gpus, out, **options):
         how = ("each expert split over the tp ranks" if layout.expert_tp > 1
                else "whole experts, ep over tp × cp × dp")
         note_once(f"note: --expert-tp not given: estimating Megatron-Core's expert grid, ETP={layout.expert_tp} ({how}); "
-                  "--expert-tp 0 estimates threefold's engine, whose experts are whole on every tp rank")
+                  "--expert-tp 0 estimates threefold's engine's default, experts whole on every tp rank (it runs "
+                  "ETP=1 too, parallel.expert_tp = 1, where ep is a multiple of tp × cp)")
     described = layout.describe() + (f" stages {'-'.join(map(str, split))}" if split else "")
     if out:
         draw_breakdown([result], [described], gpu.hbm_bytes / 2**30, out, _title(options, work, num_gpus, gpu))
@@ -623,8 +624,6 @@ def plan(as_json, top, out, config_out, **options):
                           f"step; it needs --zero 3 or no --zero, got {options['zero']}")
     knobs = reconciled(options, options.get("tp"), options.get("pp"), options.get("cp"), options.get("ep"))
     fixed = {knob: knobs.get(knob) for knob in search.KNOBS}
-    if config_out is not None and work.model.moe_experts and fixed["expert_tp"] is None:  # the engine's experts
-        fixed["expert_tp"] = 0
     _check_expert_placement(work.model, fixed)
     if fixed["ep"] is not None:
         check_imbalance(work, fixed["ep"])

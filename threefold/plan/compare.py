@@ -112,7 +112,7 @@ def run_layout(cfg: Config, moe_imbalance: float = 1.0) -> tuple[costs.Workload,
                                 pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
                                 zero=p.zero, micro_batch=t.micro_batch, virtual_stages=p.virtual_stages,
                                 sequence_parallel=p.sequence_parallel, dp_shard=p.dp_shard,
-                                reshard_after_forward=p.resharding)
+                                reshard_after_forward=p.resharding, expert_tp=int(p.experts_folded))
     work = costs.Workload(cfg.model, t.global_batch, precision="fp32" if t.dtype == "float32" else "autocast",
                           tp_comm_overlap=p.tp_overlap, sequence_copies=True, moe_imbalance=moe_imbalance,
                           bucket_params=p.bucket_mb * 2**20 / 4)  # the engine's buckets hold fp32 gradients

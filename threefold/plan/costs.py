@@ -930,15 +930,18 @@ def moe_layers_below(cfg: ModelConfig, n):
     return np.ceil(after / cfg.moe_every)
 
 
-def tp_partial_numel(model: ModelConfig, blocks, moe_blocks, last_stage, ep=1):
+def tp_partial_numel(model: ModelConfig, blocks, moe_blocks, last_stage, ep=1, folded=False):
     """The parameters of a tp rank whose gradients are partial sums over tp under sequence
     parallelism, summed once a step (placements.sum_partial_grads): the RMSNorm gains (two a
     block, the final one on the last stage) and an MoE block's router, shared experts and this
-    rank's E/ep experts (tensor_parallel.SequenceSplitMoE). ``(norm gains, MoE blocks')``."""
+    rank's E/ep experts (tensor_parallel.SequenceSplitMoE); with the experts ``folded`` over tp
+    (tensor_parallel.FoldedMoE) the router alone. ``(norm gains, MoE blocks')``."""
     h = model.hidden
     norms = 2 * h * np.asarray(blocks) + h * np.asarray(last_stage, dtype=float)
     moe = 0 * norms
-    if model.moe_experts:
+    if model.moe_experts and folded:
+        moe = np.asarray(moe_blocks) * model.moe_experts * h
+    elif model.moe_experts:
         moe = np.asarray(moe_blocks) * (moe_replicated_param_count(model) + rank_expert_param_count(model, ep))
     return _scalar_or_array(norms), _scalar_or_array(moe)
 
@@ -1095,7 +1098,7 @@ def captured_gradient_bytes(model: ModelConfig, tokens, tp, sequence_parallel, d
 
 
 def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel, recompute, tp_overlap=False,
-                              moe=False, ep=1, dtype_bytes: int = 2, residual_bytes: int = 4):
+                              moe=False, ep=1, dtype_bytes: int = 2, residual_bytes: int = 4, expert_tp=0):
     """What one block of the engine's bf16 runs (fp32 weights under torch.autocast,
     ``ENGINE_BYTES``) saves for backward beyond ``block_activation_bytes`` at ``dtype_bytes``
     (and, for an MoE block (``moe``), ``moe_activation_bytes``), on one tp rank for a micro-batch
@@ -1112,7 +1115,10 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
         under SP the two row-parallel ones (wo, w_down), since a column-parallel product saves
         the fp32 weight, a parameter; none with tp_overlap, whose products save the parameters.
         An MoE block copies its E/ep experts' three matrices and its shared experts' (whose gate
-        and up also cast the input: 2·d·h per token).
+        and up also cast the input: 2·d·h per token). With the experts folded over tp under SP
+        (``expert_tp`` ≥ 1, tensor_parallel.FoldedMoE) the router reads this rank's positions,
+        the very fp32 shard the shared experts' column-parallel products save, and the shared
+        experts copy their row-parallel weight alone, as a dense MLP.
       An MoE block's combine weights the experts' rows in fp32: it saves their fp32 copy and the
         weighted rows, 8 bytes an element where 16-bit rows would be 2·d: k·h·(8 − 2d) per token.
     Full recomputation keeps only the block's input, of the fp32 stream, (r − d)·h/seq_split per
@@ -1130,6 +1136,10 @@ def autocast_activation_bytes(model: ModelConfig, tokens, tp, sequence_parallel,
         # the router's fp32 input (whole), the experts' rows and the shared experts' casts (its share)
         ffn_outputs = (r - d) * h + (k * h * (8 - 2 * d) + 2 * d * h * (shared > 0)) * moe_token_share(t, sp)
         ffn_copies = (model.moe_experts / np.asarray(ep) + shared) * 3 * h * f_e * d
+        folded = (np.asarray(expert_tp) >= 1) & sp & (t > 1)  # the router's input a shard, the shared a tp MLP
+        ffn_outputs = np.where(folded, ((r - d) * h + k * h * (8 - 2 * d)) / t, ffn_outputs)
+        ffn_copies = np.where(folded, model.moe_experts / np.asarray(ep) * 3 * h * f_e * d
+                              + np.where(rows, 0, shared * f_e * h * d / t), ffn_copies)
     else:
         ffn_outputs = np.where(sp, (r - d) * h / t, d * h)
         ffn_copies = np.where(rows, 0, f * h + np.where(sp, 0, 2 * f * h)) * d / t

@@ -79,13 +79,14 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     p, model = cfg.parallel, cfg.model
     if p.pp == 1:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
-        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe)
+        numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe,
+                                  shared_split=cfg.parallel.experts_folded)
         return RankShare(numel, model.layers, True, True, model.layers, moe, blocks_before_backward=model.layers)
     spans, schedule = stages_and_schedule(cfg)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
-    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n)
-                for span, n in zip(held, moe))
+    numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n,
+                                  shared_split=cfg.parallel.experts_folded) for span, n in zip(held, moe))
     actions = schedule.actions[pp_rank]
     blocks = lambda a: len(spans[a.stage].blocks)  # noqa: E731
     blocks_in_flight = peak_in_flight(actions, schedule.split_backward, blocks)
@@ -275,10 +276,11 @@ def saved_block_bytes(cfg: Config, share: RankShare) -> float:
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
         block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                                        act_bytes)
+                                                        act_bytes, expert_tp=int(cfg.parallel.experts_folded))
     if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
         autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                                    p.tp_overlap, moe, p.ep, act_bytes, residual_bytes)
+                                                    p.tp_overlap, moe, p.ep, act_bytes, residual_bytes,
+                                                    expert_tp=int(p.experts_folded))
                     for moe in (False, True)]
         block += (1 - moe_share) * autocast[0] + moe_share * autocast[1]
     return float(block)
@@ -297,12 +299,16 @@ def weight_input_block_bytes(cfg: Config, share: RankShare) -> float:
     block = costs.weight_input_bytes(model, tokens, p.tp, sp, t.recompute, dtype_bytes=act_bytes)
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:
-        block += moe_share * costs.moe_weight_input_bytes(model, tokens, p.tp, sp, t.recompute, act_bytes)
+        block += moe_share * costs.moe_weight_input_bytes(model, tokens, p.tp, sp, t.recompute, act_bytes,
+                                                          expert_tp=int(cfg.parallel.experts_folded))
     if residual_bytes != act_bytes:
         autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute, p.tp_overlap, moe, p.ep,
-                                                    act_bytes, residual_bytes) for moe in (False, True)]
-        # all but an MoE block's combine, whose fp32 rows only B reads
-        combine = tokens * model.moe_top_k_experts * model.hidden * (8 - 2 * act_bytes)
+                                                    act_bytes, residual_bytes, expert_tp=int(p.experts_folded))
+                    for moe in (False, True)]
+        # all but an MoE block's combine, whose fp32 rows only B reads (folded: this rank's positions'; the
+        # SP block's counted for the whole sequence, within 0.3% of the meter on the tiny MoE under ZB-H1)
+        rows = costs.moe_token_share(p.tp, sp) if p.experts_folded else 1
+        combine = tokens * rows * model.moe_top_k_experts * model.hidden * (8 - 2 * act_bytes)
         block += (1 - moe_share) * autocast[0] + moe_share * (autocast[1] - combine)
     return float(block)
 
@@ -323,7 +329,10 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
-    expert_replicas = p.dp // p.ep * p.cp
+    # the ep group folded over tp and cp (Megatron-Core's grid at expert-tp 1, ``Layout.expert_tp``
+    # 1): the experts' replicas are dp·cp·tp / ep ranks
+    fold = cfg.parallel.experts_folded
+    expert_replicas = p.dp * p.cp * p.tp // p.ep if fold else p.dp // p.ep * p.cp
     # hybrid sharding: the dp_shard / ep ranks of a shard group that hold the same experts (× cp);
     # where that is one rank, the engine runs them as plain data parallelism (engine._expert_sync)
     expert_shard = p.dp_shard // p.ep * p.cp if p.dp_shard else expert_replicas
@@ -358,18 +367,21 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         comm["cp"] = comm.get("cp", 0.0) + context.cp_bytes_per_step(
             p.cp_method, p.cp, t.recompute, share.blocks, m, t.micro_batch, model.seq_len, model.heads // p.tp,
             model.n_kv_heads // p.tp, model.head_dim, act_bytes)
+    expert_key = "dp" if fold else grad_key  # folded, edp holds no cp rank
     if experts and expert_replicas > 1:  # the expert-data-parallel group (× cp) counts as dp (× cp)
-        comm[grad_key] = comm.get(grad_key, 0) + costs.dp_bytes_per_step(
+        comm[expert_key] = comm.get(expert_key, 0) + costs.dp_bytes_per_step(
             experts, expert_replicas, expert_zero, m, shard=expert_shard, reshard_after_forward=p.resharding)
         if p.dp_shard and p.cp > 1:
             between = costs.hsdp_all_reduce_bytes(experts, expert_shard, p.dp_replicate, between_times)
             comm["dp"], comm[grad_key] = comm["dp"] + between, comm[grad_key] - between
-    if p.cp > 1 and share.moe_blocks:  # the routing statistics over the micro-batch (SplitMicroBatch)
-        moe_cp = context.moe_bytes_per_step(p.cp, t.recompute, share.moe_blocks, m, tokens, model.moe_top_k_experts,
-                                            model.moe_experts, model.moe_aux_loss_coef > 0,
-                                            model.moe_capacity_factor > 0)
-        if moe_cp:
-            comm["cp.routing"] = moe_cp
+    # the routing statistics over the micro-batch (SplitMicroBatch): over cp, and folded over tp too
+    shares = {"cp": p.cp, "tp": p.tp if fold else 1}
+    if share.moe_blocks and shares["cp"] * shares["tp"] > 1:
+        moe_split = context.moe_bytes_per_step(shares["cp"] * shares["tp"], t.recompute, share.moe_blocks, m,
+                                               tokens // shares["tp"], model.moe_top_k_experts, model.moe_experts,
+                                               model.moe_aux_loss_coef > 0, model.moe_capacity_factor > 0)
+        if moe_split:
+            comm["+".join(a for a, n in shares.items() if n > 1) + ".routing"] = moe_split
     if p.ep > 1 and share.moe_blocks:
         # Under bf16 autocast the engine sends the dispatched and the combined rows in bf16 alike
         # under SP each tp rank dispatches its own positions' rows (tensor_parallel.SequenceSplitMoE)
@@ -380,6 +392,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         tp_args = (m, t.micro_batch, seq, model.hidden, p.tp, sp, t.recompute, act_bytes,
                    model.arch)
         widths = dict(residual_bytes=residual_bytes, tp_overlap=p.tp_overlap)
+        if fold:  # Megatron-Core's grid at expert-tp 1: no gather to route, the shared experts a tp MLP
+            widths.update(expert_tp=1, top_k=model.moe_top_k_experts, shared_experts=model.moe_shared_experts)
         comm["tp"] = costs.tp_bytes_per_step(share.blocks, *tp_args, embedding=share.first_stage,
                                              moe_layers=share.moe_blocks, **widths)
         if not share.last_stage:  # the formula always counts the head: its zero-block, no-embedding value
@@ -387,7 +401,8 @@ def predict_rank(cfg: Config, rank: int) -> dict:
         if share.last_stage:
             comm["tp.loss"] = costs.tp_loss_bytes_per_step(m, t.micro_batch, seq, p.tp)
         if sp and (p.zero == 0 or replicas == 1):  # whole gradients: where ZeRO shards them, its buckets cut them
-            partial = sum(costs.tp_partial_numel(model, share.blocks, share.moe_blocks, share.last_stage, p.ep))
+            partial = sum(costs.tp_partial_numel(model, share.blocks, share.moe_blocks, share.last_stage, p.ep,
+                                                 folded=fold))
             comm["tp.partial_grads"] = 2 * (p.tp - 1) / p.tp * 4 * partial  # fp32 gradients
     if p.pp > 1:
         # a stage's output and its gradient are the residual stream

@@ -23,8 +23,8 @@ SHAPE = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab_size", "
 
 OP = ("op-level checkpointing, which the engine does not run (its selective recomputation is the attention "
       "core at every ZeRO stage): plan with --recompute full or none, or a ZeRO stage below 3")
-EXPERT_TP = ("Megatron-Core's expert grid (--expert-tp), which the engine does not run (its experts are whole on "
-             "every tp rank): plan with --expert-tp 0, the default with --config-out")
+EXPERT_TP = ("each expert split over the tp ranks (Megatron-Core's --expert-tp = tp), which the engine does not run "
+             "(it runs experts whole: --expert-tp 0, or 1 with ep a multiple of tp·cp)")
 
 
 def config_keys(work: costs.Workload, layout: costs.Layout, i: int) -> dict:
@@ -40,6 +40,9 @@ def config_keys(work: costs.Workload, layout: costs.Layout, i: int) -> dict:
                     sequence_parallel=bool(lay["sequence_parallel"]), schedule=costs.SCHEDULES[lay["schedule"]],
                     virtual_stages=lay["virtual_stages"], cp_method=costs.CP_METHODS[lay["cp_method"]],
                     overlap_grad_reduce=work.overlap_dp)
+    if model.moe_experts and lay["expert_tp"] == 1 and costs.expert_grid_differs(lay["tp"], lay["cp"], lay["dp"],
+                                                                                lay["ep"]):
+        parallel["expert_tp"] = 1  # the ep group folded over tp and cp (elsewhere the two placements are one)
     if lay["dp_shard"]:  # hybrid sharding: ZeRO-3 over groups of dp_shard dp ranks
         parallel["dp_shard"] = lay["dp_shard"]
     if lay["zero"] == 3:  # resharding or kept gathered through the step, said either way
@@ -80,9 +83,7 @@ def first_runnable(work: costs.Workload, layouts: costs.Layout, order) -> tuple[
         try:
             if keys["train"]["recompute"] == "op":
                 raise ConfigError(OP)
-            grid = keys["parallel"]
-            if (work.model.moe_experts and int(np.asarray(layouts.expert_tp)[int(i)]) >= 1
-                    and costs.expert_grid_differs(grid["tp"], grid["cp"], grid["dp"], grid["ep"])):
+            if work.model.moe_experts and int(np.asarray(layouts.expert_tp)[int(i)]) > 1:
                 raise ConfigError(EXPERT_TP)
             with notes_after_checks():
                 load_config(None, overrides(keys))

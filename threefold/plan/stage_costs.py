@@ -44,7 +44,7 @@ def planner_layer_costs(cfg: Config) -> LayerCosts:
     gpu = planned_gpu(cfg)
     work = costs.Workload(model, t.global_batch, precision="fp32" if t.dtype == "float32" else "mixed")
     layout = costs.Layout.named(recompute=t.recompute, tp=p.tp, cp=p.cp, ep=p.ep, micro_batch=t.micro_batch,
-                                sequence_parallel=p.sequence_parallel)
+                                sequence_parallel=p.sequence_parallel, expert_tp=int(p.experts_folded))
     parts = costs.part_seconds(work, layout, gpu)
 
     def seconds(part: dict) -> float:

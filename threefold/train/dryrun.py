@@ -208,7 +208,7 @@ def dry_run_rank(cfg: Config, rank: int, device: str = "cpu", on_step=no_progres
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     mesh = None
     try:
-        mesh = ParallelMesh(mesh_sizes(p), rank, p.timeout_s, device=torch.device(device))
+        mesh = ParallelMesh(mesh_sizes(p), rank, p.timeout_s, device=torch.device(device), expert_tp=p.expert_tp)
         # meta tensors have no values either; under a FakeTensorMode they would be fake cpu ones
         with FakeTensorMode() if device != "meta" else contextlib.nullcontext():
             with torch.device("meta"):

@@ -188,7 +188,7 @@ def cut_model(model: Llama, cfg: Config, mesh: ParallelMesh, comm: Comm) -> CutM
         from threefold.parallel.tensor_parallel import TensorParallelGroup, apply_tp
 
         tp = TensorParallelGroup(comm, mesh.coord("tp"), mesh.size("tp"), p.sequence_parallel, cfg.model.vocab_size,
-                                 overlap=p.tp_overlap)
+                                 overlap=p.tp_overlap, experts_folded=mesh.folded)
         placements.update(apply_tp(model, tp))
 
     # 2. context parallelism: the attention cores only (the weights stay whole, replicated over cp)
@@ -412,7 +412,8 @@ class Engine:
         of its ep group; see expert_parallel.py). Over an edp of one rank it only divides."""
         p, mesh, comm = self.cfg.parallel, self.mesh, self.comm
         dp = mesh.size(*self.grad_axes)
-        axes = ("edp", "cp") if self.cp > 1 else ("edp",)  # the cp ranks hold the same experts too
+        # the cp ranks hold the same experts too, unless the ep group is folded over them
+        axes = ("edp", "cp") if self.cp > 1 and not mesh.folded else ("edp",)
         zero = p.zero if mesh.size(*axes) > 1 else 0
         if zero and mesh.size("dpr") > 1 and mesh.size("dps", *axes[1:]) == 1:
             # hybrid sharding at dp_shard = ep (cp 1): a shard group holds one rank of these experts,
@@ -708,9 +709,10 @@ class Engine:
         for index, layer in mine:  # counts, dropped, aux loss (summed over micro-batches)
             table[row_of[index]] = torch.cat([layer.step_tokens.double(), layer.step_dropped.double().view(1),
                                               layer.step_aux_loss.double().view(1)])
-        ranks = self.mesh.size(*self.grad_axes)
+        routed_apart = self.grad_axes + (("tp",) if self.mesh.folded else ())  # folded: each tp rank its positions
+        ranks = self.mesh.size(*routed_apart)
         if ranks > 1:
-            self.comm.all_reduce(table, self.grad_axes, tag="moe")
+            self.comm.all_reduce(table, routed_apart, tag="moe")
         if self.pp > 1:
             self.comm.all_reduce(table, "pp", tag="moe")  # each row is one stage's; the others add zeros
         counts = table[:, :experts].round().long()

@@ -209,7 +209,8 @@ def backward_working_bytes(cfg: Config, share) -> float:
     if t.recompute == "full":
         block = costs.block_activation_bytes(model, tokens, p.tp, sp, "none", dtype_bytes=act_bytes)
         if model.moe_experts:
-            block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes)
+            block += costs.moe_activation_bytes(model, tokens, p.tp, sp, "none", act_bytes,
+                                                 expert_tp=int(p.experts_folded))
         if act_bytes != residual_bytes:  # bf16 autocast casts the rebuilt block's weights again
             block += act_bytes * largest_block(cfg, share)
         rebuilt, working = block, max(block, working)
@@ -243,7 +244,8 @@ def backward_working_bytes(cfg: Config, share) -> float:
             # the full gradient counted above
             embedding_unit = zero3_roots(cfg, share)[0] if p.pp > 1 else root
             working += 4 * embedding_unit / shards
-        if share.moe_blocks and shards // p.ep > 1:  # a block's routed experts: a unit of their own
+        expert_shards = shards * p.tp // p.ep if p.experts_folded else shards // p.ep  # their edp (× cp) ranks
+        if share.moe_blocks and expert_shards > 1:  # a block's routed experts: a unit of their own
             from threefold.models.sizes import rank_expert_param_count
 
             experts = rank_expert_param_count(model, p.ep)
@@ -291,7 +293,7 @@ def largest_block(cfg: Config, share) -> int:
 
     block = tp_block_param_count(cfg.model, cfg.parallel.tp)
     if share.moe_blocks:
-        block = max(block, tp_moe_block_param_count(cfg.model, cfg.parallel.tp))
+        block = max(block, tp_moe_block_param_count(cfg.model, cfg.parallel.tp, cfg.parallel.experts_folded))
     return block
 
 
