@@ -74,6 +74,9 @@ MOE_RUNS = {
     "moe-dp2-tp2-ep2": ("configs/moe.toml", ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                              "parallel.ep=2"]),
     "moe-dp4": ("configs/moe.toml", ["parallel.dp=4", "train.micro_batch=2"]),
+    # the ep group folded over tp (parallel.expert_tp = 1): the planner's --expert-tp 1
+    "moe-dp2-tp2-ep4-folded": ("configs/moe.toml", ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                    "parallel.ep=4", "parallel.expert_tp=1"]),
 }
 ALL_RUNS = {**RUNS, **MOE_RUNS}
 

@@ -4,7 +4,7 @@ The run's metrics file holds global rank 0's figures: the first pipeline stage, 
 dp rank 0. Its memory and bytes per ledger key are predicted by ``dryrun_predict.predict_rank``,
 the same figures ``threefold dryrun --compare`` puts beside a dry run (model states, activations
 of the rank's seq_len / cp tokens with the head's where it holds it, and every axis the planner
-prices: dp, dp+cp, cp, cp.routing, ep, tp, tp.loss, tp.scatter_gather, pp); each row says which
+prices: dp, dp+cp, cp, cp.routing, tp.routing, ep, tp, tp.loss, tp.scatter_gather, pp); each row says which
 formula it used. Exposed communication per axis and the step time come from costs.estimate with
 the profile ``threefold calibrate`` measured.
 
@@ -203,6 +203,8 @@ def bytes_formulas(cfg: Config, share: RankShare) -> dict[str, str]:
             "cp": (grads + " over cp + " if p.dp == 1 else "") + f"context.cp_bytes_per_step ({p.cp_method}) "
                   f"of its {plural(share.blocks, 'block')}",
             "cp.routing": "context.moe_bytes_per_step: the routing statistics over the micro-batch",
+            "tp.routing": "context.moe_bytes_per_step over the tp ranks, each routing its own positions (folded)",
+            "cp+tp.routing": "context.moe_bytes_per_step over the cp and tp ranks, each routing its share (folded)",
             "ep": "ep_bytes_per_step: the experts' dispatch and combine",
             "tp": f"tp_bytes_per_step, {plural(share.blocks, 'block')}" + (", the embedding" if share.first_stage else "")
                   + (", the head" if share.last_stage else ""),
