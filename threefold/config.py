@@ -201,7 +201,8 @@ class ParallelConfig:
     def sizes_text(self) -> str:
         """``dp=2 × tp=1 × pp=1`` and cp, ep where they are over 1: the layout in a title."""
         return " × ".join(f"{axis}={getattr(self, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep")
-                          if axis in ("dp", "tp", "pp") or getattr(self, axis) > 1)
+                          if axis in ("dp", "tp", "pp") or getattr(self, axis) > 1) + (
+            " folded" if self.experts_folded else "")
 
     @property
     def world_size(self) -> int:
