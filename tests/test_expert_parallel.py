@@ -76,6 +76,10 @@ LAYOUTS = {
                                          "model.moe_capacity_factor=0.5"],
     "pp2-tp2-ep2-fold-zb-h1": ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1",
                                "parallel.sequence_parallel=true", "parallel.schedule=zb-h1"],
+    # stage 0 all dense: its ranks hold nothing split over cp, yet must meet the MoE stage's sums
+    # over cp in the gradient norm and the full state dict (placements._counted)
+    "pp2-cp2-ep2-fold-first-dense": ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "parallel.expert_tp=1",
+                                     "model.moe_first_dense=2"] + BIAS,
 }
 
 
@@ -91,6 +95,8 @@ def test_expert_parallel_layouts_train_like_one_process(distributed, name):
     expert_parallel = any(o.startswith("parallel.ep=") for o in overrides(name))
     for r in results:  # the tokens did travel, on the ranks that hold MoE layers
         holds_moe = "model.moe_first_dense=2" not in overrides(name) or r["pp_rank"] == 1
+        if "model.moe_first_dense=2" in overrides(name):  # every rank's norm and full state dict are the model's
+            assert r["state"].keys() == ref["state"].keys()
         assert (r["comm"][0].get("ep", 0) > 0) == (holds_moe and expert_parallel)
         folded = "parallel.expert_tp=1" in overrides(name)  # folded, no expert's gradient is a partial sum
         if "parallel.sequence_parallel=true" in overrides(name) and not folded:  # the MoE blocks' partial ones

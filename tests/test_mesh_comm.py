@@ -41,6 +41,21 @@ def test_every_axis_partitions_the_world(sizes):
             assert mesh.ranks(axis)[mesh.coord(axis)] == r
 
 
+def test_folded_experts_make_the_ep_group_consecutive_ranks_over_tp_and_cp():
+    """expert_tp=1: ep 8 over tp 2 · cp 2 and 2 of the 4 dp ranks (world 16): ep groups of 8
+    consecutive ranks, edp the 2 ranks 8 apart; the ledger names the grid's epd "ep"."""
+    mesh = ParallelMesh({"dp": 4, "tp": 2, "cp": 2, "ep": 8}, rank=13, expert_tp=1)
+    assert mesh.folded and mesh.dims["epd"] == 2 and mesh.size("ep") == 8 and mesh.size("edp") == 2
+    assert mesh.ranks("ep") == list(range(8, 16)) and mesh.coord("ep") == 5 and mesh.ranks("edp") == [5, 13]
+    assert mesh.ranks("dp") == [1, 5, 9, 13] and mesh.ranks("tp") == [12, 13] and mesh.ranks("cp") == [13, 15]
+    assert mesh.label("ep") == "ep" and mesh.label("epd") == "ep" and mesh.label("edp") == "dp"
+    assert "ep folded over tp, cp" in repr(mesh)
+    unfolded = ParallelMesh({"dp": 4, "tp": 2, "cp": 2, "ep": 2}, rank=13)
+    assert not unfolded.folded and unfolded.ranks("ep") == [9, 13] and unfolded.label("epd") == "ep"
+    with pytest.raises(ValueError, match="folded ep=2 must be tp·cp=4 times a divisor of dp=4"):
+        ParallelMesh({"dp": 4, "tp": 2, "cp": 2, "ep": 2}, expert_tp=1)
+
+
 def test_hybrid_sharding_splits_dp_into_replicas_of_consecutive_shard_groups():
     """dp = 4 as dpr 2 × dps 2 (tp 2 inside): the shard groups are consecutive dp ranks, the
     replicate groups hold the same dps coordinate; both count as dp in the ledger."""

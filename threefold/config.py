@@ -171,7 +171,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     cp_method: str = "ring"  # ring | allgather | ulysses: attention over the split sequence (context_parallel.py)
-    ep: int = 1  # expert parallelism, carved out of the dp ranks (it divides dp): not a factor of the world
+    ep: int = 1  # expert parallelism, carved out of the dp ranks (or folded: expert_tp): not a factor of the world
     # how the experts sit over tp: 0 whole on every tp rank, ep within dp; 1 Megatron-Core's and
     # torchtitan's folding (expert-tp 1): the ep group takes the tp and cp ranks too, ep = tp·cp ×
     # a divisor of dp, each rank routing its own positions (parallel/expert_parallel.py)

@@ -119,7 +119,8 @@ class ParallelMesh:
         self._created: list[dist.ProcessGroup] = []
         if self.world_size > 1 and dist.is_initialized():  # without a process group: coordinates only
             # new_group is collective: every rank creates every group, in the same order.
-            combined = tuple(combined) + (FOLDED if self.folded else ())
+            if self.folded:  # hybrid sharding's groups with ep (refused when folded) would be whole stages
+                combined = tuple(c for c in combined if "ep" not in c) + FOLDED
             for axes in [(axis,) for axis in AXES + ("edp", "dpr", "dps", "epd")] + [tuple(c) for c in combined]:
                 self._create(axes)
 
@@ -184,7 +185,7 @@ class ParallelMesh:
     def label(self, *axes: str) -> str:
         """The key the ledger counts a group's traffic under: the axes as named, those of size 1
         left out, joined in the grid's order ("dp+cp"), or the axes as given when all have size
-        1. The expert-data-parallel group counts as "dp", even of one rank (ep = dp): its traffic
+        1. The grid's epd counts as "ep". The expert-data-parallel group counts as "dp", even of one rank (ep = dp): its traffic
         is data-parallel gradient and parameter traffic, as dp's is (with ep=1 it is the dp
         group), so the experts' edp × cp counts under "dp+cp", with the dense gradients' dp × cp;
         so do hybrid sharding's dps and dpr groups, and its dense shard group dps × ep (ep ranks
@@ -192,8 +193,8 @@ class ParallelMesh:
         the experts' edp × cp is the cp group, as the dense gradients' is."""
         sizes: dict[str, int] = {}
         part = any(a in DP_PARTS for a in axes) and self.size("dp") > 1
-        for a in axes:
-            named_as = "dp" if a in DP_PARTS or (part and a in ("ep", "epd")) else a
+        for a in axes:  # the grid's epd is the ep group's (where it is not dp's)
+            named_as = "dp" if a in DP_PARTS or (part and a in ("ep", "epd")) else "ep" if a == "epd" else a
             sizes[named_as] = sizes.get(named_as, 1) * self.size(a)
         named = [a for a in AXES if a in sizes]
         return "+".join([a for a in named if sizes[a] > 1 or (a == "dp" and part)] or named)
@@ -212,7 +213,7 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         shape = " ".join(f"{a}={self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single"
-        shape += " (ep folded over tp, cp)" if self.folded else ""
+        shape += f" (ep folded over {', '.join(a for a in ('tp', 'cp') if self.dims[a] > 1) or 'dp'})" if self.folded else ""
         where = " ".join(f"{a}={self.coords[a]}" for a in AXES if self.sizes[a] > 1)
         return f"ParallelMesh({shape}; rank {self.rank}{': ' + where if where else ''})"
 

@@ -198,7 +198,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Placement]:
     meta, the engine draws the slices) and hook the exchanges around them. Returns the
     placements of the sliced tensors, by plain-model key."""
     ep, rank = comm.mesh.size("ep"), comm.mesh.coord("ep")
-    split_over = ("ep", "cp", "tp") if comm.mesh.folded else ("ep",)  # the grid dimensions ep spans
+    split_over = ("ep", "cp", "tp") if comm.mesh.folded else ("ep",)  # the axes whose grid dimensions ep spans
     placements = {}
     for name, module in model.named_modules():
         if not isinstance(module, MoE):

@@ -195,10 +195,11 @@ def flat_layout_shards(layout, keys: list[str], placements: list[Placement], chu
 def _counted(shards: list[Shard], mesh) -> tuple[list[Shard], list[str]]:
     """(the pieces this rank counts, the axes to sum the per-rank results over)."""
     axes = [a for a in MESH_AXES if mesh.size(a) > 1]
-    # Every rank must reduce over the same axes. pp always differs; so does ep, which splits the
-    # experts of some pipeline stages (a stage of dense layers holds nothing split over ep, but
-    # its ranks still meet the others' reductions).
-    reduce_over = [a for a in axes if a in ("pp", "epd") or not all(a in s.replicated for s in shards)]
+    # Every rank must reduce over the same axes. pp always differs; so do the grid dimensions ep
+    # spans (epd; folded, cp and tp too), which split the experts of some pipeline stages (a stage
+    # of dense layers holds nothing split over them, but its ranks still meet the others' reductions).
+    always = ("pp",) + tuple(getattr(mesh, "spans", SPANS)["ep"])
+    reduce_over = [a for a in axes if a in always or not all(a in s.replicated for s in shards)]
     counted = [s for s in shards if not s.duplicate
                and all(mesh.coord(a) == 0 for a in s.replicated if a in reduce_over)]
     return counted, reduce_over

@@ -574,8 +574,9 @@ def _fixed_knobs(command):
         click.option("--cp-method", type=choice(costs.CP_METHODS), help="Fix the context-parallel method."),
         click.option("--ep", type=int, help="Fix the expert-parallel size."),
         click.option("--expert-tp", type=int, help="Fix how the experts sit over tp (estimate --help); default: "
-                                                   "both of Megatron-Core's, split over tp and whole; 0 (threefold's "
-                                                   "engine) with --config-out."),
+                                                   "both of Megatron-Core's, split over tp and whole (--config-out "
+                                                   "writes the fastest the engine runs: 0, or 1 where ep is a "
+                                                   "multiple of tp × cp)."),
         click.option("--micro-batch", type=int, help="Fix the micro-batch."),
         click.option("--virtual-stages", type=int, help="Fix the model chunks per pipeline rank."),
         click.option("--sequence-parallel/--no-sequence-parallel", default=None, help="Fix sequence parallelism."),

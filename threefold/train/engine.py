@@ -691,7 +691,7 @@ class Engine:
     def end_moe_step(self, update_bias: bool = True) -> dict | None:
         """After the optimizer step (every rank calls it): this step's routed tokens per expert,
         dropped assignments and aux loss of every MoE layer, summed over the ranks that routed
-        different tokens of the same layer (dp, × cp), so that every rank takes the same bias
+        different tokens of the same layer (dp, × cp; with the experts folded × tp), so that every rank takes the same bias
         step (DeepSeek-V3's update from the whole step's counts) and the metrics describe the
         global batch; under a pipeline the stages' rows are summed too, so they describe every
         layer. One all-reduce per axis, tagged "moe". Then the layers' counters restart. Returns
