@@ -337,6 +337,7 @@ INT_KEYS = keys_of(int)
 ZERO_MEANS = {
     "parallel.zero": "no ZeRO sharding",
     "parallel.dp_shard": "ZeRO over all dp ranks (no hybrid sharding)",
+    "parallel.expert_tp": "experts whole on every tp rank, ep within dp (not folded)",
     "train.warmup_steps": "no warm-up",
     "train.eval_every": "no validation",
     "train.checkpoint_every": "a checkpoint at the end only",
