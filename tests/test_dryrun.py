@@ -320,6 +320,7 @@ def test_the_json_shape(capsys):
     from threefold.config import ParallelConfig
 
     assert ParallelConfig(dp=2, cp=2, ep=2).sizes_text() == "dp=2 × tp=1 × pp=1 × cp=2 × ep=2"
+    assert ParallelConfig(tp=2, ep=2, expert_tp=1).sizes_text() == "dp=1 × tp=2 × pp=1 × ep=2 folded"
     assert set(record["memory"]) == {"params", "grads", "optimizer", "activations"}
     assert set(record["predicted"]) == {"memory", "comm_bytes", "live_peak"}
     assert record["comm_bytes"]["dp"] == record["predicted"]["comm_bytes"]["dp"]

@@ -222,6 +222,12 @@ class ParallelConfig:
         """Whether the ep group is folded over tp and cp (expert_tp 1, with experts split at all)."""
         return self.expert_tp == 1 and self.ep > 1
 
+    def experts_copies(self, ranks: int) -> int:
+        """Of ``ranks`` dp (× cp) ranks, how many hold the same experts: ranks / ep, × tp where the
+        ep group is folded over tp too (its tp ranks hold different experts, its cp ranks are
+        among the ``ranks`` already)."""
+        return ranks * (self.tp if self.experts_folded else 1) // self.ep
+
     @property
     def dp_replicate(self) -> int:
         """Groups of ZeRO shards that hold the same states (hybrid sharding); 1 without it."""

@@ -198,7 +198,7 @@ def _counted(shards: list[Shard], mesh) -> tuple[list[Shard], list[str]]:
     # Every rank must reduce over the same axes. pp always differs; so do the grid dimensions ep
     # spans (epd; folded, cp and tp too), which split the experts of some pipeline stages (a stage
     # of dense layers holds nothing split over them, but its ranks still meet the others' reductions).
-    always = ("pp",) + tuple(getattr(mesh, "spans", SPANS)["ep"])
+    always = ("pp",) + mesh.spans["ep"]
     reduce_over = [a for a in axes if a in always or not all(a in s.replicated for s in shards)]
     counted = [s for s in shards if not s.duplicate
                and all(mesh.coord(a) == 0 for a in s.replicated if a in reduce_over)]

@@ -329,13 +329,12 @@ def predict_rank(cfg: Config, rank: int) -> dict:
     # Routed experts: E/ep of each MoE block, their states replicated (and ZeRO-sharded) over the
     # dp/ep ranks of the expert-data-parallel group (parallel/expert_parallel.py)
     experts = share.moe_blocks * rank_expert_param_count(model, p.ep) if share.moe_blocks else 0
-    # the ep group folded over tp and cp (Megatron-Core's grid at expert-tp 1, ``Layout.expert_tp``
-    # 1): the experts' replicas are dp·cp·tp / ep ranks
-    fold = cfg.parallel.experts_folded
-    expert_replicas = p.dp * p.cp * p.tp // p.ep if fold else p.dp // p.ep * p.cp
+    # folded over tp and cp (Megatron-Core's grid at ``Layout.expert_tp`` 1), dp·cp·tp / ep ranks
+    fold = p.experts_folded
+    expert_replicas = p.experts_copies(p.dp * p.cp)
     # hybrid sharding: the dp_shard / ep ranks of a shard group that hold the same experts (× cp);
     # where that is one rank, the engine runs them as plain data parallelism (engine._expert_sync)
-    expert_shard = p.dp_shard // p.ep * p.cp if p.dp_shard else expert_replicas
+    expert_shard = p.experts_copies(p.dp_shard * p.cp) if p.dp_shard else expert_replicas
     expert_zero = 0 if expert_shard == 1 else p.zero
     if experts:
         for key, value in costs.model_state_bytes(experts, expert_shard, p.zero).items():

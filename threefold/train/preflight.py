@@ -244,8 +244,7 @@ def backward_working_bytes(cfg: Config, share) -> float:
             # the full gradient counted above
             embedding_unit = zero3_roots(cfg, share)[0] if p.pp > 1 else root
             working += 4 * embedding_unit / shards
-        expert_shards = shards * p.tp // p.ep if p.experts_folded else shards // p.ep  # their edp (× cp) ranks
-        if share.moe_blocks and expert_shards > 1:  # a block's routed experts: a unit of their own
+        if share.moe_blocks and p.experts_copies(shards) > 1:  # a block's routed experts: a unit of their own
             from threefold.models.sizes import rank_expert_param_count
 
             experts = rank_expert_param_count(model, p.ep)
