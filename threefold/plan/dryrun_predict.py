@@ -80,13 +80,13 @@ def rank_share(cfg: Config, pp_rank: int) -> RankShare:
     if p.pp == 1:
         moe = sum(is_moe_layer(model, i) for i in range(model.layers))
         numel = stage_param_count(model, model.layers, first=True, last=True, tp=p.tp, moe_blocks=moe,
-                                  shared_split=cfg.parallel.experts_folded)
+                                  shared_split=p.experts_folded)
         return RankShare(numel, model.layers, True, True, model.layers, moe, blocks_before_backward=model.layers)
     spans, schedule = stages_and_schedule(cfg)
     held = [spans[s] for s in schedule.stages_of(pp_rank)]
     moe = [sum(is_moe_layer(model, i) for i in span.blocks) for span in held]
     numel = sum(stage_param_count(model, len(span.blocks), span.first, span.last, p.tp, moe_blocks=n,
-                                  shared_split=cfg.parallel.experts_folded) for span, n in zip(held, moe))
+                                  shared_split=p.experts_folded) for span, n in zip(held, moe))
     actions = schedule.actions[pp_rank]
     blocks = lambda a: len(spans[a.stage].blocks)  # noqa: E731
     blocks_in_flight = peak_in_flight(actions, schedule.split_backward, blocks)
@@ -276,7 +276,7 @@ def saved_block_bytes(cfg: Config, share: RankShare) -> float:
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:  # what an MoE block keeps beyond a dense one, for its share of the blocks
         block += moe_share * costs.moe_activation_bytes(model, tokens, p.tp, sp, t.recompute,
-                                                        act_bytes, expert_tp=int(cfg.parallel.experts_folded))
+                                                        act_bytes, expert_tp=int(p.experts_folded))
     if residual_bytes != act_bytes:  # bf16 autocast: the fp32 stream, the weights' bf16 copies
         autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute,
                                                     p.tp_overlap, moe, p.ep, act_bytes, residual_bytes,
@@ -300,7 +300,7 @@ def weight_input_block_bytes(cfg: Config, share: RankShare) -> float:
     moe_share = share.moe_blocks / share.blocks
     if share.moe_blocks:
         block += moe_share * costs.moe_weight_input_bytes(model, tokens, p.tp, sp, t.recompute, act_bytes,
-                                                          expert_tp=int(cfg.parallel.experts_folded))
+                                                          expert_tp=int(p.experts_folded))
     if residual_bytes != act_bytes:
         autocast = [costs.autocast_activation_bytes(model, tokens, p.tp, sp, t.recompute, p.tp_overlap, moe, p.ep,
                                                     act_bytes, residual_bytes, expert_tp=int(p.experts_folded))
